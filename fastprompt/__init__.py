@@ -1,0 +1,32 @@
+"""fastprompt: deep-prompt (prefix / P-tuning v2) contrastive sentence embeddings.
+
+Public API (imported lazily so ``import fastprompt`` stays cheap):
+
+- :class:`PrefixPrompt`, :class:`PromptConfig` — the trainable per-layer prefix key/values
+- :class:`PromptEncoder` — a frozen Hugging Face encoder + prompts + pooling; ``encode()``, ``save()``, ``load()``
+- :func:`contrastive_loss`, :func:`prefix_attention` — the fused ops (``fastprompt.ops``)
+- :class:`Trainer`, :class:`TrainConfig` — the training loop (``fastprompt.train``)
+- :func:`evaluate_sts` — the STS evaluation protocol (``fastprompt.eval``)
+"""
+import importlib
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "PrefixPrompt": "fastprompt.model",
+    "PromptConfig": "fastprompt.model",
+    "PromptEncoder": "fastprompt.model",
+    "contrastive_loss": "fastprompt.ops",
+    "prefix_attention": "fastprompt.ops",
+    "Trainer": "fastprompt.train",
+    "TrainConfig": "fastprompt.train",
+    "evaluate_sts": "fastprompt.eval",
+}
+
+__all__ = sorted(_LAZY) + ["__version__"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'fastprompt' has no attribute {name!r}")

@@ -1,0 +1,1 @@
+"""Corpus readers, tokenisation / collation and batch samplers (text -> token ids)."""

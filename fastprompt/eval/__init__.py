@@ -1,0 +1,1 @@
+"""Evaluation: the STS protocol, geometry metrics, retrieval, plots. Only reads a model."""

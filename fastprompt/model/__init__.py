@@ -1,0 +1,1 @@
+"""The prompted encoder: trainable prefixes (PrefixPrompt), the frozen backbone wrapper (PromptEncoder), pooling."""

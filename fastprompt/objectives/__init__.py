@@ -1,0 +1,1 @@
+"""Training objectives: one module per method, each composing fastprompt.ops into a scalar loss."""

@@ -1,0 +1,1 @@
+"""Training: Trainer, configs, checkpoints, large-batch machinery, distributed helpers."""
