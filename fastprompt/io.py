@@ -1,0 +1,90 @@
+"""Crash-safe file output shared by checkpoints and training state.
+
+Readers only ever see a complete directory: content is written into a hidden sibling, flushed to disk,
+then swapped in with renames. An interrupted write leaves the previous version untouched (at worst
+parked at ``.<name>.old`` for the instant between the two renames; :func:`recover_directory` puts it back).
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+
+def _fsync_dir(path: Path):
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def recover_directory(path: str | os.PathLike) -> Path:
+    """If a swap was interrupted between its two renames, restore the previous complete version."""
+    path = Path(path)
+    old = path.parent / f".{path.name}.old"
+    if not path.exists() and old.exists():
+        os.replace(old, path)
+    return path
+
+
+@contextlib.contextmanager
+def atomic_directory(path: str | os.PathLike):
+    """Yield a temporary directory; on success it atomically replaces ``path``.
+
+    On an exception (including KeyboardInterrupt) the temporary directory is removed and ``path`` is
+    left exactly as it was.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    recover_directory(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    old = path.parent / f".{path.name}.old"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+        for f in tmp.iterdir():
+            if f.is_file():
+                with open(f, "rb") as fh:
+                    os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if path.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        shutil.rmtree(old, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def write_json_atomic(path: str | os.PathLike, data) -> None:
+    """Write JSON to ``path`` via a temporary file and ``os.replace``."""
+    path = Path(path)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: str | os.PathLike, what: str = "file") -> dict:
+    """Read a JSON object with clear errors for a missing or corrupt file."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = json.load(fh)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{what} {path} is corrupt (not valid UTF-8 JSON): {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"{what} {path} is not a JSON object")
+    return data

@@ -1,0 +1,83 @@
+"""PrefixPrompt: the trainable per-layer prefix keys/values (the only prompt weights of deep prompt tuning)."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from .config import PromptConfig
+
+
+class PrefixPrompt(nn.Module):
+    """Per-layer prefix key/values, stored once with shape (layers, 2, heads, P, head_dim).
+
+    The prefix is never expanded over the batch: :meth:`forward` returns the stored tensor (or the
+    output of the reparameterisation MLP) and attention broadcasts it. ``layers`` is 1 when the prompt is
+    shared across layers or on the input layer only; :meth:`layer_prefixes` maps it onto every layer.
+    """
+
+    def __init__(self, config: PromptConfig, num_layers: int, num_heads: int, head_dim: int):
+        super().__init__()
+        self.config = config
+        self.num_layers, self.num_heads, self.head_dim = num_layers, num_heads, head_dim
+        self.stored_layers = 1 if (config.shared_across_layers or config.input_layer_only) else num_layers
+        P, hidden = config.prompt_length, num_heads * head_dim
+        if config.prefix_projection:
+            # PromCSE / P-tuning v2 "prefix_projection": a reparameterisation that is trained and then
+            # could be folded away; it makes optimisation smoother on large backbones.
+            self.embedding = nn.Embedding(P, hidden)
+            self.projection = nn.Sequential(
+                nn.Linear(hidden, config.projection_hidden_size),
+                nn.Tanh(),
+                nn.Linear(config.projection_hidden_size, self.stored_layers * 2 * hidden),
+            )
+            self.register_buffer("prefix_tokens", torch.arange(P), persistent=False)
+        else:
+            self.prefix = nn.Parameter(torch.empty(self.stored_layers, 2, num_heads, P, head_dim))
+        self.dropout = nn.Dropout(config.prompt_dropout)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        std = self.config.init_std
+        tensors = [self.embedding.weight] if self.config.prefix_projection else [self.prefix]
+        for t in tensors:
+            if self.config.init == "uniform":
+                nn.init.uniform_(t, -std, std)
+            else:  # "normal"; "vocab" is applied afterwards by PromptEncoder, which owns the backbone
+                nn.init.normal_(t, std=std)
+
+    @torch.no_grad()
+    def load_prefix_(self, prefix: torch.Tensor):
+        """Overwrite the stored prefix (used by the ``vocab`` initialisation). Not for projected prompts."""
+        if self.config.prefix_projection:
+            raise ValueError("load_prefix_ is not defined for a reparameterised (prefix_projection) prompt")
+        if prefix.shape != self.prefix.shape:
+            raise ValueError(f"prefix shape {tuple(prefix.shape)} != {tuple(self.prefix.shape)}")
+        self.prefix.copy_(prefix)
+
+    @property
+    def prompt_length(self) -> int:
+        return self.config.prompt_length
+
+    def forward(self) -> torch.Tensor:
+        """The prefix, shape (stored_layers, 2, heads, P, head_dim), with prompt dropout applied."""
+        if self.config.prefix_projection:
+            flat = self.projection(self.embedding(self.prefix_tokens))  # (P, stored_layers*2*hidden)
+            P = self.config.prompt_length
+            prefix = flat.view(P, self.stored_layers, 2, self.num_heads, self.head_dim).permute(1, 2, 3, 0, 4)
+        else:
+            prefix = self.prefix
+        return self.dropout(prefix)
+
+    def layer_prefixes(self, prefix: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """(key, value) of shape (heads, P, head_dim) for each backbone layer, or None where it has no prefix."""
+        prefix = self.forward() if prefix is None else prefix
+        if self.config.input_layer_only:
+            return [(prefix[0, 0], prefix[0, 1])] + [None] * (self.num_layers - 1)
+        if self.config.shared_across_layers:
+            return [(prefix[0, 0], prefix[0, 1])] * self.num_layers
+        return [(prefix[i, 0], prefix[i, 1]) for i in range(self.num_layers)]
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"layers={self.num_layers}, heads={self.num_heads}, P={c.prompt_length}, head_dim={self.head_dim}, "
+                f"projection={c.prefix_projection}, shared={c.shared_across_layers}, input_only={c.input_layer_only}")
