@@ -4,3 +4,82 @@ These functions are deliberately simple (they materialise everything) and are us
 and as the last-resort fallback backend. Autograd differentiates them.
 """
 import torch  # noqa: F401
+
+
+# --- contrastive loss (issue 5) -------------------------------------------------------------------
+
+#: Norm floor of the cosine similarity: a row z is normalised as z / max(||z||, COSINE_EPS).
+COSINE_EPS = 1e-8
+
+
+def contrastive_loss_reference(
+    z1,
+    z2,
+    z3=None,
+    *,
+    temperature=0.05,
+    hard_negative_weight=0.0,
+    hinge_margin=0.2,
+    hinge_weight=0.0,
+    symmetric=False,
+    reduction="mean",
+    return_stats=False,
+    positive_offset=0,
+):
+    """In-batch cosine InfoNCE + PromCSE energy-based hinge, materialising the N x M similarity matrix.
+
+    Columns are ``cat(z2, z3)``; the positive of anchor ``i`` is column ``positive_offset + i``.
+    Per row: ``ce_i = logsumexp_j(l_ij) - l_i,pos`` with ``l_ij = cos_ij / temperature`` plus
+    ``hard_negative_weight`` on the z3 columns; with ``symmetric`` the row loss is
+    ``(ce_i + ce_sym_i) / 2`` where ``ce_sym_i`` is the cross-entropy of positive ``z2[pos_i]`` against the
+    columns ``z1``. ``hinge_i = relu(hinge_margin + cos(z1_i, h_i) - cos(z1_i, z2[pos_i]))`` with ``h_i`` the
+    column of largest cosine other than the positive (on cosines, without the hard-negative bias, as in
+    PromCSE). Row loss = ce + hinge_weight * hinge. Computation is in float32 (float64 stays float64).
+    """
+    import torch.nn.functional as F
+
+    cdt = torch.promote_types(z1.dtype, torch.float32)
+    n, m2 = z1.shape[0], z2.shape[0]
+    a = F.normalize(z1.to(cdt), dim=-1, eps=COSINE_EPS)
+    cols = z2 if z3 is None else torch.cat([z2, z3], 0)
+    b = F.normalize(cols.to(cdt), dim=-1, eps=COSINE_EPS)
+    sim = a @ b.T  # (N, M) cosines
+    logits = sim / temperature
+    if z3 is not None and hard_negative_weight != 0.0:
+        bias = torch.zeros(b.shape[0], dtype=cdt, device=b.device)
+        bias[m2:] = hard_negative_weight
+        logits = logits + bias
+    rows = torch.arange(n, device=z1.device)
+    pos = rows + positive_offset
+    lse = torch.logsumexp(logits, dim=1)
+    loss = lse - logits[rows, pos]
+    lse_sym = None
+    if symmetric:
+        sym_logits = sim[:, positive_offset:positive_offset + n].T / temperature  # rows: positives, cols: z1
+        lse_sym = torch.logsumexp(sym_logits, dim=1)
+        loss = 0.5 * (loss + lse_sym - sym_logits.diagonal())
+    pos_sim = sim[rows, pos]
+    not_pos = torch.ones_like(sim, dtype=torch.bool)
+    not_pos[rows, pos] = False
+    hard_sim, hard_idx = sim.masked_fill(~not_pos, float("-inf")).max(dim=1)
+    hinge = torch.relu(hinge_margin + hard_sim - pos_sim)
+    if hinge_weight != 0.0:
+        loss = loss + hinge_weight * hinge
+    if reduction == "mean":
+        loss = loss.mean()
+    elif reduction == "sum":
+        loss = loss.sum()
+    elif reduction != "none":
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not return_stats:
+        return loss
+    from fastprompt.ops.contrastive_loss import ContrastiveStats
+
+    stats = ContrastiveStats(
+        lse=lse.detach(),
+        pos_sim=pos_sim.detach(),
+        hardest_neg_sim=hard_sim.detach(),
+        hardest_neg_index=hard_idx,
+        lse_sym=None if lse_sym is None else lse_sym.detach(),
+    )
+    return loss, stats

@@ -1,0 +1,54 @@
+"""Loader of the optional C++ extension ``fastprompt._C`` (built from ``csrc/`` by setup.py or CMake).
+
+Importing ``fastprompt._C`` registers the CPU kernels as ``torch.ops.fastprompt.*``. When the extension
+was not built (no compiler, ``FASTPROMPT_NO_EXT=1``) the ops fall back to their PyTorch references; the
+first fallback logs one warning so a slow run is explained, later ones stay quiet.
+"""
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+
+logger = logging.getLogger(__name__)
+
+_state = {"tried": False, "module": None, "error": None, "warned": False}
+
+
+def load_library(path: str) -> None:
+    """Register the ops of a separately built library (e.g. the CMake build's ``libfastprompt_ops.so``)."""
+    import torch
+
+    if not os.path.isfile(path):
+        raise FileNotFoundError(f"no compiled fastprompt library at {path}")
+    torch.ops.load_library(path)
+    _state.update(tried=True, module=path, error=None)
+
+
+def extension():
+    """The imported ``fastprompt._C`` module (or the path of a library given to :func:`load_library`), else None."""
+    if not _state["tried"]:
+        _state["tried"] = True
+        try:
+            _state["module"] = importlib.import_module("fastprompt._C")
+        except ImportError as exc:  # not built: the package still works through the references
+            _state["error"] = exc
+    return _state["module"]
+
+
+def available() -> bool:
+    return extension() is not None
+
+
+def warn_fallback(op: str) -> None:
+    """Log, once per process, that ``op`` runs on the slow PyTorch reference because ``_C`` is missing."""
+    if _state["warned"]:
+        return
+    _state["warned"] = True
+    logger.warning(
+        "fastprompt._C (the C++ CPU kernels) is not available (%s); %s falls back to the plain-PyTorch "
+        "reference, which materialises O(N^2) memory. Build it with "
+        "`pip install --no-build-isolation --no-deps -e .` (needs a C++ compiler).",
+        _state["error"],
+        op,
+    )

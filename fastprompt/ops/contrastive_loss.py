@@ -1,0 +1,299 @@
+"""Fused in-batch cosine InfoNCE + PromCSE energy-based hinge loss with O(N·d) memory.
+
+``contrastive_loss(z1, z2, z3)`` scores every anchor ``z1[i]`` against every column of ``cat(z2, z3)`` by
+cosine similarity, and returns the cross-entropy of the positive ``z2[positive_offset + i]`` (+ an optional
+symmetric term and the PromCSE hinge). The kernels never materialise the N x M similarity matrix: the
+forward streams column tiles with an online log-sum-exp and a running max/argmax for the hardest
+negative and saves only per-row statistics; the backward recomputes the tiles.
+
+Backends: ``"triton"`` (CUDA; on CPU tensors the Triton interpreter), ``"cpu"`` (the C++ kernel of
+``fastprompt._C``), ``"reference"`` (plain PyTorch, :func:`fastprompt.ops.reference.contrastive_loss_reference`)
+and ``"auto"``. The triton/cpu kernels are one ``torch.library`` custom op
+(``fastprompt::contrastive_loss_fwd`` + ``_bwd``, with fake implementations), so ``torch.compile`` sees a
+single opaque node.
+
+Definitions (documented in the README, "Contrastive loss"): cosines ``s_ij``; logits
+``l_ij = s_ij / temperature`` plus ``hard_negative_weight`` on the z3 columns; ``ce_i = lse_i - l_i,p(i)``;
+with ``symmetric`` the row loss is ``(ce_i + ce_sym_i) / 2``, ``ce_sym_i`` being the cross-entropy of the
+positive ``z2[p(i)]`` against the columns ``z1`` (label ``i``; in the gathered setting only the local z1
+rows are its columns). PromCSE's hinge ``relu(hinge_margin + s_i,h(i) - s_i,p(i))`` uses the hardest
+negative ``h(i) = argmax_{j != p(i)} s_ij`` on cosines, *without* the hard-negative bias, exactly as
+PromCSE's ``cl_forward`` (max over the masked cosine matrix, then ``MarginRankingLoss``). Exact ties pick
+the lowest column index in the kernels.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Optional
+
+import torch
+
+from fastprompt.ops import _cpp
+from fastprompt.ops.reference import contrastive_loss_reference
+
+__all__ = ["contrastive_loss", "ContrastiveStats", "BACKENDS", "REDUCTIONS"]
+
+BACKENDS = ("auto", "triton", "cpu", "reference")
+REDUCTIONS = ("mean", "sum", "none")
+_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class ContrastiveStats(NamedTuple):
+    """Per-anchor statistics (detached). ``hardest_neg_index`` indexes the columns ``cat(z2, z3)``."""
+
+    lse: torch.Tensor  # log-sum-exp of the anchor's logits (temperature-scaled, hard-negative bias included)
+    pos_sim: torch.Tensor  # cosine with its positive
+    hardest_neg_sim: torch.Tensor  # largest cosine over the other columns
+    hardest_neg_index: torch.Tensor  # int64 column index of that negative
+    lse_sym: Optional[torch.Tensor] = None  # symmetric term's log-sum-exp per positive (symmetric only)
+
+
+# ------------------------------------------------------------------------------------------------
+# validation and backend choice
+
+
+def _validate(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge_weight, symmetric,
+              reduction, positive_offset, backend, check_finite):
+    names = (("z1", z1), ("z2", z2)) + ((("z3", z3),) if z3 is not None else ())
+    for name, z in names:
+        if not isinstance(z, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(z).__name__}")
+        if z.dim() != 2:
+            raise ValueError(f"{name} must be 2-D (rows, dim), got shape {tuple(z.shape)}")
+        if not z.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {z.dtype}")
+        if z.dtype != z1.dtype or z.device != z1.device:
+            raise ValueError(f"{name} is {z.dtype} on {z.device} but z1 is {z1.dtype} on {z1.device}")
+        if z.shape[1] != z1.shape[1]:
+            raise ValueError(f"{name} has dim {z.shape[1]} but z1 has dim {z1.shape[1]}")
+    n, m2 = z1.shape[0], z2.shape[0]
+    if n == 0 or z1.shape[1] == 0:
+        raise ValueError(f"z1 must have at least one row and one column, got shape {tuple(z1.shape)}")
+    if z3 is not None and z3.shape[0] != m2:
+        raise ValueError(f"z3 must have as many rows as z2 ({m2}), got {z3.shape[0]}")
+    if isinstance(positive_offset, bool) or not isinstance(positive_offset, int):
+        raise ValueError(f"positive_offset must be an int, got {positive_offset!r}")
+    if m2 < n:
+        raise ValueError(f"z2 needs at least as many rows as z1 (each anchor needs a positive): {m2} < {n}")
+    if not 0 <= positive_offset <= m2 - n:
+        raise ValueError(
+            f"positive_offset={positive_offset} out of range: the positives z2[offset:offset+{n}] must lie in "
+            f"the {m2} rows of z2 (0 <= offset <= {m2 - n})"
+        )
+    m = m2 * (2 if z3 is not None else 1)
+    if m < 2:
+        raise ValueError(
+            "an in-batch contrastive loss needs at least 2 columns (a positive and a negative); got N=1 "
+            "anchor, 1 positive and no hard negative"
+        )
+    if symmetric and n < 2:
+        raise ValueError("symmetric=True needs at least 2 anchors (the reverse term has z1 as its columns)")
+    for name, v in (("temperature", temperature), ("hard_negative_weight", hard_negative_weight),
+                    ("hinge_margin", hinge_margin), ("hinge_weight", hinge_weight)):
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v!r}")
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if hinge_weight < 0:
+        raise ValueError(f"hinge_weight must be >= 0, got {hinge_weight}")
+    if reduction not in REDUCTIONS:
+        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if check_finite and not torch.compiler.is_compiling():
+        for name, z in names:
+            if not bool(torch.isfinite(z).all()):
+                raise ValueError(f"{name} contains NaN or Inf values")
+
+
+def _triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _resolve_backend(backend: str, z1: torch.Tensor) -> str:
+    if backend == "auto":
+        if z1.is_cuda:
+            return "triton" if _triton_available() and z1.dtype in _TRITON_DTYPES else "reference"
+        if z1.device.type == "cpu" and _cpp.available():
+            return "cpu"
+        if z1.device.type == "cpu":
+            _cpp.warn_fallback("contrastive_loss")
+        return "reference"
+    if backend == "cpu":
+        if z1.device.type != "cpu":
+            raise ValueError(f"backend='cpu' needs CPU tensors, got {z1.device}")
+        if not _cpp.available():
+            raise RuntimeError(f"backend='cpu' needs the C++ extension fastprompt._C, which failed to import: "
+                               f"{_cpp._state['error']}")
+    if backend == "triton":
+        if not _triton_available():
+            raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
+        if z1.dtype not in _TRITON_DTYPES:
+            raise ValueError(f"backend='triton' supports float16/bfloat16/float32, got {z1.dtype}")
+        if z1.device.type not in ("cuda", "cpu"):
+            raise ValueError(f"backend='triton' runs on CUDA (or CPU through the interpreter), got {z1.device}")
+    return backend
+
+
+# ------------------------------------------------------------------------------------------------
+# the torch.library op: forward returns per-row losses + statistics, backward recomputes the tiles
+
+
+def _compute_dtype(dtype):
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _kernel_fwd(z1, z2, z3, temperature, hnw, margin, hw, symmetric, offset, backend):
+    if backend == "cpu":
+        cdt = _compute_dtype(z1.dtype)  # the C++ kernel is float/double: half inputs are upcast (O(N·d))
+        z3c = None if z3 is None else z3.to(cdt).contiguous()
+        return tuple(torch.ops.fastprompt.contrastive_loss_cpu_fwd(
+            z1.to(cdt).contiguous(), z2.to(cdt).contiguous(), z3c, temperature, hnw, margin, hw, symmetric,
+            offset))
+    if backend == "triton":
+        from fastprompt.kernels import contrastive_loss as tk
+
+        return tk.forward(z1, z2, z3, temperature, hnw, margin, hw, symmetric, offset)
+    raise ValueError(f"unknown kernel backend {backend!r}")
+
+
+def _kernel_bwd(grad, z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx, temperature, hnw, margin, hw,
+                symmetric, offset, backend):
+    if backend == "cpu":
+        cdt = _compute_dtype(z1.dtype)
+        z3c = None if z3 is None else z3.to(cdt).contiguous()
+        d1, d2, d3 = torch.ops.fastprompt.contrastive_loss_cpu_bwd(
+            grad.to(cdt).contiguous(), z1.to(cdt).contiguous(), z2.to(cdt).contiguous(), z3c, lse, lse_sym,
+            pos_sim, hard_sim, hard_idx, temperature, hnw, margin, hw, symmetric, offset)
+        return d1.to(z1.dtype), d2.to(z1.dtype), d3.to(z1.dtype)
+    if backend == "triton":
+        from fastprompt.kernels import contrastive_loss as tk
+
+        return tk.backward(grad, z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx, temperature, hnw, margin,
+                           hw, symmetric, offset)
+    raise ValueError(f"unknown kernel backend {backend!r}")
+
+
+@torch.library.custom_op("fastprompt::contrastive_loss_fwd", mutates_args=())
+def _op_fwd(z1: torch.Tensor, z2: torch.Tensor, z3: Optional[torch.Tensor], temperature: float,
+            hard_negative_weight: float, hinge_margin: float, hinge_weight: float, symmetric: bool,
+            positive_offset: int, backend: str
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_loss, lse, lse_sym, pos_sim, hard_sim, hard_idx); lse_sym has 0 rows unless symmetric."""
+    return _kernel_fwd(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge_weight, symmetric,
+                       positive_offset, backend)
+
+
+@_op_fwd.register_fake
+def _op_fwd_fake(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge_weight, symmetric,
+                 positive_offset, backend):
+    n, cdt = z1.shape[0], _compute_dtype(z1.dtype)
+    vec = lambda k: z1.new_empty((k,), dtype=cdt)  # noqa: E731
+    return (vec(n), vec(n), vec(n if symmetric else 0), vec(n), vec(n),
+            z1.new_empty((n,), dtype=torch.int64))
+
+
+@torch.library.custom_op("fastprompt::contrastive_loss_bwd", mutates_args=())
+def _op_bwd(grad: torch.Tensor, z1: torch.Tensor, z2: torch.Tensor, z3: Optional[torch.Tensor],
+            lse: torch.Tensor, lse_sym: torch.Tensor, pos_sim: torch.Tensor, hard_sim: torch.Tensor,
+            hard_idx: torch.Tensor, temperature: float, hard_negative_weight: float, hinge_margin: float,
+            hinge_weight: float, symmetric: bool, positive_offset: int, backend: str
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dz1, dz2, dz3); dz3 is an empty tensor when z3 is None."""
+    d1, d2, d3 = _kernel_bwd(grad, z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx, temperature,
+                             hard_negative_weight, hinge_margin, hinge_weight, symmetric, positive_offset,
+                             backend)
+    return d1, d2, (d3 if d3 is not None else z1.new_empty((0, z1.shape[1])))
+
+
+@_op_bwd.register_fake
+def _op_bwd_fake(grad, z1, z2, z3, *args):
+    return (torch.empty_like(z1), torch.empty_like(z2),
+            torch.empty_like(z3) if z3 is not None else z1.new_empty((0, z1.shape[1])))
+
+
+def _setup_context(ctx, inputs, output):
+    z1, z2, z3, *params = inputs
+    _, lse, lse_sym, pos_sim, hard_sim, hard_idx = output
+    ctx.save_for_backward(z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx)
+    ctx.params = params
+    ctx.has_z3 = z3 is not None
+    ctx.mark_non_differentiable(lse, lse_sym, pos_sim, hard_sim, hard_idx)
+
+
+def _backward(ctx, grad_rows, *unused):
+    z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx = ctx.saved_tensors
+    if grad_rows is None:
+        grad_rows = lse.new_zeros(lse.shape)
+    d1, d2, d3 = _op_bwd(grad_rows.contiguous(), z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx,
+                         *ctx.params)
+    return (d1, d2, d3 if ctx.has_z3 else None) + (None,) * len(ctx.params)
+
+
+_op_fwd.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ------------------------------------------------------------------------------------------------
+# public API
+
+
+def contrastive_loss(
+    z1: torch.Tensor,
+    z2: torch.Tensor,
+    z3: Optional[torch.Tensor] = None,
+    *,
+    temperature: float = 0.05,
+    hard_negative_weight: float = 0.0,
+    hinge_margin: float = 0.2,
+    hinge_weight: float = 0.0,
+    symmetric: bool = False,
+    reduction: str = "mean",
+    return_stats: bool = False,
+    positive_offset: int = 0,
+    backend: str = "auto",
+    check_finite: bool = True,
+):
+    """Cosine InfoNCE over the columns ``cat(z2, z3)`` + ``hinge_weight`` x PromCSE's energy-based hinge.
+
+    Args:
+        z1: (N, d) anchors.
+        z2: (M2, d) positives / in-batch columns, M2 >= N; the positive of ``z1[i]`` is
+            ``z2[positive_offset + i]`` (M2 > N when z2 was all-gathered across processes, with
+            ``positive_offset = rank * N``).
+        z3: optional (M2, d) hard negatives, extra columns.
+        temperature: logits are cosine / temperature.
+        hard_negative_weight: added to the logits of the z3 columns (the log of a weight, as in SimCSE).
+        hinge_margin, hinge_weight: PromCSE's L_EH = relu(margin + cos(z1_i, hardest negative) - cos(z1_i,
+            positive)), added with this weight (PromCSE uses margin 0.2, weight 10; 0 disables it).
+        symmetric: average the loss with the reverse term (positives z2[p(i)] against the columns z1).
+        reduction: "mean" | "sum" | "none" (per-anchor losses).
+        return_stats: also return a :class:`ContrastiveStats` (per-row lse, positive / hardest-negative
+            cosine and the hardest negative's column index).
+        positive_offset: row of z2 holding the positive of z1[0].
+        backend: "auto" (CUDA -> Triton, CPU -> C++ if built, else the reference with a one-time warning),
+            "triton" (CPU tensors run in the Triton interpreter), "cpu", "reference".
+        check_finite: raise ValueError on NaN/Inf inputs (one pass over the inputs; skipped under
+            torch.compile).
+
+    Returns the loss (float32, or float64 for float64 inputs), or ``(loss, stats)`` with ``return_stats``.
+    Gradients flow to z1, z2 and z3.
+    """
+    _validate(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge_weight, symmetric, reduction,
+              positive_offset, backend, check_finite)
+    be = _resolve_backend(backend, z1)
+    kw = dict(temperature=float(temperature), hard_negative_weight=float(hard_negative_weight),
+              hinge_margin=float(hinge_margin), hinge_weight=float(hinge_weight), symmetric=bool(symmetric),
+              positive_offset=int(positive_offset))
+    if be == "reference":
+        return contrastive_loss_reference(z1, z2, z3, reduction=reduction, return_stats=return_stats, **kw)
+    rows, lse, lse_sym, pos_sim, hard_sim, hard_idx = _op_fwd(
+        z1, z2, z3, kw["temperature"], kw["hard_negative_weight"], kw["hinge_margin"], kw["hinge_weight"],
+        kw["symmetric"], kw["positive_offset"], be)
+    loss = rows.mean() if reduction == "mean" else rows.sum() if reduction == "sum" else rows
+    if not return_stats:
+        return loss
+    return loss, ContrastiveStats(lse, pos_sim, hard_sim, hard_idx, lse_sym if symmetric else None)
