@@ -1,0 +1,172 @@
+"""Training-data readers: a text corpus (one sentence per line) and SimCSE-style CSV pairs/triplets.
+
+Both readers return a :class:`TrainExamples`: rows of 1 (unsupervised), 2 (pairs) or 3 (triplets with a
+hard negative) sentences, plus counts of what was skipped, so the trainer can log them.
+"""
+from __future__ import annotations
+
+import csv
+import io
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+#: Column layouts accepted in a CSV header (SimCSE's NLI layout and its pair variant).
+PAIR_COLUMNS = ("sent0", "sent1")
+TRIPLET_COLUMNS = ("sent0", "sent1", "hard_neg")
+#: The ``train_file`` value that selects the corpus embedded in the gensim wheel (see ``builtin.py``).
+BUILTIN_WIKI = "builtin:gensim-wiki"
+
+
+@dataclass
+class TrainExamples:
+    """Training rows. ``columns`` names the sentences of a row; every row has ``len(columns)`` strings.
+
+    One column means unsupervised SimCSE: the collator feeds each sentence twice (two dropout views).
+    """
+
+    columns: tuple[str, ...]
+    rows: list[tuple[str, ...]]
+    source: str = ""
+    skipped: dict[str, int] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def n_views(self) -> int:
+        """Number of encoder views per row: 2 for a single sentence (dropout views), else the column count."""
+        return 2 if len(self.columns) == 1 else len(self.columns)
+
+    @property
+    def has_hard_negatives(self) -> bool:
+        return len(self.columns) == 3
+
+
+def _check_not_empty(path: Path, n: int, what: str, skipped: dict[str, int]) -> None:
+    if n == 0:
+        detail = ", ".join(f"{v} {k}" for k, v in skipped.items() if v) or "the file is empty"
+        raise ValueError(f"training file {path} contains no {what} ({detail})")
+
+
+def read_text_corpus(path: str | Path, *, on_decode_error: str = "error") -> TrainExamples:
+    """Read one sentence per line (UTF-8). Empty/whitespace-only lines are skipped and counted.
+
+    Lines that are not valid UTF-8 raise a ValueError naming their line numbers
+    (``on_decode_error="error"``), or are skipped with a warning (``"skip"``).
+    """
+    if on_decode_error not in ("error", "skip"):
+        raise ValueError(f"on_decode_error must be 'error' or 'skip', got {on_decode_error!r}")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"training file not found: {path}")
+    rows: list[tuple[str, ...]] = []
+    n_empty = 0
+    bad_lines: list[tuple[int, int]] = []  # (line number, byte offset of the first bad byte in that line)
+    with open(path, "rb") as f:
+        for lineno, raw in enumerate(f, start=1):
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                bad_lines.append((lineno, e.start))
+                continue
+            if lineno == 1:
+                text = text.lstrip("\ufeff")  # tolerate a UTF-8 byte-order mark
+            text = text.strip()
+            if not text:
+                n_empty += 1
+                continue
+            rows.append((text,))
+    if bad_lines:
+        shown = ", ".join(f"line {ln} (byte {off})" for ln, off in bad_lines[:10])
+        more = f" and {len(bad_lines) - 10} more" if len(bad_lines) > 10 else ""
+        msg = f"{path}: {len(bad_lines)} line(s) are not valid UTF-8: {shown}{more}"
+        if on_decode_error == "error":
+            raise ValueError(msg + " (re-encode the file as UTF-8, or set on_decode_error=skip)")
+        logger.warning("%s; skipped", msg)
+    skipped = {"empty lines": n_empty, "undecodable lines": len(bad_lines)}
+    _check_not_empty(path, len(rows), "sentences", skipped)
+    if n_empty:
+        logger.info("%s: skipped %d empty line(s)", path, n_empty)
+    return TrainExamples(columns=("sent0",), rows=rows, source=str(path), skipped=skipped)
+
+
+def read_pair_csv(path: str | Path) -> TrainExamples:
+    """Read a CSV with a header: ``sent0,sent1`` (pairs) or ``sent0,sent1,hard_neg`` (triplets).
+
+    Other columns are ignored. Rows with an empty required cell are skipped and counted.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"training file not found: {path}")
+    try:
+        text = path.read_bytes().decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        lineno = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: not valid UTF-8 at line {lineno} (byte {e.start})") from None
+    reader = csv.reader(io.StringIO(text, newline=""))
+    header = next(reader, None)
+    if header is None:
+        raise ValueError(f"training file {path} is empty (expected a CSV header sent0,sent1[,hard_neg])")
+    header = [h.strip() for h in header]
+    missing = [c for c in PAIR_COLUMNS if c not in header]
+    if missing:
+        raise ValueError(
+            f"CSV {path} must have a header with columns sent0,sent1 (pairs) or sent0,sent1,hard_neg "
+            f"(triplets, SimCSE's NLI layout); found columns {header}, missing {missing}"
+        )
+    columns = TRIPLET_COLUMNS if "hard_neg" in header else PAIR_COLUMNS
+    index = [header.index(c) for c in columns]
+    ignored = [h for h in header if h not in columns]
+    if ignored:
+        logger.info("%s: ignoring extra CSV column(s) %s", path, ignored)
+    rows: list[tuple[str, ...]] = []
+    n_incomplete = 0
+    for record in reader:
+        if not any(cell.strip() for cell in record):
+            continue  # blank line
+        cells = tuple(record[i].strip() if i < len(record) else "" for i in index)
+        if not all(cells):
+            n_incomplete += 1
+            continue
+        rows.append(cells)
+    skipped = {"rows with an empty or missing cell": n_incomplete}
+    _check_not_empty(path, len(rows), "complete rows", skipped)
+    if n_incomplete:
+        logger.warning("%s: skipped %d row(s) with an empty or missing cell", path, n_incomplete)
+    return TrainExamples(columns=columns, rows=rows, source=str(path), skipped=skipped)
+
+
+def _looks_like_csv(path: Path) -> bool:
+    with open(path, "rb") as f:
+        first = f.readline().decode("utf-8-sig", errors="replace").strip()
+    cells = [c.strip() for c in next(csv.reader([first]), [])]
+    return cells[: len(PAIR_COLUMNS)] == list(PAIR_COLUMNS)
+
+
+def load_train_file(path: str | Path, *, fmt: str = "auto", on_decode_error: str = "error") -> TrainExamples:
+    """Load ``path`` as a text corpus or a pair/triplet CSV.
+
+    ``fmt="auto"`` decides by extension (``.csv`` -> CSV, ``.txt`` -> text) and otherwise by whether the
+    first line is a ``sent0,sent1...`` header. ``path == "builtin:gensim-wiki"`` loads the embedded corpus.
+    """
+    if str(path) == BUILTIN_WIKI:
+        from fastprompt.data.builtin import builtin_wiki_corpus
+
+        return builtin_wiki_corpus()
+    if fmt not in ("auto", "text", "csv"):
+        raise ValueError(f"train_format must be auto, text or csv, got {fmt!r}")
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"training file not found: {path} (relative paths are resolved against the current directory "
+            f"{Path.cwd()}; use {BUILTIN_WIKI!r} for the corpus embedded in the gensim package)"
+        )
+    if fmt == "auto":
+        suffix = path.suffix.lower()
+        fmt = "csv" if suffix == ".csv" else "text" if suffix == ".txt" else ("csv" if _looks_like_csv(path) else "text")
+    if fmt == "csv":
+        return read_pair_csv(path)
+    return read_text_corpus(path, on_decode_error=on_decode_error)

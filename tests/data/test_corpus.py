@@ -1,0 +1,79 @@
+"""Training-file readers: text corpus, pair/triplet CSV, format detection, and their error messages."""
+import pytest
+
+from fastprompt.data import load_train_file, read_pair_csv, read_text_corpus
+
+
+def test_text_corpus_skips_and_counts_empty_lines(tmp_path):
+    p = tmp_path / "c.txt"
+    p.write_bytes(b"\xef\xbb\xbfFirst sentence.\n\n   \nSecond one.\r\nThird\n")
+    ex = read_text_corpus(p)
+    assert ex.rows == [("First sentence.",), ("Second one.",), ("Third",)]
+    assert ex.columns == ("sent0",) and ex.n_views == 2 and not ex.has_hard_negatives
+    assert ex.skipped["empty lines"] == 2
+
+
+def test_text_corpus_reports_undecodable_line_numbers(tmp_path):
+    p = tmp_path / "c.txt"
+    p.write_bytes(b"ok one\nbad \xff\xfe here\nok two\nalso \xc3 bad\n")
+    with pytest.raises(ValueError, match=r"2 line\(s\) are not valid UTF-8: line 2 \(byte 4\), line 4 \(byte 5\)"):
+        read_text_corpus(p)
+    ex = read_text_corpus(p, on_decode_error="skip")
+    assert ex.rows == [("ok one",), ("ok two",)]
+    assert ex.skipped["undecodable lines"] == 2
+
+
+@pytest.mark.parametrize("content", [b"", b"\n \n\n"])
+def test_empty_corpus_is_a_clear_error(tmp_path, content):
+    p = tmp_path / "c.txt"
+    p.write_bytes(content)
+    with pytest.raises(ValueError, match="contains no sentences"):
+        read_text_corpus(p)
+
+
+def test_missing_file(tmp_path):
+    with pytest.raises(FileNotFoundError, match="training file not found"):
+        load_train_file(tmp_path / "nope.txt")
+
+
+def test_csv_pairs_and_triplets(tmp_path):
+    p = tmp_path / "pairs.csv"
+    p.write_text('sent0,sent1\n"A, quoted",b\n\nc,\nd,e\n', encoding="utf-8")
+    ex = read_pair_csv(p)
+    assert ex.columns == ("sent0", "sent1") and ex.n_views == 2
+    assert ex.rows == [("A, quoted", "b"), ("d", "e")]
+    assert ex.skipped["rows with an empty or missing cell"] == 1
+    t = tmp_path / "trip.csv"
+    t.write_text("id,hard_neg,sent1,sent0\n1,n1,p1,a1\n2,n2,p2,a2\n", encoding="utf-8")
+    ex = read_pair_csv(t)  # columns found by name, extra columns ignored
+    assert ex.columns == ("sent0", "sent1", "hard_neg") and ex.has_hard_negatives and ex.n_views == 3
+    assert ex.rows == [("a1", "p1", "n1"), ("a2", "p2", "n2")]
+
+
+def test_csv_without_expected_columns(tmp_path):
+    p = tmp_path / "bad.csv"
+    p.write_text("premise,hypothesis\na,b\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"missing \['sent0', 'sent1'\]"):
+        read_pair_csv(p)
+    q = tmp_path / "hdr.csv"
+    q.write_text("sent0,sent1\n", encoding="utf-8")
+    with pytest.raises(ValueError, match="contains no complete rows"):
+        read_pair_csv(q)
+
+
+def test_format_detection(tmp_path):
+    c = tmp_path / "data.tsvish"
+    c.write_text("sent0,sent1,hard_neg\na,b,c\nd,e,f\n", encoding="utf-8")
+    assert load_train_file(c).columns == ("sent0", "sent1", "hard_neg")
+    t = tmp_path / "data.dat"
+    t.write_text("a sentence, with a comma\nanother\n", encoding="utf-8")
+    assert load_train_file(t).columns == ("sent0",)
+    # an explicit format wins over the extension
+    assert load_train_file(c, fmt="text").rows[0] == ("sent0,sent1,hard_neg",)
+    with pytest.raises(ValueError, match="train_format"):
+        load_train_file(t, fmt="json")
+
+
+def test_real_snli_triplets(shared_data):
+    ex = load_train_file(shared_data / "nli" / "snli-triplets.csv")
+    assert ex.has_hard_negatives and len(ex) == 5864
