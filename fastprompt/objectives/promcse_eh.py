@@ -1,0 +1,27 @@
+"""PromCSE's objective: InfoNCE + 10 x the energy-based hinge loss (Jiang et al., EMNLP 2022 Findings).
+
+L_EH = mean_i [m + cos(h_i, ĥ_i) - cos(h_i, h_i⁺)]₊ with ĥ_i the most similar non-positive column: an
+in-batch sentence, or a hard negative when the data has them. It works on pairs and on triplets (the
+original code applies it to triplets only). Both terms come from one call of the fused
+:func:`fastprompt.ops.contrastive_loss`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastprompt.objectives.simcse import SimCSE
+
+
+@dataclass
+class PromCSEEH(SimCSE):
+    """total = L_CL + hinge_weight · L_EH (PromCSE: margin m = 0.2, weight 10)."""
+
+    hinge_margin: float = 0.2
+    hinge_weight: float = 10.0
+
+    name = "promcse_eh"
+
+    def __post_init__(self):
+        if self.hinge_weight <= 0:
+            raise ValueError(f"promcse_eh needs hinge_weight > 0 (PromCSE uses 10), got {self.hinge_weight}; "
+                             "use objective=simcse for InfoNCE alone")

@@ -1,0 +1,76 @@
+"""SimCSE's InfoNCE: cosine similarity / temperature over in-batch negatives.
+
+Unsupervised: the two views of a row are the same sentence under two dropout masks. Supervised: the
+entailment hypothesis is the positive and, for triplets, the contradiction is an extra column (a hard
+negative) whose logit gets ``hard_negative_weight`` added (the log of SimCSE's weight; 0 = weight 1).
+The loss itself is :func:`fastprompt.ops.contrastive_loss` (fused kernels or the reference, chosen by
+``backend``), so this module only maps views to the op's arguments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fastprompt.ops import contrastive_loss
+
+
+@dataclass
+class ObjectiveOutput:
+    """The scalar loss and detached float statistics for logging."""
+
+    loss: torch.Tensor
+    stats: dict[str, float]
+
+
+def split_views(embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(n_views, B, H) -> anchors, positives, hard negatives (None for two views)."""
+    if embeddings.dim() != 3 or embeddings.shape[0] not in (2, 3):
+        raise ValueError(
+            f"embeddings must be (n_views, batch, hidden) with 2 or 3 views, got shape {tuple(embeddings.shape)}"
+        )
+    if embeddings.shape[1] < 2 and embeddings.shape[0] == 2:
+        raise ValueError("a batch of one pair has no in-batch negative: use batch_size >= 2")
+    z3 = embeddings[2] if embeddings.shape[0] == 3 else None
+    return embeddings[0], embeddings[1], z3
+
+
+@dataclass
+class SimCSE:
+    """InfoNCE over cosine similarities (SimCSE / DCPCSE). ``hinge_weight`` > 0 adds PromCSE's L_EH."""
+
+    temperature: float = 0.05
+    hard_negative_weight: float = 0.0
+    hinge_margin: float = 0.2
+    hinge_weight: float = 0.0
+    backend: str = "auto"
+
+    name = "simcse"
+
+    def __call__(self, embeddings: torch.Tensor, *, positive_offset: int = 0) -> ObjectiveOutput:
+        """Loss of ``embeddings`` shaped (n_views, B, H), view-major as the collator lays them out."""
+        z1, z2, z3 = split_views(embeddings)
+        return self.from_views(z1, z2, z3, positive_offset=positive_offset)
+
+    def from_views(self, z1: torch.Tensor, z2: torch.Tensor, z3: torch.Tensor | None = None, *,
+                   positive_offset: int = 0) -> ObjectiveOutput:
+        """Loss from anchors/positives/hard negatives. ``z2``/``z3`` may hold more rows than ``z1`` (columns
+        gathered from other processes), with the positives at ``z2[positive_offset:positive_offset+len(z1)]``."""
+        # check_finite=False: a non-finite embedding must give a non-finite loss that the trainer skips,
+        # not an exception in the middle of a step.
+        loss, st = contrastive_loss(
+            z1, z2, z3, temperature=self.temperature, hard_negative_weight=self.hard_negative_weight,
+            hinge_margin=self.hinge_margin, hinge_weight=self.hinge_weight, positive_offset=positive_offset,
+            backend=self.backend, return_stats=True, check_finite=False,
+        )
+        hinge = torch.relu(self.hinge_margin + st.hardest_neg_sim - st.pos_sim).mean()
+        stats = {
+            "pos_cos": float(st.pos_sim.mean()),
+            "hard_neg_cos": float(st.hardest_neg_sim.mean()),
+            # in-batch top-1 accuracy: the positive beats every other column
+            "acc": float((st.pos_sim > st.hardest_neg_sim).float().mean()),
+        }
+        if self.hinge_weight:
+            stats["loss_eh"] = float(hinge)
+            stats["loss_cl"] = float(loss.detach()) - self.hinge_weight * float(hinge)
+        return ObjectiveOutput(loss, stats)
