@@ -64,8 +64,7 @@ def _save_tiny(path: Path, model_type: str) -> Path:
                           mask_token="<mask>")
         config_cls, extra = RobertaConfig, {"pad_token_id": 1, "bos_token_id": 0, "eos_token_id": 2}
     vocab = _tiny_vocab(specials)
-    (path / "vocab.txt").write_text("\n".join(vocab) + "\n", encoding="utf-8")
-    tokenizer = BertTokenizerFast(vocab_file=str(path / "vocab.txt"), do_lower_case=True, **tok_kwargs)
+    tokenizer = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True, **tok_kwargs)
     tokenizer.model_max_length = 64
     tokenizer.save_pretrained(path)
     config = config_cls(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,

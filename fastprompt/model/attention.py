@@ -1,0 +1,72 @@
+"""How the prefix reaches attention: a transformers attention function registered through the public
+AttentionInterface, plus the DynamicCache path (what PEFT users run today) kept as the parity reference.
+
+The prompted encoder passes a :class:`PrefixState` as the ``fastprompt_state`` keyword of the backbone's
+forward; transformers threads extra keywords down to the attention function of every layer, which looks up
+its own layer's prefix by ``module.layer_idx``. The prefix is never expanded over the batch.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from transformers import AttentionInterface, DynamicCache
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+ATTN_IMPLEMENTATION = "fastprompt"
+
+
+@dataclass
+class PrefixState:
+    """Per-forward inputs of the prefix attention function."""
+
+    layers: list  # per layer: (prefix_k, prefix_v) of shape (H, P, D), or None
+    key_padding_mask: torch.Tensor  # (B, S) bool, True = real token
+    backend: str = "auto"
+    capture: dict | None = field(default=None)  # layer -> (k, v) of the first example; used by "vocab" init
+
+
+def prefix_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                             fastprompt_state: PrefixState | None = None, **kwargs):
+    """transformers attention function: (B, H, S, D) q/k/v -> ((B, S, H, D) output, None)."""
+    if fastprompt_state is None:  # the backbone used on its own: plain SDPA with transformers' mask
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    state = fastprompt_state
+    layer = module.layer_idx
+    if state.capture is not None:
+        state.capture[layer] = (key[0].detach(), value[0].detach())
+    entry = state.layers[layer] if layer < len(state.layers) else None
+    from fastprompt.ops import prefix_attention  # local import: ops must not be needed to build a model
+
+    if entry is None:
+        pk = query.new_zeros(query.shape[1], 0, query.shape[3])
+        pv = pk
+    else:
+        pk, pv = (t.to(query.dtype) for t in entry)
+    out = prefix_attention(query, key, value, pk, pv, state.key_padding_mask, scale=scaling,
+                           dropout_p=dropout, backend=state.backend)
+    return out.transpose(1, 2), None
+
+
+def register_attention() -> str:
+    """Register the prefix attention function (and its mask builder) with transformers; idempotent."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, prefix_attention_forward)
+    # The function takes the (B, S) padding mask from PrefixState; transformers still builds a 4D mask for the
+    # fallback path, which SDPA's builder does (it returns None when there is no padding).
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    return ATTN_IMPLEMENTATION
+
+
+def build_prefix_cache(layers: list, batch_size: int) -> DynamicCache:
+    """The reference path: prefix keys/values expanded over the batch into a fresh DynamicCache."""
+    cache = DynamicCache()
+    for i, entry in enumerate(layers):
+        if entry is None:
+            raise ValueError("the DynamicCache reference path needs a prefix on every layer "
+                             "(input_layer_only prompts are only supported by the attention path)")
+        k, v = entry
+        cache.update(k.unsqueeze(0).expand(batch_size, -1, -1, -1),
+                     v.unsqueeze(0).expand(batch_size, -1, -1, -1), i)
+    return cache

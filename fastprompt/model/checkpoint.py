@@ -1,0 +1,91 @@
+"""Prompt-only checkpoints: ``prompt.safetensors`` (the trainable tensors) + ``fastprompt_config.json``.
+
+Only safetensors and JSON are ever read. A checkpoint names its base model and records the backbone's
+shape, so loading onto a different backbone fails with a message instead of a shape error deep inside.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from fastprompt.io import atomic_directory, read_json, recover_directory, write_json_atomic
+
+CONFIG_NAME = "fastprompt_config.json"
+WEIGHTS_NAME = "prompt.safetensors"
+FORMAT = "fastprompt.prompt"
+FORMAT_VERSION = 1
+
+
+def _backbone_shape(encoder) -> dict:
+    return {"model_type": getattr(encoder.backbone.config, "model_type", None),
+            "num_layers": encoder.num_layers, "num_heads": encoder.num_heads,
+            "head_dim": encoder.head_dim, "hidden_size": encoder.hidden_size}
+
+
+def save_checkpoint(encoder, checkpoint_dir: str | os.PathLike) -> Path:
+    from fastprompt import __version__
+
+    config = {
+        "format": FORMAT,
+        "format_version": FORMAT_VERSION,
+        "fastprompt_version": __version__,
+        "base_model": encoder.base_model,
+        "backbone": _backbone_shape(encoder),
+        "prompt_config": encoder.prompt_config.to_dict() if encoder.prompt_config is not None else None,
+        "pooler": encoder.pooler.pooler,
+        "mlp": encoder.pooler.mlp,
+        "max_length": encoder.max_length,
+        "template": encoder.template,
+    }
+    tensors = {k: v.detach().contiguous().cpu() for k, v in encoder.prompt_state_dict().items()}
+    with atomic_directory(checkpoint_dir) as tmp:
+        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": FORMAT})
+        write_json_atomic(tmp / CONFIG_NAME, config)
+    return Path(checkpoint_dir)
+
+
+def read_checkpoint_config(checkpoint_dir: str | os.PathLike) -> dict:
+    path = recover_directory(checkpoint_dir)
+    if not path.is_dir():
+        raise FileNotFoundError(f"prompt checkpoint folder not found: {path}")
+    config = read_json(path / CONFIG_NAME, what="prompt checkpoint config")
+    if config.get("format") != FORMAT:
+        raise ValueError(f"{path / CONFIG_NAME} is not a fastprompt prompt checkpoint "
+                         f"(format={config.get('format')!r}, expected {FORMAT!r})")
+    if config.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(f"checkpoint format version {config['format_version']} is newer than this "
+                         f"fastprompt supports ({FORMAT_VERSION}); upgrade fastprompt")
+    missing = [k for k in ("base_model", "backbone", "prompt_config", "pooler", "mlp") if k not in config]
+    if missing:
+        raise ValueError(f"{path / CONFIG_NAME} is missing keys {missing}")
+    return config
+
+
+def load_checkpoint_weights(encoder, checkpoint_dir: str | os.PathLike, config: dict) -> None:
+    path = Path(checkpoint_dir)
+    expected, actual = config["backbone"], _backbone_shape(encoder)
+    diffs = [f"{k}: checkpoint {expected.get(k)} vs model {actual[k]}"
+             for k in ("num_layers", "num_heads", "head_dim", "hidden_size") if expected.get(k) != actual[k]]
+    if diffs:
+        raise ValueError(f"prompt checkpoint {path} was saved for base model {config['base_model']!r} "
+                         f"of another shape than {encoder.base_model!r}: " + "; ".join(diffs))
+    weights = path / WEIGHTS_NAME
+    if not weights.is_file():
+        raise FileNotFoundError(f"prompt weights not found: {weights}")
+    try:
+        tensors = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as exc:
+        raise ValueError(f"prompt weights {weights} are corrupt or not a safetensors file: {exc}") from exc
+    own = encoder.prompt_state_dict()
+    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"prompt weights {weights} do not match the prompt described by its config "
+                         f"(missing {missing}, unexpected {unexpected})")
+    bad = [f"{k}: {tuple(tensors[k].shape)} vs {tuple(v.shape)}" for k, v in own.items()
+           if tensors[k].shape != v.shape]
+    if bad:
+        raise ValueError(f"prompt weights {weights} have wrong shapes: " + "; ".join(bad))
+    encoder.load_state_dict(tensors, strict=False)

@@ -1,0 +1,108 @@
+"""Prompt-only checkpoints: exact round trip, atomic writes, clear errors for foreign/corrupt/mismatched ones."""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from fastprompt.model import PromptConfig, PromptEncoder
+from fastprompt.model.checkpoint import CONFIG_NAME, WEIGHTS_NAME
+
+SENTENCES = ["a man plays the guitar .", "the dog runs in the park"]
+
+
+def _trained_like(model_dir, **kwargs):
+    torch.manual_seed(0)
+    config = PromptConfig(4, prefix_projection=True, projection_hidden_size=16, cls_prompt=True)
+    enc = PromptEncoder.from_pretrained(model_dir, prompt_config=config, pooler="bn_mlp", mlp="always", **kwargs)
+    with torch.no_grad():
+        for p in enc.trainable_parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    enc.train()
+    batch = enc.tokenize(SENTENCES * 2)
+    enc(batch["input_ids"], batch["attention_mask"])  # moves BatchNorm running stats
+    return enc.eval()
+
+
+def test_save_load_round_trip_is_exact(tiny_model_dir, tmp_path):
+    enc = _trained_like(tiny_model_dir, max_length=20)
+    enc.save(tmp_path / "ckpt")
+    files = sorted(p.name for p in (tmp_path / "ckpt").iterdir())
+    assert files == [CONFIG_NAME, WEIGHTS_NAME]
+    loaded = PromptEncoder.load(tmp_path / "ckpt").eval()
+    for (k, a), (k2, b) in zip(sorted(enc.prompt_state_dict().items()), sorted(loaded.prompt_state_dict().items())):
+        assert k == k2 and torch.equal(a, b), k
+    assert loaded.pooler.pooler == "bn_mlp" and loaded.pooler.mlp == "always" and loaded.max_length == 20
+    np.testing.assert_array_equal(enc.encode(SENTENCES), loaded.encode(SENTENCES))
+    # also through from_pretrained(base, prompt=...)
+    again = PromptEncoder.from_pretrained(tiny_model_dir, prompt=tmp_path / "ckpt").eval()
+    np.testing.assert_array_equal(enc.encode(SENTENCES), again.encode(SENTENCES))
+
+
+def test_checkpoint_holds_only_prompt_weights(tiny_bert_dir, tmp_path):
+    from safetensors.torch import load_file
+
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(4))
+    enc.save(tmp_path / "c")
+    tensors = load_file(str(tmp_path / "c" / WEIGHTS_NAME))
+    assert list(tensors) == ["prompt.prefix"]
+    assert not any(k.startswith("backbone") for k in tensors)
+
+
+def test_overwrite_is_atomic_and_interrupted_save_keeps_previous(tiny_bert_dir, tmp_path, monkeypatch):
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(4))
+    enc.save(tmp_path / "c")
+    before = (tmp_path / "c" / WEIGHTS_NAME).read_bytes()
+    import fastprompt.model.checkpoint as ck
+
+    def boom(*a, **k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck, "write_json_atomic", boom)
+    with torch.no_grad():
+        enc.prompt.prefix.add_(1.0)
+    with pytest.raises(KeyboardInterrupt):
+        enc.save(tmp_path / "c")
+    assert (tmp_path / "c" / WEIGHTS_NAME).read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no temp dirs left behind
+
+
+def test_checkpoint_for_another_base_model_is_rejected(tiny_bert_dir, tmp_path):
+    from transformers import AutoModel, BertConfig
+
+    other = tmp_path / "other-bert"
+    cfg = BertConfig(vocab_size=200, hidden_size=48, num_hidden_layers=3, num_attention_heads=4,
+                     intermediate_size=64, max_position_embeddings=64)
+    AutoModel.from_config(cfg).save_pretrained(other)
+    import shutil
+    for f in ("vocab.txt", "tokenizer.json", "tokenizer_config.json"):
+        if (tiny_bert_dir / f).exists():
+            shutil.copy(tiny_bert_dir / f, other / f)
+    PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(4)).save(tmp_path / "c")
+    with pytest.raises(ValueError, match="another shape.*num_layers: checkpoint 2 vs model 3"):
+        PromptEncoder.load(tmp_path / "c", base_model=other)
+
+
+def test_foreign_corrupt_and_missing_checkpoints(tiny_bert_dir, tmp_path):
+    with pytest.raises(FileNotFoundError):
+        PromptEncoder.load(tmp_path / "nothing-here")
+    (tmp_path / "foreign").mkdir()
+    (tmp_path / "foreign" / CONFIG_NAME).write_text(json.dumps({"format": "peft"}))
+    with pytest.raises(ValueError, match="not a fastprompt prompt checkpoint"):
+        PromptEncoder.load(tmp_path / "foreign")
+    (tmp_path / "garbled").mkdir()
+    (tmp_path / "garbled" / CONFIG_NAME).write_bytes(b"\xff\xfe{not json")
+    with pytest.raises(ValueError, match="corrupt"):
+        PromptEncoder.load(tmp_path / "garbled")
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(4))
+    enc.save(tmp_path / "c")
+    (tmp_path / "c" / WEIGHTS_NAME).write_bytes(b"this is a pickle, honest" * 10)
+    with pytest.raises(ValueError, match="corrupt or not a safetensors"):
+        PromptEncoder.load(tmp_path / "c")
+    # weights for a different prompt layout than the config says
+    enc.save(tmp_path / "d")
+    cfg = json.loads((tmp_path / "d" / CONFIG_NAME).read_text())
+    cfg["prompt_config"]["prefix_projection"] = True
+    (tmp_path / "d" / CONFIG_NAME).write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="do not match"):
+        PromptEncoder.load(tmp_path / "d")
