@@ -138,6 +138,33 @@ class PromptEncoder(nn.Module):
 
         return save_checkpoint(self, checkpoint_dir)
 
+    def gradient_checkpointing_enable(self, enable: bool = True) -> "PromptEncoder":
+        """Recompute each backbone layer in backward instead of storing its activations.
+
+        Non-reentrant checkpointing (``use_reentrant=False``) is required: the frozen backbone's inputs never
+        require grad, so reentrant checkpointing would silently drop the prompt gradients (which is why PEFT
+        refuses checkpointing with prefix tuning). The RNG state is restored for the recompute, so dropout
+        masks, and therefore gradients, are the same as without checkpointing.
+        """
+        if not getattr(self.backbone, "supports_gradient_checkpointing", False):
+            raise ValueError(f"{type(self.backbone).__name__} does not support gradient checkpointing")
+        if enable:
+            kwargs = {"use_reentrant": False}
+            if hasattr(self.backbone, "activation_checkpointing_enable"):
+                self.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:  # transformers < 5.x
+                self.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
+            disable = getattr(self.backbone, "activation_checkpointing_disable", None)
+            (disable or self.backbone.gradient_checkpointing_disable)()
+        return self
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        flag = "is_activation_checkpointing" if hasattr(self.backbone, "is_activation_checkpointing") \
+            else "is_gradient_checkpointing"
+        return bool(getattr(self.backbone, flag, False))
+
     # ------------------------------------------------------------------ parameters
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The prompt, [CLS] prompt and pooler-head parameters (the backbone is frozen)."""
