@@ -6,7 +6,7 @@
 - :class:`UniqueBatchSampler` — seeded, resumable, no duplicate sentence inside a batch
 """
 from fastprompt.data.builtin import builtin_wiki_corpus, write_builtin_corpus
-from fastprompt.data.collate import Batch, Collator
+from fastprompt.data.collate import Batch, Collator, hf_tokenize
 from fastprompt.data.corpus import (
     BUILTIN_WIKI,
     TrainExamples,
@@ -23,6 +23,7 @@ __all__ = [
     "TrainExamples",
     "UniqueBatchSampler",
     "builtin_wiki_corpus",
+    "hf_tokenize",
     "load_train_file",
     "read_pair_csv",
     "read_text_corpus",

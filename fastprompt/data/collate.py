@@ -7,7 +7,7 @@ view ``v`` of the ``B`` examples, so the encoder's ``(n_views*B, H)`` output res
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -38,17 +38,30 @@ class Batch:
         return int(self.attention_mask.sum())
 
 
+def hf_tokenize(tokenizer) -> Callable[[list[str], int], dict]:
+    """A tokenize function over a Hugging Face tokenizer: dynamic padding, truncation at ``max_length``."""
+
+    def tokenize(texts: list[str], max_length: int) -> dict:
+        return dict(tokenizer(texts, padding="longest", truncation=True, max_length=max_length, return_tensors="pt"))
+
+    return tokenize
+
+
 class Collator:
     """Turns a list of rows (tuples of 1, 2 or 3 sentences) into a :class:`Batch`.
 
-    A one-sentence row is unsupervised SimCSE: the sentence is tokenised once and repeated as two views,
-    which differ only by the encoder's dropout noise.
+    ``tokenize(texts, max_length) -> {"input_ids", "attention_mask"[, "token_type_ids"]}`` pads to the longest
+    text; pass ``PromptEncoder.tokenize`` (which also wraps sentences in a template when the encoder has one)
+    or :func:`hf_tokenize` of a Hugging Face tokenizer. A one-sentence row is unsupervised SimCSE: the
+    sentence is tokenised once and repeated as two views, which differ only by the encoder's dropout noise.
     """
 
-    def __init__(self, tokenizer, max_length: int = 32):
+    def __init__(self, tokenize: Callable[[list[str], int], dict], max_length: int = 32):
         if max_length < 2:
             raise ValueError(f"max_length must be >= 2 (room for the special tokens), got {max_length}")
-        self.tokenizer = tokenizer
+        if not callable(tokenize):
+            raise TypeError("tokenize must be a callable (texts, max_length) -> dict of tensors")
+        self.tokenize = tokenize
         self.max_length = int(max_length)
 
     def __call__(self, rows: Sequence[tuple[str, ...]]) -> Batch:
@@ -58,9 +71,7 @@ class Collator:
         if any(len(r) != width for r in rows):
             raise ValueError("all rows of a batch must have the same number of sentences")
         texts = [row[v] for v in range(width) for row in rows]
-        enc = self.tokenizer(
-            texts, padding="longest", truncation=True, max_length=self.max_length, return_tensors="pt"
-        )
+        enc = self.tokenize(texts, self.max_length)
         ids, mask = enc["input_ids"], enc["attention_mask"]
         tt = enc.get("token_type_ids")
         n_views = width

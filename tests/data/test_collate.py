@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from fastprompt.data import Collator
+from fastprompt.data import Collator, hf_tokenize
 
 
 @pytest.fixture(scope="module")
@@ -13,7 +13,7 @@ def tokenizer(minilm_dir):
 
 
 def test_unsup_rows_become_two_identical_views(tokenizer):
-    b = Collator(tokenizer, max_length=32)([("a short one",), ("a somewhat longer sentence than the first",)])
+    b = Collator(hf_tokenize(tokenizer), max_length=32)([("a short one",), ("a somewhat longer sentence than the first",)])
     assert b.n_views == 2 and b.batch_size == 2
     assert b.input_ids.shape[0] == 4
     assert torch.equal(b.input_ids[:2], b.input_ids[2:]) and torch.equal(b.attention_mask[:2], b.attention_mask[2:])
@@ -24,17 +24,19 @@ def test_unsup_rows_become_two_identical_views(tokenizer):
 
 def test_triplets_are_view_major_and_truncated(tokenizer):
     rows = [("a0 " * 50, "p0", "n0"), ("a1", "p1", "n1")]
-    b = Collator(tokenizer, max_length=8)(rows)
+    b = Collator(hf_tokenize(tokenizer), max_length=8)(rows)
     assert b.n_views == 3 and b.input_ids.shape == (6, 8)
     texts = tokenizer.batch_decode(b.input_ids, skip_special_tokens=True)
     assert texts[1:] == ["a1", "p0", "p1", "n0", "n1"]
 
 
 def test_bad_batches(tokenizer):
-    c = Collator(tokenizer)
+    c = Collator(hf_tokenize(tokenizer))
     with pytest.raises(ValueError, match="empty batch"):
         c([])
     with pytest.raises(ValueError, match="same number of sentences"):
         c([("a", "b"), ("c",)])
     with pytest.raises(ValueError, match="max_length"):
-        Collator(tokenizer, max_length=1)
+        Collator(hf_tokenize(tokenizer), max_length=1)
+    with pytest.raises(TypeError, match="callable"):
+        Collator(None)

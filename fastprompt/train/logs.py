@@ -1,0 +1,78 @@
+"""Training logs: a CSV of metrics (append-only, truncated on resume), TensorBoard when installed, a text log."""
+from __future__ import annotations
+
+import csv
+import logging
+import math
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+CSV_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm", "pos_cos", "hard_neg_cos", "acc", "loss_cl", "loss_eh",
+               "skipped", "tokens_per_s", "stsb_dev", "elapsed_s")
+
+
+class MetricsLog:
+    """``<output_dir>/train_log.csv`` (one row per ``log_every`` steps and per evaluation) + TensorBoard.
+
+    Rows are flushed as they are written, so a killed run keeps everything up to its last step. On resume
+    the rows after the checkpoint's step are dropped: those steps are trained again.
+    """
+
+    def __init__(self, output_dir: str | Path, *, resume_step: int | None, tensorboard: bool):
+        self.path = Path(output_dir) / "train_log.csv"
+        if resume_step is None or not self.path.is_file():
+            with open(self.path, "w", newline="", encoding="utf-8") as f:
+                csv.writer(f).writerow(CSV_COLUMNS)
+        else:
+            self._truncate_after(resume_step)
+        self._file = open(self.path, "a", newline="", encoding="utf-8")
+        self._csv = csv.DictWriter(self._file, CSV_COLUMNS, extrasaction="ignore")
+        self.tb = None
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:  # tensorboard is optional
+                logger.debug("tensorboard is not installed: logging to CSV only")
+            else:
+                self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=resume_step)
+
+    def _truncate_after(self, step: int) -> None:
+        with open(self.path, newline="", encoding="utf-8") as f:
+            rows = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step]
+        with open(self.path, "w", newline="", encoding="utf-8") as f:
+            w = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
+            w.writeheader()
+            w.writerows(rows)
+
+    def write(self, row: dict) -> None:
+        clean = {k: (f"{v:.6g}" if isinstance(v, float) and math.isfinite(v) else v) for k, v in row.items()}
+        self._csv.writerow(clean)
+        self._file.flush()
+        if self.tb is not None:
+            step = int(row["step"])
+            for k, v in row.items():
+                if k not in ("step", "epoch", "elapsed_s") and isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(f"train/{k}" if k != "stsb_dev" else "eval/stsb_dev", v, step)
+
+    def close(self) -> None:
+        self._file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def add_file_handler(path: str | Path) -> logging.Handler:
+    """Mirror the ``fastprompt`` loggers into ``path`` (appending, so a resumed run keeps the history)."""
+    handler = logging.FileHandler(path, encoding="utf-8")
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setLevel(logging.INFO)
+    root = logging.getLogger("fastprompt")
+    root.addHandler(handler)
+    if root.getEffectiveLevel() > logging.INFO:
+        root.setLevel(logging.INFO)
+    return handler
+
+
+def remove_file_handler(handler: logging.Handler) -> None:
+    logging.getLogger("fastprompt").removeHandler(handler)
+    handler.close()
