@@ -1,0 +1,427 @@
+"""Triton kernels of the fused cosine InfoNCE + energy-based hinge loss (``fastprompt.ops.contrastive_loss``).
+
+Nothing here knows autograd: :func:`forward` returns per-row losses and statistics, :func:`backward`
+the input gradients; ``fastprompt/ops/contrastive_loss.py`` wraps them in a torch.library op.
+
+The N x M cosine matrix is never stored. Columns are two segments, z2 then z3 (no concatenation copy);
+the row normalisation is fused in as a scaling of each raw tile product by the inverse row norms
+(computed once, O(N)).
+
+- ``_fwd_kernel``: one program per block of rows streams every column tile: online log-sum-exp of
+  ``cos / tau (+ bias on z3)``, the positive's cosine, and a running max / argmax of the cosines over the
+  non-positive columns (the hardest negative; exact ties keep the lowest column index). The symmetric
+  term reuses it with the positives as rows and z1 as the columns.
+- ``_bwd_rows_kernel`` (dz1) and ``_bwd_cols_kernel`` (dz2, dz3): the row pass and the column pass of
+  the backward recompute the tiles and their ``dS`` (the gradient w.r.t. the cosines, shared helper
+  ``_ds_tile``). Each program owns its output rows, so there are no atomics. Its (rows x d) fp32
+  accumulator lives in the output buffer (L2-resident), updated in d-chunks after each tile, with a
+  CTA barrier between tiles; this supports any d without keeping a (rows x d) tile in registers.
+
+``UPCAST`` converts every loaded tile to fp32 (the CPU interpreter computes bf16 on the raw bits, so the
+host sets it when interpreting); ``DOT_PREC`` is tl.dot's ``input_precision`` for fp32 inputs ("ieee"
+unless ``torch.backends.cuda.matmul.allow_tf32``).
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from fastprompt.kernels.aot import KernelSpec
+
+COSINE_EPS = 1e-8  # must match fastprompt.ops.reference.COSINE_EPS
+
+_TRITON_TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+_INT_MAX = tl.constexpr(2147483647)
+
+
+@triton.jit
+def _dot_tile(A, B, ra, rb, amask, bmask, d, stride_a, stride_b,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Raw products A[ra] . B[rb]^T over the whole d, fp32 accumulation."""
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    a_rows = ra.to(tl.int64) * stride_a
+    b_rows = rb.to(tl.int64) * stride_b
+    for k0 in range(0, d, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        kmask = ks < d
+        a = tl.load(A + a_rows[:, None] + ks[None, :], mask=amask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(B + b_rows[:, None] + ks[None, :], mask=bmask[:, None] & kmask[None, :], other=0.0)
+        if UPCAST:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
+def _fwd_kernel(X, RX, C0, RC0, C1, RC1, LSE, POS, HARD, HIDX,
+                n_rows, m_seg, d, stride_x, stride_c0, stride_c1, pos_offset, inv_tau, bias1,
+                NSEG: tl.constexpr, TRACK_HARD: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < n_rows
+    rx = tl.load(RX + rows, mask=rmask, other=0.0)
+    pos_col = rows + pos_offset
+    m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    s = tl.zeros((BLOCK_M,), tl.float32)
+    pos_cos = tl.zeros((BLOCK_M,), tl.float32)
+    best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    best_idx = tl.zeros((BLOCK_M,), tl.int32)
+    for seg in tl.static_range(NSEG):
+        if seg == 0:
+            C = C0
+            RC = RC0
+            stride_c = stride_c0
+            bias = 0.0
+        else:
+            C = C1
+            RC = RC1
+            stride_c = stride_c1
+            bias = bias1
+        for c0 in range(0, m_seg, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            cmask = cols < m_seg
+            acc = _dot_tile(X, C, rows, cols, rmask, cmask, d, stride_x, stride_c,
+                            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
+            rc = tl.load(RC + cols, mask=cmask, other=0.0)
+            cos = acc * rx[:, None] * rc[None, :]
+            gcol = cols + seg * m_seg
+            is_pos = gcol[None, :] == pos_col[:, None]
+            pos_cos += tl.sum(tl.where(is_pos, cos, 0.0), axis=1)
+            if TRACK_HARD:
+                cand = tl.where(cmask[None, :] & ~is_pos, cos, float("-inf"))
+                tmax = tl.max(cand, axis=1)
+                targ = tl.min(tl.where(cand == tmax[:, None], gcol[None, :], _INT_MAX), axis=1)
+                upd = tmax > best  # strict: an equal value in a later tile keeps the lower index
+                best = tl.where(upd, tmax, best)
+                best_idx = tl.where(upd, targ, best_idx)
+            lg = tl.where(cmask[None, :], cos * inv_tau + bias, float("-inf"))
+            m_new = tl.maximum(m, tl.max(lg, axis=1))
+            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(lg - m_new[:, None]), axis=1)
+            m = m_new
+    tl.store(LSE + rows, m + tl.log(s), mask=rmask)
+    tl.store(POS + rows, pos_cos, mask=rmask)
+    if TRACK_HARD:
+        tl.store(HARD + rows, best, mask=rmask)
+        tl.store(HIDX + rows, best_idx.to(tl.int64), mask=rmask)
+
+
+@triton.jit
+def _ds_tile(cos, rows, rmask, cols, cmask, gcol, LSE, CCE, CHG, CDIAG, HIDX, LSE_SYM, CSYM,
+             n_rows, pos_offset, inv_tau, bias, SEG: tl.constexpr, SYMMETRIC: tl.constexpr):
+    """dLoss/dcos for a tile: softmax part, symmetric part (z2 columns of the positives), one-hot
+    terms at the positive (-(ce + hinge + sym) coefficient) and at the hardest negative (+hinge)."""
+    lse = tl.load(LSE + rows, mask=rmask, other=0.0)
+    cce = tl.load(CCE + rows, mask=rmask, other=0.0)
+    chg = tl.load(CHG + rows, mask=rmask, other=0.0)
+    cdiag = tl.load(CDIAG + rows, mask=rmask, other=0.0)
+    hidx = tl.load(HIDX + rows, mask=rmask, other=-1).to(tl.int32)
+    lg = cos * inv_tau
+    ds = cce[:, None] * tl.exp(lg + bias - lse[:, None])
+    if SYMMETRIC:
+        if SEG == 0:
+            k = cols - pos_offset
+            kmask = cmask & (k >= 0) & (k < n_rows)
+            lsym = tl.load(LSE_SYM + k, mask=kmask, other=float("inf"))
+            csym = tl.load(CSYM + k, mask=kmask, other=0.0)
+            ds += tl.where(kmask[None, :], csym[None, :] * tl.exp(lg - lsym[None, :]), 0.0)
+    ds -= tl.where(gcol[None, :] == (rows + pos_offset)[:, None], cdiag[:, None], 0.0)
+    ds += tl.where(gcol[None, :] == hidx[:, None], chg[:, None], 0.0)
+    return tl.where(rmask[:, None] & cmask[None, :], ds, 0.0)
+
+
+@triton.jit
+def _bwd_rows_kernel(Z1, R1, C0, RC0, C1, RC1, DA, LSE, CCE, CHG, CDIAG, HIDX, LSE_SYM, CSYM,
+                     n_rows, m_seg, d, stride_z1, stride_c0, stride_c1, stride_da, pos_offset, inv_tau, bias1,
+                     NSEG: tl.constexpr, SYMMETRIC: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """DA[rows] = sum_j dS_ij * unit(c_j), accumulated in fp32 in DA (this program's rows only)."""
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < n_rows
+    rx = tl.load(R1 + rows, mask=rmask, other=0.0)
+    da_rows = rows.to(tl.int64) * stride_da
+    for k0 in range(0, d, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        tl.store(DA + da_rows[:, None] + ks[None, :], tl.zeros((BLOCK_M, BLOCK_K), tl.float32),
+                 mask=rmask[:, None] & (ks < d)[None, :])
+    tl.debug_barrier()
+    for seg in tl.static_range(NSEG):
+        if seg == 0:
+            C = C0
+            RC = RC0
+            stride_c = stride_c0
+            bias = 0.0
+        else:
+            C = C1
+            RC = RC1
+            stride_c = stride_c1
+            bias = bias1
+        for c0 in range(0, m_seg, BLOCK_N):
+            cols = c0 + tl.arange(0, BLOCK_N)
+            cmask = cols < m_seg
+            acc = _dot_tile(Z1, C, rows, cols, rmask, cmask, d, stride_z1, stride_c,
+                            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
+            rc = tl.load(RC + cols, mask=cmask, other=0.0)
+            cos = acc * rx[:, None] * rc[None, :]
+            ds = _ds_tile(cos, rows, rmask, cols, cmask, cols + seg * m_seg, LSE, CCE, CHG, CDIAG, HIDX,
+                          LSE_SYM, CSYM, n_rows, pos_offset, inv_tau, bias, seg, SYMMETRIC)
+            w = ds * rc[None, :]  # the columns enter as unit vectors: raw rows times their inverse norms
+            c_rows = cols.to(tl.int64) * stride_c
+            for k0 in range(0, d, BLOCK_K):
+                ks = k0 + tl.arange(0, BLOCK_K)
+                kmask = ks < d
+                c = tl.load(C + c_rows[:, None] + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+                if UPCAST:
+                    c = c.to(tl.float32)
+                ptrs = DA + da_rows[:, None] + ks[None, :]
+                omask = rmask[:, None] & kmask[None, :]
+                old = tl.load(ptrs, mask=omask, other=0.0)
+                tl.store(ptrs, tl.dot(w.to(c.dtype), c, old, input_precision=DOT_PREC), mask=omask)
+            tl.debug_barrier()  # the next tile re-reads what other threads of this program stored
+
+
+@triton.jit
+def _bwd_cols_kernel(Z1, R1, C, RC, DB, LSE, CCE, CHG, CDIAG, HIDX, LSE_SYM, CSYM,
+                     n_rows, m_seg, d, stride_z1, stride_c, stride_db, pos_offset, inv_tau, bias,
+                     SEG: tl.constexpr, SYMMETRIC: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """DB[cols] = sum_i dS_ij * unit(z1_i) for one segment's column block (this program's columns only)."""
+    pid = tl.program_id(0)
+    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    cmask = cols < m_seg
+    rc = tl.load(RC + cols, mask=cmask, other=0.0)
+    db_rows = cols.to(tl.int64) * stride_db
+    for k0 in range(0, d, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        tl.store(DB + db_rows[:, None] + ks[None, :], tl.zeros((BLOCK_N, BLOCK_K), tl.float32),
+                 mask=cmask[:, None] & (ks < d)[None, :])
+    tl.debug_barrier()
+    for r0 in range(0, n_rows, BLOCK_M):
+        rows = r0 + tl.arange(0, BLOCK_M)
+        rmask = rows < n_rows
+        rx = tl.load(R1 + rows, mask=rmask, other=0.0)
+        acc = _dot_tile(Z1, C, rows, cols, rmask, cmask, d, stride_z1, stride_c,
+                        BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
+        cos = acc * rx[:, None] * rc[None, :]
+        ds = _ds_tile(cos, rows, rmask, cols, cmask, cols + SEG * m_seg, LSE, CCE, CHG, CDIAG, HIDX,
+                      LSE_SYM, CSYM, n_rows, pos_offset, inv_tau, bias, SEG, SYMMETRIC)
+        w = tl.trans(ds * rx[:, None])  # (cols, rows)
+        z_rows = rows.to(tl.int64) * stride_z1
+        for k0 in range(0, d, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < d
+            z = tl.load(Z1 + z_rows[:, None] + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            if UPCAST:
+                z = z.to(tl.float32)
+            ptrs = DB + db_rows[:, None] + ks[None, :]
+            omask = cmask[:, None] & kmask[None, :]
+            old = tl.load(ptrs, mask=omask, other=0.0)
+            tl.store(ptrs, tl.dot(w.to(z.dtype), z, old, input_precision=DOT_PREC), mask=omask)
+        tl.debug_barrier()
+
+
+# ------------------------------------------------------------------------------------------------
+# host side
+
+
+def interpreting() -> bool:
+    return type(_fwd_kernel).__name__ == "InterpretedFunction"
+
+
+def config(dtype: torch.dtype, interpret: bool) -> dict:
+    """Tile sizes and launch options. Interpreter: small tiles (each program instance costs ~20 ms)."""
+    if interpret:
+        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
+    block_k = 32 if dtype == torch.float32 else 64
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=2)
+
+
+def _common(z1, interpret):
+    upcast = interpret or z1.dtype == torch.float32
+    if z1.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not interpret:
+        prec = "tf32"
+    else:
+        prec = "ieee"
+    return dict(UPCAST=upcast, DOT_PREC=prec)
+
+
+def _check_device(z1):
+    interp = interpreting()
+    if z1.device.type == "cpu" and not interp:
+        raise RuntimeError("the Triton kernels run on CPU tensors only under the interpreter: set "
+                           "TRITON_INTERPRET=1 before fastprompt.kernels.contrastive_loss is imported")
+    if z1.device.type == "cuda" and interp:
+        raise RuntimeError("TRITON_INTERPRET=1 is set: the Triton kernels were built for the CPU interpreter")
+    return interp
+
+
+def inv_norms(z: torch.Tensor) -> torch.Tensor:
+    """1 / max(||z_i||, eps) in fp32 (no fp32 copy of z)."""
+    return torch.linalg.vector_norm(z, dim=1, dtype=torch.float32).clamp_min_(COSINE_EPS).reciprocal_()
+
+
+def forward(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge_weight, symmetric,
+            positive_offset, blocks: dict | None = None):
+    """(row_loss, lse, lse_sym, pos_sim, hard_sim, hard_idx), all fp32 (hard_idx int64)."""
+    interp = _check_device(z1)
+    z1, z2 = z1.contiguous(), z2.contiguous()
+    z3 = None if z3 is None else z3.contiguous()
+    n, d = z1.shape
+    m2 = z2.shape[0]
+    cfg = dict(config(z1.dtype, interp), **(blocks or {}))
+    launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+    flags = dict(cfg, **_common(z1, interp))
+    r1, r2 = inv_norms(z1), inv_norms(z2)
+    r3 = inv_norms(z3) if z3 is not None else r2
+    c1 = z3 if z3 is not None else z2
+    f32 = dict(device=z1.device, dtype=torch.float32)
+    # poisoned: a row the kernel does not write stays NaN
+    lse, pos = torch.full((n,), float("nan"), **f32), torch.full((n,), float("nan"), **f32)
+    hard = torch.full((n,), float("nan"), **f32)
+    hidx = torch.full((n,), -1, device=z1.device, dtype=torch.int64)
+    inv_tau = 1.0 / temperature
+    grid = (triton.cdiv(n, flags["BLOCK_M"]),)
+    _fwd_kernel[grid](z1, r1, z2, r2, c1, r3, lse, pos, hard, hidx, n, m2, d, z1.stride(0), z2.stride(0),
+                      c1.stride(0), positive_offset, inv_tau, float(hard_negative_weight),
+                      NSEG=2 if z3 is not None else 1, TRACK_HARD=True, **flags, **launch)
+    lse_sym = torch.full((n if symmetric else 0,), float("nan"), **f32)
+    if symmetric:
+        p = z2[positive_offset:positive_offset + n]
+        unused = torch.empty((n,), **f32)
+        _fwd_kernel[grid](p, r2[positive_offset:positive_offset + n], z1, r1, z1, r1, lse_sym, unused, unused,
+                          hidx, n, n, d, p.stride(0), z1.stride(0), z1.stride(0), 0, inv_tau, 0.0,
+                          NSEG=1, TRACK_HARD=False, **flags, **launch)
+    loss = lse - pos * inv_tau
+    if symmetric:
+        loss = 0.5 * (loss + lse_sym - pos * inv_tau)
+    if hinge_weight != 0.0:
+        loss = loss + hinge_weight * (hinge_margin + hard - pos).clamp_min(0)
+    return loss, lse, lse_sym, pos, hard, hidx
+
+
+def _normalize_backward(da: torch.Tensor, z: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
+    """Gradient w.r.t. z from the gradient w.r.t. z / max(||z||, eps): r·dA - r³ (z·dA) z."""
+    zf = z.float()
+    proj = (zf * da).sum(1) * r.pow(3) * (r < 1.0 / COSINE_EPS)
+    return (da * r[:, None] - zf * proj[:, None]).to(z.dtype)
+
+
+def backward(grad, z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx, temperature, hard_negative_weight,
+             hinge_margin, hinge_weight, symmetric, positive_offset, blocks: dict | None = None):
+    """(dz1, dz2, dz3 or None) for the per-row upstream gradient ``grad``."""
+    interp = _check_device(z1)
+    z1, z2 = z1.contiguous(), z2.contiguous()
+    z3 = None if z3 is None else z3.contiguous()
+    n, d = z1.shape
+    m2 = z2.shape[0]
+    cfg = dict(config(z1.dtype, interp), **(blocks or {}))
+    launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+    flags = dict(cfg, **_common(z1, interp))
+    r1, r2 = inv_norms(z1), inv_norms(z2)
+    r3 = inv_norms(z3) if z3 is not None else r2
+    c1 = z3 if z3 is not None else z2
+    inv_tau = 1.0 / temperature
+    g = grad.float().contiguous()
+    # per-row coefficients of dS (see _ds_tile)
+    cce = g * ((0.5 if symmetric else 1.0) * inv_tau)
+    chg = g * hinge_weight * (hinge_margin + hard_sim - pos_sim > 0) if hinge_weight != 0.0 else torch.zeros_like(g)
+    csym = cce if symmetric else torch.zeros_like(g)
+    cdiag = cce + chg + csym
+    lse_sym_ = lse_sym if symmetric else torch.zeros_like(g)
+    f32 = dict(device=z1.device, dtype=torch.float32)
+    da = torch.full((n, d), float("nan"), **f32)  # poisoned: the kernel zeroes and fills its own rows
+    nseg = 2 if z3 is not None else 1
+    common = (lse, cce, chg, cdiag, hard_idx, lse_sym_, csym)
+    _bwd_rows_kernel[(triton.cdiv(n, flags["BLOCK_M"]),)](
+        z1, r1, z2, r2, c1, r3, da, *common, n, m2, d, z1.stride(0), z2.stride(0), c1.stride(0), da.stride(0),
+        positive_offset, inv_tau, float(hard_negative_weight), NSEG=nseg, SYMMETRIC=bool(symmetric),
+        **flags, **launch)
+    dcols = []
+    for seg, (c, rc, bias) in enumerate([(z2, r2, 0.0), (z3, r3, float(hard_negative_weight))][:nseg]):
+        db = torch.full((m2, d), float("nan"), **f32)
+        _bwd_cols_kernel[(triton.cdiv(m2, flags["BLOCK_N"]),)](
+            z1, r1, c, rc, db, *common, n, m2, d, z1.stride(0), c.stride(0), db.stride(0), positive_offset,
+            inv_tau, bias, SEG=seg, SYMMETRIC=bool(symmetric), **flags, **launch)
+        dcols.append(_normalize_backward(db, c, rc))
+    return _normalize_backward(da, z1, r1), dcols[0], (dcols[1] if nseg == 2 else None)
+
+
+# ------------------------------------------------------------------------------------------------
+# ahead-of-time compilation (kernels/aot.py)
+
+
+def _fwd_signature(ty):
+    sig = {n: f"*{ty}" for n in ("X", "C0", "C1")}
+    sig.update({n: "*fp32" for n in ("RX", "RC0", "RC1", "LSE", "POS", "HARD")})
+    sig.update(HIDX="*i64", n_rows="i32", m_seg="i32", d="i32", stride_x="i32", stride_c0="i32", stride_c1="i32",
+               pos_offset="i32", inv_tau="fp32", bias1="fp32")
+    return sig
+
+
+def _coef_signature():
+    sig = {n: "*fp32" for n in ("LSE", "CCE", "CHG", "CDIAG", "LSE_SYM", "CSYM")}
+    sig["HIDX"] = "*i64"
+    return sig
+
+
+def _bwd_rows_signature(ty):
+    sig = {n: f"*{ty}" for n in ("Z1", "C0", "C1")}
+    sig.update({n: "*fp32" for n in ("R1", "RC0", "RC1", "DA")}, **_coef_signature())
+    sig.update(n_rows="i32", m_seg="i32", d="i32", stride_z1="i32", stride_c0="i32", stride_c1="i32",
+               stride_da="i32", pos_offset="i32", inv_tau="fp32", bias1="fp32")
+    return sig
+
+
+def _bwd_cols_signature(ty):
+    sig = {n: f"*{ty}" for n in ("Z1", "C")}
+    sig.update({n: "*fp32" for n in ("R1", "RC", "DB")}, **_coef_signature())
+    sig.update(n_rows="i32", m_seg="i32", d="i32", stride_z1="i32", stride_c="i32", stride_db="i32",
+               pos_offset="i32", inv_tau="fp32", bias="fp32")
+    return sig
+
+
+def aot_specs(full: bool = False) -> list[KernelSpec]:
+    """Every specialisation the CUDA launchers compile (``full``), or the CI subset.
+
+    ``full``: 3 kernels x dtype (fp16, bf16, fp32 with "ieee" and "tf32" dots) x their flags (forward:
+    1 or 2 column segments x hardest-negative tracking on/off; row pass: segments x symmetric; column
+    pass: segment 0/1 x symmetric). The CI subset keeps the register-heaviest variant of each kernel
+    (both segments / the z2 segment, hardest tracking, symmetric) for fp16 (bf16 compiles to the same
+    tiles) and fp32-ieee (the larger fp32 operands).
+    """
+    dtypes = [(torch.float16, "ieee"), (torch.bfloat16, "ieee"), (torch.float32, "ieee"), (torch.float32, "tf32")]
+    if not full:
+        dtypes = [(torch.float16, "ieee"), (torch.float32, "ieee")]
+    specs = []
+    for dt, prec in dtypes:
+        ty = _TRITON_TYPE[dt]
+        cfg = config(dt, interpret=False)
+        launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+        base = dict(cfg, UPCAST=dt == torch.float32, DOT_PREC=prec)
+        tag = f"{ty}{'_tf32' if prec == 'tf32' else ''}"
+        fwd_flags = [(2, True), (2, False), (1, True), (1, False)] if full else [(2, True)]
+        for nseg, hard in fwd_flags:
+            sig = _fwd_signature(ty)
+            specs.append(KernelSpec(f"cl_fwd_{tag}_seg{nseg}{'_hard' if hard else ''}", _fwd_kernel, sig,
+                                    dict(base, NSEG=nseg, TRACK_HARD=hard), divisible_by_16=_aligned(sig), **launch))
+        for nseg, sym in ([(2, True), (2, False), (1, True), (1, False)] if full else [(2, True)]):
+            sig = _bwd_rows_signature(ty)
+            specs.append(KernelSpec(f"cl_bwd_rows_{tag}_seg{nseg}{'_sym' if sym else ''}", _bwd_rows_kernel, sig,
+                                    dict(base, NSEG=nseg, SYMMETRIC=sym), divisible_by_16=_aligned(sig), **launch))
+        for seg, sym in ([(0, True), (0, False), (1, True), (1, False)] if full else [(0, True)]):
+            sig = _bwd_cols_signature(ty)
+            specs.append(KernelSpec(f"cl_bwd_cols_{tag}_seg{seg}{'_sym' if sym else ''}", _bwd_cols_kernel, sig,
+                                    dict(base, SEG=seg, SYMMETRIC=sym), divisible_by_16=_aligned(sig), **launch))
+    return specs
+
+
+def _aligned(sig: dict) -> tuple:
+    # pointers come from the caching allocator (256-byte aligned); strides are not assumed divisible
+    return tuple(k for k, v in sig.items() if v.startswith("*"))
