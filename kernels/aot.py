@@ -59,7 +59,8 @@ class KernelResources:
     cc: int
     n_regs: int  # registers per thread
     n_spills: int  # spilled 4-byte words per thread (local memory / 4, as Triton's own ``n_spills``)
-    local_bytes: int  # per-thread local memory (spills, stack arrays)
+    local_bytes: int  # per-thread local memory: stack frame (where ptxas spills) + explicit local arrays
+    spill_stores: int  # STL (store-to-local) instructions in the SASS
     shared: int  # bytes of shared memory per block (metadata.shared)
     shared_limit: int
     num_warps: int
@@ -67,7 +68,7 @@ class KernelResources:
 
     @property
     def fits(self) -> bool:
-        return self.n_spills == 0 and self.local_bytes == 0 and self.shared <= self.shared_limit
+        return self.n_spills == 0 and self.spill_stores == 0 and self.shared <= self.shared_limit
 
 
 def _jit_function(fn):
@@ -94,19 +95,32 @@ def cuobjdump_path() -> str:
 _RES_RE = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)")
 
 
+_SASS_FN_RE = re.compile(r"Function : (\S+)")
+_STL_RE = re.compile(r"\bSTL(\.[A-Z0-9]+)*\b")
+
+
 def cubin_resources(cubin: bytes) -> dict:
-    """``{function: {"regs", "stack", "static_shared", "local"}}`` from ``cuobjdump -res-usage``."""
+    """``{function: {"regs", "stack", "static_shared", "local", "stl"}}`` from ``cuobjdump -res-usage`` and
+    the number of STL (spill store) instructions in ``cuobjdump -sass``."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
-        out = subprocess.run([cuobjdump_path(), "-res-usage", f.name], capture_output=True, text=True, check=True)
+        res = subprocess.run([cuobjdump_path(), "-res-usage", f.name], capture_output=True, text=True, check=True)
+        sass = subprocess.run([cuobjdump_path(), "-sass", f.name], capture_output=True, text=True, check=True)
     found = {
         m.group(1): {"regs": int(m.group(2)), "stack": int(m.group(3)), "static_shared": int(m.group(4)),
-                     "local": int(m.group(5))}
-        for m in _RES_RE.finditer(out.stdout)
+                     "local": int(m.group(5)), "stl": 0}
+        for m in _RES_RE.finditer(res.stdout)
     }
     if not found:
-        raise RuntimeError(f"could not parse cuobjdump -res-usage output:\n{out.stdout}")
+        raise RuntimeError(f"could not parse cuobjdump -res-usage output:\n{res.stdout}")
+    current = None
+    for line in sass.stdout.splitlines():
+        m = _SASS_FN_RE.search(line)
+        if m:
+            current = m.group(1)
+        elif current in found and _STL_RE.search(line):
+            found[current]["stl"] += 1
     return found
 
 
@@ -134,7 +148,7 @@ def compile_spec(spec: KernelSpec, cc: int) -> KernelResources:
     res = res.get(compiled.metadata.name) or next(iter(res.values()))
     local = res["local"] + res["stack"]
     return KernelResources(
-        name=spec.name, cc=cc, n_regs=res["regs"], n_spills=res["local"] // 4, local_bytes=local,
+        name=spec.name, cc=cc, n_regs=res["regs"], n_spills=local // 4, local_bytes=local, spill_stores=res["stl"],
         shared=int(compiled.metadata.shared) + res["static_shared"], shared_limit=SHARED_MEM_LIMIT[cc],
         num_warps=spec.num_warps, num_stages=spec.num_stages,
     )
@@ -179,11 +193,11 @@ def check_module(module: str, ccs=(80, 90), full: bool = False, jobs: int | None
 
 
 def format_table(rows: list[KernelResources]) -> str:
-    lines = [f"{'kernel':58s} {'cc':>3s} {'warps':>5s} {'stages':>6s} {'regs':>5s} {'spills':>6s} "
+    lines = [f"{'kernel':44s} {'cc':>3s} {'warps':>5s} {'stages':>6s} {'regs':>5s} {'spills':>6s} {'STL':>4s} "
              f"{'shared':>7s} {'limit':>7s} fits"]
     for r in rows:
-        lines.append(f"{r.name:58s} {r.cc:3d} {r.num_warps:5d} {r.num_stages:6d} {r.n_regs:5d} {r.n_spills:6d} "
-                     f"{r.shared:7d} {r.shared_limit:7d} {'yes' if r.fits else 'NO'}")
+        lines.append(f"{r.name:44s} {r.cc:3d} {r.num_warps:5d} {r.num_stages:6d} {r.n_regs:5d} {r.n_spills:6d} "
+                     f"{r.spill_stores:4d} {r.shared:7d} {r.shared_limit:7d} {'yes' if r.fits else 'NO'}")
     return "\n".join(lines)
 
 
