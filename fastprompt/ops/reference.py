@@ -83,3 +83,63 @@ def contrastive_loss_reference(
         lse_sym=None if lse_sym is None else lse_sym.detach(),
     )
     return loss, stats
+
+
+# --- prefix attention (issue 4) -------------------------------------------------------------------
+
+
+def prefix_attention_dropout_mask(seed, shape, dropout_p, device):
+    """Keep-mask (True = kept) of the reference and CPU paths: a pure function of (seed, shape, p)."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
+    return torch.rand(shape, generator=gen, device=device) >= dropout_p
+
+
+def prefix_attention_reference(
+    q,
+    k,
+    v,
+    prefix_k,
+    prefix_v,
+    key_padding_mask=None,
+    *,
+    scale=None,
+    dropout_p=0.0,
+    seed=None,
+    prompt_index=None,
+    return_lse=False,
+    dropout_mask=None,
+):
+    """Attention of ``q`` over the explicit concatenation ``[prefix ; tokens]``, computed in float32.
+
+    q, k, v: (B, H, S, D); prefix_k/prefix_v: (H, P, D) shared, or (T, H, P, D) picked per example by
+    ``prompt_index`` (B,). ``key_padding_mask`` (B, S) bool, True = real token; prefix keys are always
+    visible. A row with no visible key (P = 0 and an all-padding example) outputs zeros, log-sum-exp -inf.
+    Dropout (on the probabilities) uses :func:`prefix_attention_dropout_mask` with ``seed`` (0 if None), or
+    the given boolean ``dropout_mask`` (B, H, S, P + S) (tests use it to replay the Triton kernel's mask).
+    Returns ``out`` (B, H, S, D) in q's dtype, plus the natural-log log-sum-exp (B, H, S) with ``return_lse``.
+    """
+    B, H, S, D = q.shape
+    cd = torch.promote_types(q.dtype, torch.float32)
+    scale = D ** -0.5 if scale is None else scale
+    if prefix_k.dim() == 3:
+        pk, pv = (p.unsqueeze(0).expand(B, -1, -1, -1) for p in (prefix_k, prefix_v))
+    else:
+        pk, pv = prefix_k[prompt_index], prefix_v[prompt_index]
+    P = pk.shape[2]
+    keys = torch.cat([pk, k], 2).to(cd)
+    values = torch.cat([pv, v], 2).to(cd)
+    visible = torch.ones(B, P + S, dtype=torch.bool, device=q.device)
+    if key_padding_mask is not None:
+        visible[:, P:] = key_padding_mask.to(torch.bool)
+    scores = (q.to(cd) @ keys.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
+    if dropout_p > 0:
+        keep = dropout_mask
+        if keep is None:
+            keep = prefix_attention_dropout_mask(0 if seed is None else seed, probs.shape, dropout_p, q.device)
+        probs = probs * keep / (1.0 - dropout_p)
+    out = (probs @ values).to(q.dtype)
+    return (out, lse) if return_lse else out
