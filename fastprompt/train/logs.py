@@ -68,11 +68,14 @@ def add_file_handler(path: str | Path) -> logging.Handler:
     handler.setLevel(logging.INFO)
     root = logging.getLogger("fastprompt")
     root.addHandler(handler)
+    handler._previous_level = root.level  # restored by remove_file_handler
     if root.getEffectiveLevel() > logging.INFO:
-        root.setLevel(logging.INFO)
+        root.setLevel(logging.INFO)  # the file gets INFO records (so does the console, during training)
     return handler
 
 
 def remove_file_handler(handler: logging.Handler) -> None:
-    logging.getLogger("fastprompt").removeHandler(handler)
+    root = logging.getLogger("fastprompt")
+    root.removeHandler(handler)
+    root.setLevel(getattr(handler, "_previous_level", root.level))
     handler.close()

@@ -1,0 +1,85 @@
+"""``fastprompt train``: the command-line face of :class:`~fastprompt.train.Trainer`.
+
+Kept here (not in ``fastprompt/cli.py``) so the top-level CLI only registers the subcommand.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+
+logger = logging.getLogger(__name__)
+
+EPILOG = """\
+examples:
+  fastprompt train --config configs/minilm-unsup.yaml
+  fastprompt train --config configs/minilm-sup.yaml --set batch_size=32 --set learning_rate=5e-3
+  fastprompt train --config configs/quickstart.yaml --set sts_dir=../shared/data/sts --output-dir runs/qs
+
+An interrupted run (Ctrl-C, kill) resumes from <output_dir>/last when the same command is run again.
+"""
+
+
+def add_train_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "train", help="train deep prompts with a contrastive objective (config file + overrides)",
+        description="Train deep prompts on a frozen encoder. Writes <output_dir>/best/ and last/ prompt "
+                    "checkpoints, train_log.csv, train.log and summary.json.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", "-c", help="YAML config (keys: see fastprompt.train.TrainConfig); defaults if omitted")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable; the value is parsed as YAML: 1e-3, true, null)")
+    p.add_argument("--output-dir", help="shorthand for --set output_dir=DIR")
+    p.add_argument("--no-resume", action="store_true",
+                   help="start over even if <output_dir>/last exists (needs --set overwrite_output_dir=true "
+                        "when it does)")
+    p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.set_defaults(func=run_train)
+    return p
+
+
+def run_train(args: argparse.Namespace) -> int:
+    import yaml
+
+    from fastprompt.train import Trainer, TrainingDiverged, load_config, parse_overrides
+
+    overrides = parse_overrides(args.overrides)
+    if args.output_dir:
+        overrides["output_dir"] = args.output_dir
+    if args.no_resume:
+        overrides["resume"] = False
+    config = load_config(args.config, overrides)
+    if args.print_config:
+        print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
+        return 0
+    # SIGTERM would otherwise kill us before Trainer installs its handler; from here on it is graceful.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    try:
+        summary = Trainer(config).train()
+    except TrainingDiverged as exc:
+        logger.error("%s", exc)
+        return 3
+    except KeyboardInterrupt:  # before training started (loading data/model) or a second Ctrl-C
+        logger.warning("interrupted; checkpoints already in %s are intact", config.output_dir)
+        return 130
+    _print_summary(summary)
+    return 130 if summary["status"] == "interrupted" else 0
+
+
+def _print_summary(summary: dict) -> None:
+    out = sys.stdout
+    status, step, total = summary["status"], summary["global_step"], summary["total_steps"]
+    print(f"\ntraining {status} at step {step}/{total}", file=out)
+    if summary["best_stsb_dev"] is not None:
+        print(f"best STS-B dev: {summary['best_stsb_dev']:.2f} (step {summary['best_step']})", file=out)
+    if summary.get("test"):
+        from fastprompt.eval.sts import format_sts_table
+
+        print("STS test (Spearman x 100) of the best checkpoint:", file=out)
+        print(format_sts_table(summary["test"]), file=out)
+    if summary["best_checkpoint"]:
+        print(f"best checkpoint: {summary['best_checkpoint']}", file=out)
+    print(f"last checkpoint: {summary['last_checkpoint']}" + ("  (resume: run the same command again)"
+                                                            if status == "interrupted" else ""), file=out)
+    print(f"log: {summary['log_csv']} (and train.log); summary: {summary['output_dir']}/summary.json", file=out)

@@ -1,0 +1,53 @@
+"""`fastprompt train`: config + --set overrides, printed summary, exit codes."""
+import argparse
+import sys
+
+import yaml
+
+from fastprompt.train.cli import add_train_parser
+
+
+def _main(argv):
+    try:  # the top-level CLI registers `train` from fastprompt.train.cli
+        from fastprompt.cli import SUBCOMMANDS, main
+    except ImportError:
+        SUBCOMMANDS = []
+    if "fastprompt.train.cli:add_train_parser" in SUBCOMMANDS:
+        return main(argv)
+    parser = argparse.ArgumentParser(prog="fastprompt")
+    add_train_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:  # what fastprompt.cli.main does
+        print(f"fastprompt train: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _write(tmp_path, cfg):
+    path = tmp_path / "cfg.yaml"
+    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
+    return path
+
+
+def test_train_command(base_config, tiny_sts_dir, tmp_path, capsys):
+    cfg = base_config(max_steps=4)
+    path = _write(tmp_path, cfg)
+    out_dir = tmp_path / "cli-run"
+    rc = _main(["train", "--config", str(path), "--set", f"sts_dir={tiny_sts_dir}", "--set", "eval_steps=2",
+                "--output-dir", str(out_dir)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    assert "training completed at step 4/4" in printed and "best STS-B dev:" in printed
+    assert "| STS12 |" in printed and "Avg." in printed
+    assert f"best checkpoint: {out_dir}/best" in printed and f"{out_dir}/train_log.csv" in printed
+    assert (out_dir / "best" / "prompt.safetensors").is_file()
+
+
+def test_print_config_and_bad_override(base_config, tmp_path, capsys):
+    path = _write(tmp_path, base_config())
+    assert _main(["train", "--config", str(path), "--set", "learning_rate=5e-3", "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["learning_rate"] == 0.005 and printed["batch_size"] == 8
+    assert _main(["train", "--config", str(path), "--set", "btach_size=4"]) == 2
+    assert "unknown config key 'btach_size'" in capsys.readouterr().err
