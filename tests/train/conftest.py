@@ -73,7 +73,7 @@ def base_config(tiny_bert_dir, tiny_corpus, tmp_path):
     def make(**overrides):
         cfg = dict(model=str(tiny_bert_dir), train_file=str(tiny_corpus), output_dir=str(tmp_path / "run"),
                    batch_size=8, max_length=16, prompt_length=4, learning_rate=1e-2, max_steps=8, eval_steps=4,
-                   log_every=2, num_threads=1, prefix_mode="cache", progress_bar=False, seed=3)
+                   log_every=2, num_threads=1, progress_bar=False, seed=3)
         cfg.update(overrides)
         return cfg
 

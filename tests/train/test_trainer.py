@@ -71,9 +71,12 @@ def test_train_writes_checkpoints_logs_and_summary(base_config, tiny_sts_dir, tm
 
 
 def test_prompt_parameters_change_and_loss_uses_all_views(base_config, tiny_triplets):
-    cfg = base_config(train_file=str(tiny_triplets), objective="promcse_eh", max_steps=3)
+    cfg = base_config(train_file=str(tiny_triplets), objective="promcse_eh", max_steps=3, prefix_mode="cache",
+                      loss_backend="reference")
     trainer = Trainer(cfg)
     trainer.setup()
+    assert trainer.encoder.prefix_mode == "cache" and trainer.objective.backend == "reference"
+    assert trainer.objective.hinge_weight == 10.0
     before = {k: v.clone() for k, v in trainer.encoder.prompt_state_dict().items()}
     seen = []
     trainer.callbacks.append(lambda t, out: seen.append(out))
@@ -101,7 +104,7 @@ def reference_run(tiny_bert_dir, tiny_corpus, tmp_path_factory):
     out = tmp_path_factory.mktemp("reference") / "run"
     cfg = dict(model=str(tiny_bert_dir), train_file=str(tiny_corpus), output_dir=str(out), batch_size=24,
                max_length=16, prompt_length=4, learning_rate=1e-2, max_steps=10, eval_steps=100, log_every=1,
-               num_threads=1, prefix_mode="cache", progress_bar=False, seed=3, warmup_steps=2, save_steps=2,
+               num_threads=1, progress_bar=False, seed=3, warmup_steps=2, save_steps=2,
                mlp="train", prompt_dropout=0.1)
     n = torch.get_num_threads()
     try:
