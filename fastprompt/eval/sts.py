@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -333,7 +334,9 @@ def spearman_x100(predicted: np.ndarray, gold: np.ndarray) -> float:
         raise ValueError(f"need two 1-D arrays of equal length, got {predicted.shape} and {gold.shape}")
     if len(gold) < 2:
         raise ValueError("Spearman correlation needs at least two pairs")
-    rho = spearmanr(predicted, gold).statistic
+    with warnings.catch_warnings():  # a constant input gets our ValueError below, not a warning
+        warnings.simplefilter("ignore")
+        rho = spearmanr(predicted, gold).statistic
     if not np.isfinite(rho):
         raise ValueError("Spearman correlation is undefined: the predicted or gold scores are constant")
     return float(rho) * 100.0
@@ -408,11 +411,15 @@ def evaluate_sts(
     return score_sts(model, datasets, batch_size=batch_size, show_progress_bar=show_progress_bar)
 
 
-def format_sts_table(results: Mapping[str, float]) -> str:
-    """SimCSE-style table: one column per task (in the given order), scores with two decimals."""
+def format_sts_table(results: Mapping[str, float], titles: Mapping[str, str] | None = None) -> str:
+    """SimCSE-style table: one column per task (in the given order), scores with two decimals.
+
+    ``titles`` maps result keys to column headers (default :data:`TASK_TITLES`; unknown keys as is).
+    """
     if not results:
         raise ValueError("no results to format")
-    titles = [TASK_TITLES.get(k, k) for k in results]
+    titles = TASK_TITLES if titles is None else titles
+    titles = [titles.get(k, k) for k in results]
     cells = [f"{v:.2f}" for v in results.values()]
     widths = [max(len(t), len(c)) for t, c in zip(titles, cells)]
     rule = "+" + "+".join("-" * (w + 2) for w in widths) + "+"

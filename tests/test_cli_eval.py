@@ -1,0 +1,115 @@
+"""``fastprompt eval``: the table, the JSON, prompt checkpoints, and clear errors."""
+import json
+
+import pytest
+import torch
+
+from fastprompt import cli
+from fastprompt.eval.sts import STS_TASKS, evaluate_sts
+
+from .eval.test_sts_loaders import write_all, write_year
+
+
+@pytest.fixture(scope="module")
+def sts_dir(tmp_path_factory):
+    root = tmp_path_factory.mktemp("sts")
+    write_all(root)
+    # more pairs with varied scores for two tasks, so their scores are not degenerate
+    write_year(root, "sts12", {"MSRpar": [(f"a man plays {w}", f"someone plays {w} now", f"{i % 5}.5")
+                                          for i, w in enumerate("guitar piano drums flute violin cello".split())]})
+    return root
+
+
+def _run(capsys, *argv):
+    rc = cli.main(["eval", "--no-progress", *map(str, argv)])
+    out = capsys.readouterr()
+    return rc, out.out, out.err
+
+
+def test_eval_prints_seven_scores_and_average_and_writes_json(tmp_path, capsys, sts_dir, tiny_bert_dir):
+    out_json = tmp_path / "res" / "results.json"
+    rc, out, err = _run(capsys, "--model", tiny_bert_dir, "--pooler", "mean", "--sts-dir", sts_dir,
+                        "--preprocess", "none", "--output", out_json)
+    assert rc == 0, err
+    lines = out.strip().splitlines()
+    header = [c.strip() for c in lines[1].strip("|").split("|")]
+    assert header == ["STS12", "STS13", "STS14", "STS15", "STS16", "STS-B", "SICK-R", "Avg."]
+    printed = [float(c) for c in lines[3].strip("|").split("|")]
+    saved = json.loads(out_json.read_text())
+    assert list(saved) == [*STS_TASKS, "avg"]
+    assert list(saved.values()) == printed
+    # the same numbers as the Python API on the same model
+    from fastprompt.model import PromptEncoder
+
+    expected = evaluate_sts(PromptEncoder.from_pretrained(tiny_bert_dir, pooler="mean"), sts_dir, preprocess="none")
+    assert saved == {k: round(v, 2) for k, v in expected.items()}
+
+
+def test_eval_with_a_prompt_checkpoint(tmp_path, capsys, sts_dir, tiny_bert_dir):
+    from fastprompt.model import PromptConfig, PromptEncoder
+
+    torch.manual_seed(3)
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(prompt_length=3, init_std=1.0),
+                                        pooler="mean")
+    ckpt = enc.save(tmp_path / "ckpt")
+    expected = evaluate_sts(enc.eval(), sts_dir, "sts12,stsb", preprocess="none")
+    for model_args in (["--prompt", ckpt], ["--model", tiny_bert_dir, "--prompt", ckpt]):
+        out_json = tmp_path / "r.json"
+        rc, out, err = _run(capsys, *model_args, "--sts-dir", sts_dir, "--tasks", "sts12,stsb", "--preprocess", "none",
+                            "--output", out_json)
+        assert rc == 0, err
+        assert json.loads(out_json.read_text()) == {k: round(v, 2) for k, v in expected.items()}
+
+
+def test_eval_dev_split_is_labelled(capsys, sts_dir, tiny_bert_dir):
+    rc, out, err = _run(capsys, "--model", tiny_bert_dir, "--sts-dir", sts_dir, "--tasks", "stsb,sickr",
+                        "--split", "dev", "--sick-split", "all", "--preprocess", "none")
+    assert rc == 0, err
+    assert "STS-B (dev)" in out and "SICK-R (all)" in out
+
+
+@pytest.mark.parametrize("case", ["missing-file", "missing-dir", "missing-model", "no-model", "bad-task",
+                                  "missing-prompt"])
+def test_eval_errors_are_clear(tmp_path, capsys, tiny_bert_dir, case):
+    write_all(tmp_path / "sts")
+    args = ["--model", tiny_bert_dir, "--sts-dir", tmp_path / "sts"]
+    if case == "missing-file":
+        (tmp_path / "sts" / "STS13-en-test" / "STS.input.headlines.txt").unlink()
+        expect = "STS file not found: " + str(tmp_path / "sts" / "STS13-en-test" / "STS.input.headlines.txt")
+    elif case == "missing-dir":
+        args[3] = tmp_path / "nope"
+        expect = "STS directory not found"
+    elif case == "missing-model":
+        args[1] = tmp_path / "no-such-model"
+        expect = "model folder not found"
+    elif case == "no-model":
+        args = args[2:]
+        expect = "give --model NAME_OR_PATH, --prompt CHECKPOINT_DIR, or both"
+    elif case == "bad-task":
+        args += ["--tasks", "sts12,sts17"]
+        expect = "unknown STS task 'sts17'"
+    else:
+        args += ["--prompt", tmp_path / "no-ckpt"]
+        expect = "prompt checkpoint folder not found"
+    rc, out, err = _run(capsys, *args)
+    assert rc == 2
+    assert err.startswith("fastprompt eval: error: ") and expect in err, err
+    assert "Traceback" not in err
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pooler", ["mean", "cls"])
+def test_eval_frozen_minilm_all_seven(tmp_path, capsys, shared_data, minilm_dir, pooler):
+    """The issue's "Must show": frozen all-MiniLM-L6-v2, no prompt, all seven scores and the average."""
+    out_json = tmp_path / "results.json"
+    rc, out, err = _run(capsys, "--model", minilm_dir, "--pooler", pooler, "--max-length", 256,
+                        "--sts-dir", shared_data / "sts", "--output", out_json)
+    assert rc == 0, err
+    res = json.loads(out_json.read_text())
+    assert list(res) == [*STS_TASKS, "avg"]
+    if pooler == "mean":  # all-MiniLM-L6-v2's published MTEB numbers (see tests/eval/test_sts_real.py)
+        for task, published in {"sts12": 72.37, "sts13": 80.60, "sts14": 75.59, "sts15": 85.39,
+                                "sts16": 78.99, "stsb": 82.03}.items():
+            assert abs(res[task] - published) <= 0.01, task
+    else:  # [CLS] is not what the model was trained for: worse on average, but still a sentence model
+        assert 50 < res["avg"] < 79
