@@ -456,6 +456,9 @@ class Trainer:
                 # a skipped (non-finite) step never changes the prompt, so last/ stays a valid resume point
                 if self._last_saved_step != st.global_step:
                     self.save_last()
+        except BaseException:  # a second Ctrl-C or an error: release the log files, keep the checkpoints
+            self._close_logs()
+            raise
         finally:
             bar.close()
         if status == "interrupted":
@@ -510,12 +513,16 @@ class Trainer:
             "config": cfg.to_dict(),
         }
         write_json_atomic(self.summary_path, summary)
-        self.metrics.close()
-        remove_file_handler(self._log_handler)
-        self._setup_done = False
+        self._close_logs()
         logger.info("training %s at step %d/%d; best: %s; last: %s; log: %s; summary: %s", status, st.global_step,
                     self.total_steps, summary["best_checkpoint"], self.last_dir, self.log_path, self.summary_path)
         return summary
+
+    def _close_logs(self) -> None:
+        if self._setup_done:
+            self.metrics.close()
+            remove_file_handler(self._log_handler)
+            self._setup_done = False
 
     def evaluate_test(self, checkpoint: str | Path) -> dict[str, float]:
         """The seven-task STS test table of a prompt checkpoint (loaded into a copy of the current prompt)."""
