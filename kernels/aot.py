@@ -49,6 +49,9 @@ class KernelSpec:
     num_warps: int = 4
     num_stages: int = 2
     divisible_by_16: tuple = field(default_factory=tuple)
+    # the launcher's ``maxnreg`` (PTX .maxnreg), if it sets one: with it ptxas allocates up to the bound
+    # instead of its occupancy heuristic, which can otherwise choose fewer registers and spill
+    maxnreg: int | None = None
 
 
 @dataclass(frozen=True)
@@ -142,7 +145,9 @@ def compile_spec(spec: KernelSpec, cc: int) -> KernelResources:
     attrs = {(fn.arg_names.index(a),): [["tt.divisibility", 16]] for a in spec.divisible_by_16}
     src = ASTSource(fn, signature=signature, constexprs=dict(spec.constexprs), attrs=attrs)
     compiled = triton.compile(
-        src, target=GPUTarget("cuda", cc, 32), options={"num_warps": spec.num_warps, "num_stages": spec.num_stages}
+        src, target=GPUTarget("cuda", cc, 32),
+        options={"num_warps": spec.num_warps, "num_stages": spec.num_stages,
+                 **({"maxnreg": spec.maxnreg} if spec.maxnreg is not None else {})}
     )
     res = cubin_resources(compiled.asm["cubin"])
     res = res.get(compiled.metadata.name) or next(iter(res.values()))
