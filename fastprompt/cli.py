@@ -5,7 +5,7 @@ and calls ``set_defaults(func=run_<name>)`` where ``run_<name>(args) -> int`` is
 live in its own module), then list it in :data:`SUBCOMMANDS` as ``"module:function"``. Modules are
 imported only when the parser is built, and heavy imports (torch, transformers) belong inside ``run_*``
 so that ``fastprompt -h`` stays fast. Model-loading subcommands reuse :func:`add_model_args` and
-:func:`load_encoder`. ValueError and FileNotFoundError raised by a subcommand are reported as
+:func:`load_encoder`. ValueError, FileNotFoundError and ImportError raised by a subcommand are reported as
 ``fastprompt <name>: error: ...`` with exit status 2, without a traceback.
 """
 from __future__ import annotations
@@ -126,26 +126,67 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                         "does, the papers' inputs; none: raw sentences (also for folders SentEval already tokenised)")
     g.add_argument("--output", metavar="FILE.json", help='write {"sts12": ..., "avg": ...} (two decimals) here')
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    x = p.add_argument_group("extras (papers' diagnostics; on the STS-B --split for --geometry and --plot)")
+    x.add_argument("--geometry", action="store_true",
+                   help="alignment and uniformity (Wang & Isola), anisotropy, retrieval recall@1/5/10")
+    x.add_argument("--bootstrap", type=_positive_int, metavar="N",
+                   help="95%% bootstrap confidence interval of every score from N resamples of the pairs")
+    x.add_argument("--plot", metavar="FILE.png",
+                   help="cosine-similarity density per gold-score group (.png/.pdf/.svg; needs matplotlib)")
+    x.add_argument("--seed", type=int, default=0, help="bootstrap seed (0)")
     p.set_defaults(func=run_eval)
     return p
 
 
 def run_eval(args: argparse.Namespace) -> int:
-    from fastprompt.eval.sts import TASK_TITLES, format_sts_table, load_sts_tasks, score_sts
+    from fastprompt.eval.sts import (
+        TASK_TITLES, cosine_similarity_pairs, encode_pairs, format_sts_table, load_sts_tasks, load_stsb,
+        scores_from_pairs,
+    )
 
+    if args.plot and Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
+        raise ValueError(f"--plot must end in .png, .pdf or .svg, got {args.plot!r}")
     # Data first: a wrong --sts-dir fails before the model is loaded.
     datasets = load_sts_tasks(args.sts_dir, args.tasks, stsb_split=args.split, sickr_split=args.sick_split,
                               preprocess=args.preprocess)
+    stsb = datasets.get("stsb")
+    if stsb is None and (args.geometry or args.plot):
+        stsb = load_stsb(args.sts_dir, args.split, preprocess=args.preprocess)
     encoder = load_encoder(args)
-    results = score_sts(encoder, datasets, batch_size=args.batch_size, show_progress_bar=_progress(args))
+    # one encoding pass over every distinct sentence, reused by all the numbers below
+    pairs = encode_pairs(encoder, {**datasets, "_stsb": stsb} if stsb is not None else datasets,
+                         batch_size=args.batch_size, show_progress_bar=_progress(args))
+    results = scores_from_pairs({k: pairs[k] for k in datasets}, datasets)
     titles = dict(TASK_TITLES)
     if args.split != "test":
         titles["stsb"] = f"STS-B ({args.split})"
     if args.sick_split != "test":
         titles["sickr"] = f"SICK-R ({args.sick_split})"
     print(format_sts_table(results, titles=titles))
+    output = {k: round(v, 2) for k, v in results.items()}
+    if args.bootstrap:
+        from fastprompt.eval.geometry import bootstrap_spearman
+
+        ci = {name: bootstrap_spearman(cosine_similarity_pairs(*pairs[name]), datasets[name].scores,
+                                       n_resamples=args.bootstrap, seed=args.seed) for name in datasets}
+        print(f"95% bootstrap confidence intervals ({args.bootstrap} resamples):")
+        for name, (lo, hi) in ci.items():
+            print(f"  {titles.get(name, name):>14}: [{lo:.2f}, {hi:.2f}]")
+        output["ci95"] = {name: [round(lo, 2), round(hi, 2)] for name, (lo, hi) in ci.items()}
+    if args.geometry:
+        from fastprompt.eval.geometry import geometry_report
+
+        report = geometry_report(*pairs["_stsb"], stsb)
+        print(f"STS-B ({args.split}) geometry: " + ", ".join(f"{k} {v:.4f}" if "@" not in k else f"{k} {v:.2f}"
+                                                           for k, v in report.items()))
+        output["geometry"] = {"split": f"stsb-{args.split}", **{k: round(v, 4) for k, v in report.items()}}
+    if args.plot:
+        from fastprompt.eval.geometry import plot_cosine_density
+
+        plot_cosine_density(*pairs["_stsb"], stsb, args.plot, title=f"STS-B ({args.split}): cosine by gold score")
+        print(f"wrote {args.plot}")
     if args.output:
-        _write_json(args.output, {k: round(v, 2) for k, v in results.items()})
+        _write_json(args.output, output)
         logger.info("wrote %s", args.output)
     return 0
 
@@ -246,7 +287,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except (FileNotFoundError, ValueError) as exc:
+    except (FileNotFoundError, ValueError, ImportError) as exc:  # ImportError: a missing optional package
         print(f"fastprompt {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

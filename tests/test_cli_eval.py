@@ -17,6 +17,8 @@ def sts_dir(tmp_path_factory):
     # more pairs with varied scores for two tasks, so their scores are not degenerate
     write_year(root, "sts12", {"MSRpar": [(f"a man plays {w}", f"someone plays {w} now", f"{i % 5}.5")
                                           for i, w in enumerate("guitar piano drums flute violin cello".split())]})
+    write_year(root, "sts13", {"OnWN": [(f"the {w} is loud", f"a {w} sounds", f"{(3 * i) % 5}.0")
+                                        for i, w in enumerate("horn bell drum siren alarm engine radio".split())]})
     return root
 
 
@@ -66,6 +68,38 @@ def test_eval_dev_split_is_labelled(capsys, sts_dir, tiny_bert_dir):
                         "--split", "dev", "--sick-split", "all", "--preprocess", "none")
     assert rc == 0, err
     assert "STS-B (dev)" in out and "SICK-R (all)" in out
+
+
+def test_eval_extras_geometry_bootstrap_plot(tmp_path, capsys, sts_dir, tiny_bert_dir):
+    from fastprompt.eval.geometry import bootstrap_spearman, geometry_report
+    from fastprompt.eval.sts import cosine_similarity_pairs, load_stsb, load_sts_tasks
+    from fastprompt.model import PromptEncoder
+
+    out_json, plot = tmp_path / "r.json", tmp_path / "density.png"
+    # STS-B is not among --tasks: --geometry and --plot load it on their own
+    rc, out, err = _run(capsys, "--model", tiny_bert_dir, "--pooler", "mean", "--sts-dir", sts_dir,
+                        "--tasks", "sts12,sts13", "--preprocess", "none", "--geometry", "--bootstrap", 50,
+                        "--seed", 3, "--plot", plot, "--output", out_json)
+    assert rc == 0, err
+    res = json.loads(out_json.read_text())
+    assert list(res) == ["sts12", "sts13", "avg", "ci95", "geometry"]
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, pooler="mean").eval()
+    data = load_sts_tasks(sts_dir, "sts12", preprocess="none")["sts12"]
+    cos = cosine_similarity_pairs(enc.encode(data.sentences1), enc.encode(data.sentences2))
+    lo, hi = bootstrap_spearman(cos, data.scores, n_resamples=50, seed=3)
+    assert res["ci95"]["sts12"] == pytest.approx([round(lo, 2), round(hi, 2)], abs=0.011)
+    stsb = load_stsb(sts_dir, "test", preprocess="none")
+    rep = geometry_report(enc.encode(stsb.sentences1), enc.encode(stsb.sentences2), stsb, threshold=4.0)
+    assert res["geometry"]["split"] == "stsb-test"
+    for k, v in rep.items():
+        assert res["geometry"][k] == pytest.approx(v, abs=2e-4), k
+    assert "95% bootstrap confidence intervals (50 resamples)" in out and "STS-B (test) geometry: alignment" in out
+    assert plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_eval_bad_plot_name_fails_before_loading(tmp_path, capsys, sts_dir):
+    rc, _, err = _run(capsys, "--model", tmp_path / "no-model", "--sts-dir", sts_dir, "--plot", tmp_path / "p.bmp")
+    assert rc == 2 and "--plot must end in .png, .pdf or .svg" in err
 
 
 @pytest.mark.parametrize("case", ["missing-file", "missing-dir", "missing-model", "no-model", "bad-task",

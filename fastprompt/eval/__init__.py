@@ -1,4 +1,13 @@
 """Evaluation: the STS protocol, geometry metrics, retrieval, plots. Only reads a model."""
+from .geometry import (
+    alignment,
+    anisotropy,
+    bootstrap_spearman,
+    geometry_report,
+    plot_cosine_density,
+    retrieval_recall,
+    uniformity,
+)
 from .sts import (
     PREPROCESS,
     SICK_SPLITS,
@@ -17,6 +26,7 @@ from .sts import (
     load_stsb,
     parse_tasks,
     score_sts,
+    scores_from_pairs,
     senteval_tokenize,
     spearman_x100,
 )
@@ -25,5 +35,7 @@ __all__ = [
     "PREPROCESS", "SICK_SPLITS", "STS_TASKS", "STS_YEAR_SUBSETS", "STSB_SPLITS", "STSData",
     "cosine_similarity_pairs", "encode_pairs", "evaluate_sts", "format_sts_table", "load_sickr",
     "load_sts_task", "load_sts_tasks", "load_sts_year", "load_stsb", "parse_tasks", "score_sts",
-    "senteval_tokenize", "spearman_x100",
+    "scores_from_pairs", "senteval_tokenize", "spearman_x100",
+    "alignment", "anisotropy", "bootstrap_spearman", "geometry_report", "plot_cosine_density",
+    "retrieval_recall", "uniformity",
 ]

@@ -378,6 +378,13 @@ def score_sts(
     if not datasets:
         raise ValueError("no STS task to score")
     pairs = encode_pairs(model, datasets, batch_size=batch_size, show_progress_bar=show_progress_bar)
+    return scores_from_pairs(pairs, datasets)
+
+
+def scores_from_pairs(
+    pairs: Mapping[str, tuple[np.ndarray, np.ndarray]], datasets: Mapping[str, STSData]
+) -> dict[str, float]:
+    """:func:`score_sts` on embeddings from :func:`encode_pairs` (to reuse them, e.g. for geometry metrics)."""
     results = {}
     for name, (e1, e2) in pairs.items():
         results[name] = spearman_x100(cosine_similarity_pairs(e1, e2), datasets[name].scores)
