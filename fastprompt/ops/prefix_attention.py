@@ -94,8 +94,8 @@ def prefix_attention(
     if resolved == "reference":
         return prefix_attention_reference(q, k, v, prefix_k, prefix_v, mask, scale=scale, dropout_p=dropout_p,
                                           seed=seed, prompt_index=prompt_index)
-    out, _ = torch.ops.fastprompt.prefix_attention_fwd(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale,
-                                                       dropout_p, seed, resolved)
+    out, _, _ = torch.ops.fastprompt.prefix_attention_fwd(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale,
+                                                          dropout_p, seed, resolved)
     return out
 
 
@@ -218,14 +218,19 @@ def _use_flash(q, P, dropout_p) -> bool:
 
 
 def _concat(q, k, v, prefix_k, prefix_v, mask, prompt_index):
-    B, H, S, D = q.shape
-    pk, pv = (_per_example_prefix(p, prompt_index, B) for p in (prefix_k, prefix_v))
-    P = pk.shape[2]
-    keys, values = torch.cat([pk, k], 2), torch.cat([pv, v], 2)
+    """[prefix ; tokens] keys and values stacked as one contiguous (2, B, H, P + S, D) tensor, and the
+    additive mask (B, 1, 1, P + S). (Contiguous (B, H, L, D) keys/values are what the CPU flash backward
+    runs fastest on: a (B, L, H, D)-strided build made it markedly slower.)"""
+    B, H, S, D = k.shape
+    P = prefix_k.shape[-2]
+    kv = torch.empty((2, B, H, P + S, D), dtype=k.dtype, device=k.device)
+    for i, (tokens, prefix) in enumerate(((k, prefix_k), (v, prefix_v))):
+        kv[i, :, :, P:] = tokens
+        kv[i, :, :, :P] = prefix if prefix.dim() == 3 else prefix[prompt_index]
     bias = q.new_zeros(B, 1, 1, P + S)
     if mask is not None:
         bias[:, 0, 0, P:].masked_fill_(~mask, float("-inf"))
-    return keys, values, bias
+    return kv, bias
 
 
 def _reduce_prefix_grad(grad: torch.Tensor, prefix: torch.Tensor, prompt_index) -> torch.Tensor:
@@ -249,24 +254,35 @@ def _segment_scores(q, k, pk, scale, mask):
 
 
 def _cpu_compute_dtype(dtype):
+    # Half precision is computed in float32 on the CPU: no speed to gain there, and the prefix gradients sum
+    # B * S products, which half-precision partials would round visibly.
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _bshd_like(x: torch.Tensor) -> torch.Tensor:
-    """Copy x (B, H, S, D) into the transposed-(B, S, H, D) layout the custom op promises."""
+    """x (B, H, S, D) in the transposed-(B, S, H, D) layout the custom op promises (a copy only if needed;
+    the CPU flash kernel already writes its output in the layout of q)."""
+    if x.transpose(1, 2).is_contiguous():
+        return x
     B, H, S, D = x.shape
     out = torch.empty((B, S, H, D), dtype=x.dtype, device=x.device).transpose(1, 2)
     return out.copy_(x)
 
 
+def _no_concat():
+    return torch.empty(0)
+
+
 def _cpu_forward(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed):
+    """Returns (out, lse, kv): kv is the concatenation the backward reuses (flash path) or an empty tensor."""
     B, H, S, D = q.shape
     P = prefix_k.shape[-2]
-    if _use_flash(q, P, dropout_p):
-        keys, values, bias = _concat(q, k, v, prefix_k, prefix_v, mask, prompt_index)
-        out, lse = _flash_fwd(q, keys, values, 0.0, False, attn_mask=bias, scale=scale)
-        return _bshd_like(out), lse.float()
     cd = _cpu_compute_dtype(q.dtype)
+    if _use_flash(q, P, dropout_p):
+        q32, k32, v32, pk32, pv32 = (x.to(cd) for x in (q, k, v, prefix_k, prefix_v))
+        kv, bias = _concat(q32, k32, v32, pk32, pv32, mask, prompt_index)
+        out, lse = _flash_fwd(q32, kv[0], kv[1], 0.0, False, attn_mask=bias, scale=scale)
+        return _bshd_like(out.to(q.dtype)), lse.float(), kv
     qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
     pk, pv = (_per_example_prefix(p, prompt_index, B).to(cd) if p.dim() == 4 else p.to(cd)
               for p in (prefix_k, prefix_v))
@@ -278,20 +294,22 @@ def _cpu_forward(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout
         keep = prefix_attention_dropout_mask(seed, p.shape, dropout_p, q.device)
         p.mul_(keep).mul_(1.0 / (1.0 - dropout_p))
     out = torch.matmul(p[..., :P], pv) + torch.matmul(p[..., P:], vc)
-    return _bshd_like(out.to(q.dtype)), lse.float()
+    return _bshd_like(out.to(q.dtype)), lse.float(), _no_concat()
 
 
-def _cpu_backward(dout, q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index, scale, dropout_p, seed):
+def _cpu_backward(dout, q, k, v, prefix_k, prefix_v, out, lse, kv, mask, prompt_index, scale, dropout_p, seed):
     B, H, S, D = q.shape
     P = prefix_k.shape[-2]
-    if _use_flash(q, P, dropout_p):
-        keys, values, bias = _concat(q, k, v, prefix_k, prefix_v, mask, prompt_index)
-        dq, dkeys, dvalues = _flash_bwd(dout.contiguous(), q, keys, values, out, lse,
-                                        0.0, False, attn_mask=bias, scale=scale)
-        dpk = _reduce_prefix_grad(dkeys[:, :, :P].float(), prefix_k, prompt_index)
-        dpv = _reduce_prefix_grad(dvalues[:, :, :P].float(), prefix_v, prompt_index)
-        return dq, dkeys[:, :, P:], dvalues[:, :, P:], dpk, dpv
     cd = _cpu_compute_dtype(q.dtype)
+    if _use_flash(q, P, dropout_p):
+        q32, do32, o32 = (x.to(cd) for x in (q, dout, out))
+        bias = q32.new_zeros(B, 1, 1, P + S)
+        if mask is not None:
+            bias[:, 0, 0, P:].masked_fill_(~mask, float("-inf"))
+        dq, dkeys, dvalues = _flash_bwd(do32, q32, kv[0], kv[1], o32, lse, 0.0, False, attn_mask=bias, scale=scale)
+        dpk = _reduce_prefix_grad(dkeys[:, :, :P], prefix_k, prompt_index)
+        dpv = _reduce_prefix_grad(dvalues[:, :, :P], prefix_v, prompt_index)
+        return (dq.to(q.dtype), dkeys[:, :, P:].to(k.dtype), dvalues[:, :, P:].to(v.dtype), dpk, dpv)
     qc, kc, vc, doc, oc = (x.to(cd) for x in (q, k, v, dout, out))
     shared = prefix_k.dim() == 3
     pk, pv = (p.to(cd) if shared else _per_example_prefix(p, prompt_index, B).to(cd) for p in (prefix_k, prefix_v))
@@ -328,20 +346,29 @@ def _cpu_backward(dout, q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_inde
 
 def _like(grad: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """grad with the strides ``torch.empty_like(ref)`` has (what the fake implementation promises)."""
-    out = torch.empty_like(ref)
-    return out if out.data_ptr() == grad.data_ptr() else out.copy_(grad)
+    out = torch.empty_like(ref)  # no memory is touched unless the copy below is needed
+    if grad.dtype == ref.dtype and grad.stride() == out.stride() and grad.storage_offset() == 0:
+        return grad
+    return out.copy_(grad)
+
+
+def _saves_concat(q: torch.Tensor, P: int, dropout_p: float, backend: str) -> bool:
+    return backend == "cpu" and _use_flash(q, P, dropout_p)
 
 
 @torch.library.custom_op("fastprompt::prefix_attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
             key_padding_mask: Optional[torch.Tensor], prompt_index: Optional[torch.Tensor], scale: float,
-            dropout_p: float, seed: int, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+            dropout_p: float, seed: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Returns (out, lse, kv): kv holds what the backward needs besides the inputs (the CPU flash path's
+    concatenated keys/values, like SDPA on a concatenation keeps them) or is empty."""
     _check_prompt_index(prompt_index, prefix_k.shape[0] if prefix_k.dim() == 4 else 1)
     if backend == "triton":
         from fastprompt.kernels import prefix_attention as kernels
 
-        return kernels.forward(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale=scale,
-                               dropout_p=dropout_p, seed=seed)
+        out, lse = kernels.forward(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale=scale,
+                                   dropout_p=dropout_p, seed=seed)
+        return out, lse, _no_concat()
     if backend != "cpu":
         raise ValueError(f"fastprompt::prefix_attention_fwd runs backend 'triton' or 'cpu', got {backend!r}")
     return _cpu_forward(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale, dropout_p, seed)
@@ -350,13 +377,19 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.T
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale, dropout_p, seed, backend):
     B, H, S, D = q.shape
+    P = prefix_k.shape[-2]
     out = q.new_empty((B, S, H, D)).transpose(1, 2)
-    return out, q.new_empty((B, H, S), dtype=torch.float32)
+    if _saves_concat(q, P, dropout_p, backend):
+        kv = q.new_empty((2, B, H, P + S, D), dtype=_cpu_compute_dtype(q.dtype))
+    else:
+        kv = q.new_empty((0,), dtype=torch.float32)
+    return out, q.new_empty((B, H, S), dtype=torch.float32), kv
 
 
 @torch.library.custom_op("fastprompt::prefix_attention_bwd", mutates_args=())
 def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
-            prefix_v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
+            prefix_v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, kv: torch.Tensor,
+            key_padding_mask: Optional[torch.Tensor],
             prompt_index: Optional[torch.Tensor], scale: float, dropout_p: float, seed: int,
             backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if backend == "triton":
@@ -365,32 +398,32 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
         grads = kernels.backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask, prompt_index,
                                  scale=scale, dropout_p=dropout_p, seed=seed)
     else:
-        grads = _cpu_backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask, prompt_index, scale,
-                              dropout_p, seed)
+        grads = _cpu_backward(dout, q, k, v, prefix_k, prefix_v, out, lse, kv, key_padding_mask, prompt_index,
+                              scale, dropout_p, seed)
     dq, dk, dv, dpk, dpv = grads
     return _like(dq, q), _like(dk, k), _like(dv, v), dpk.contiguous(), dpv.contiguous()
 
 
 @_bwd_op.register_fake
-def _bwd_fake(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask, prompt_index, scale, dropout_p, seed,
-              backend):
+def _bwd_fake(dout, q, k, v, prefix_k, prefix_v, out, lse, kv, key_padding_mask, prompt_index, scale, dropout_p,
+              seed, backend):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             prefix_k.new_empty(prefix_k.shape), prefix_v.new_empty(prefix_v.shape))
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, backend = inputs
-    out, lse = output
-    ctx.save_for_backward(q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index)
+    out, lse, kv = output
+    ctx.save_for_backward(q, k, v, prefix_k, prefix_v, out, lse, kv, mask, prompt_index)
     ctx.params = (scale, dropout_p, seed, backend)
-    ctx.mark_non_differentiable(lse)
+    ctx.mark_non_differentiable(lse, kv)
 
 
-def _backward(ctx, dout, _dlse):
-    q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index = ctx.saved_tensors
+def _backward(ctx, dout, _dlse, _dkv):
+    q, k, v, prefix_k, prefix_v, out, lse, kv, mask, prompt_index = ctx.saved_tensors
     scale, dropout_p, seed, backend = ctx.params
     dq, dk, dv, dpk, dpv = torch.ops.fastprompt.prefix_attention_bwd(
-        dout, q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index, scale, dropout_p, seed, backend)
+        dout, q, k, v, prefix_k, prefix_v, out, lse, kv, mask, prompt_index, scale, dropout_p, seed, backend)
     return dq, dk, dv, dpk, dpv, None, None, None, None, None, None
 
 

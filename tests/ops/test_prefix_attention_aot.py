@@ -1,0 +1,98 @@
+"""Ahead-of-time compilation of the prefix-attention kernels for sm_80 and sm_90 (no GPU needed): no
+register spills, shared memory within the device limit. Also checks ``kernels/aot.py`` itself on toy
+kernels (a spill must be detected) and that the specialisation list covers every launch configuration.
+
+CI compiles the representative subset of ``aot_specs()`` (see its docstring: the heaviest tiles per dtype
+and head dim, plus the benchmark's shape); the whole list is
+``python -m fastprompt.kernels.aot fastprompt.kernels.prefix_attention --cc 80 90 --full``.
+"""
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from fastprompt.kernels import aot
+from fastprompt.kernels import prefix_attention as kernels
+
+
+def test_ci_specialisations_fit_sm80_and_sm90():
+    specs = kernels.aot_specs()
+    rows = aot.check_module("fastprompt.kernels.prefix_attention", ccs=(80, 90))
+    assert len(rows) == 2 * len(specs)
+    assert {r.cc for r in rows} == {80, 90}
+    assert {r.name for r in rows} == {s.name for s in specs}
+    bad = [r for r in rows if not r.fits]
+    assert not bad, "kernels that spill or exceed shared memory:\n" + aot.format_table(bad)
+    assert all(r.n_regs > 0 and r.shared > 0 for r in rows)
+
+
+def test_spec_list_covers_every_launch_configuration():
+    """Every (kernel, dtype, constexprs, warps, stages) the launchers can produce is in aot_specs(full=True),
+    and the CI subset is part of it."""
+    kernel_of = {id(fn): name for name, fn in kernels._KERNEL_FNS.items()}
+    full = {(kernel_of[id(s.fn)], s.signature["Q"], tuple(sorted(s.constexprs.items())), s.num_warps, s.num_stages)
+            for s in kernels.aot_specs(full=True)}
+    launched = set()
+    for dtype, ty in ((torch.float16, "*fp16"), (torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
+        for S in (1, 17, 32, 33, 128, 512):
+            for P in (0, 1, 16, 17, 64):
+                for D in (8, 32, 48, 64, 100, 128):
+                    for dropout in (False, True):
+                        for kernel in kernels.KERNELS:
+                            consts, opts = kernels._constexprs(kernel, S, P, D, dtype, dropout, upcast=False)
+                            launched.add((kernel, ty, tuple(sorted(consts.items())), opts["num_warps"],
+                                          opts["num_stages"]))
+    assert launched == full
+    names = {s.name for s in kernels.aot_specs(full=True)}
+    assert {s.name for s in kernels.aot_specs()} <= names
+
+
+TOY = textwrap.dedent('''
+    import triton
+    import triton.language as tl
+    from fastprompt.kernels.aot import KernelSpec
+
+    @triton.jit
+    def copy(X, Y, N, BLOCK: tl.constexpr):
+        o = tl.arange(0, BLOCK)
+        tl.store(Y + o, tl.load(X + o, mask=o < N), mask=o < N)
+
+    @triton.jit
+    def square(X, Y, BLOCK: tl.constexpr):
+        # an exact fp32 64x64x64 product in one warp: far more live values than registers
+        o = tl.arange(0, BLOCK)
+        x = tl.load(X + o[:, None] * BLOCK + o[None, :])
+        tl.store(Y + o[:, None] * BLOCK + o[None, :], tl.dot(x, x, input_precision="ieee"))
+
+    def aot_specs(full=False):
+        return [KernelSpec("copy", copy, {"X": "*fp32", "Y": "*fp32", "N": "i32"}, {"BLOCK": 256},
+                           divisible_by_16=("X", "Y")),
+                KernelSpec("square", square, {"X": "*fp32", "Y": "*fp32"}, {"BLOCK": 64}, num_warps=1)]
+''')
+
+
+def test_aot_helper_reports_registers_and_detects_spills(tmp_path, monkeypatch):
+    (tmp_path / "toy_aot_kernels.py").write_text(TOY)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
+    rows = {r.name: r for r in aot.check_module("toy_aot_kernels", ccs=(90,), jobs=1)}
+    copy, square = rows["copy"], rows["square"]
+    assert copy.fits and copy.n_regs > 0 and copy.n_spills == 0 and copy.spill_stores == 0
+    assert copy.shared_limit == aot.SHARED_MEM_LIMIT[90] == 232448
+    assert not square.fits and square.spill_stores > 0 and square.local_bytes > 0 and square.shared > 0
+    # the CLI fails (exit 1) when a kernel does not fit
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, "-m", "fastprompt.kernels.aot", "toy_aot_kernels", "--cc", "90"],
+                          env=env, capture_output=True, text=True)
+    assert proc.returncode == 1 and "square" in proc.stdout and "NO" in proc.stdout
+
+
+def test_compile_refuses_interpreted_kernels():
+    spec = kernels.aot_specs()[0]
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        aot.compile_spec(spec, 90)
+    with pytest.raises(ValueError, match="compute capability"):
+        aot.compile_spec(spec, 75)
