@@ -129,26 +129,32 @@ void row_pass(const at::Tensor& x, const at::Tensor& rx, const std::vector<Segme
         at::Tensor l = logit_tile(xs, seg, t, ws.buf);
         scalar_t* lp = l.data_ptr<scalar_t>();
         const int64_t ld = l.stride(0);
-        // rows whose positive is in this tile: record its logit and hide it from the max
+        // rows whose positive is in this tile: record its logit (and hide it from the hardest-negative max)
         std::vector<int64_t> hidden;
         for (int64_t i = 0; i < nr; ++i) {
           const int64_t p = pos_offset + r0 + i;
           if (p >= g0 && p < g1) {
             pos[i] = lp[i * ld + (p - g0)];
-            lp[i * ld + (p - g0)] = kNegInf;
+            if (track_hard) lp[i * ld + (p - g0)] = kNegInf;
             hidden.push_back(i);
           }
         }
         at::Tensor v = ws.vals.narrow(0, 0, nr), vi = ws.idx.narrow(0, 0, nr);
-        at::max_out(v, vi, l, 1);
+        if (track_hard) {
+          at::max_out(v, vi, l, 1);
+          for (int64_t i : hidden) lp[i * ld + (pos_offset + r0 + i - g0)] = pos[i];
+        } else {
+          at::amax_out(v, l, {1});
+        }
         const scalar_t* vp = v.data_ptr<scalar_t>();
         const int64_t* ip = vi.data_ptr<int64_t>();
-        for (int64_t i : hidden) lp[i * ld + (pos_offset + r0 + i - g0)] = pos[i];
         for (int64_t i = 0; i < nr; ++i) {
-          if (vp[i] > best[i]) { best[i] = vp[i]; best_idx[i] = g0 + ip[i]; }
           scalar_t tile_max = vp[i];
-          const int64_t p = pos_offset + r0 + i;
-          if (p >= g0 && p < g1) tile_max = std::max(tile_max, pos[i]);
+          if (track_hard) {
+            if (vp[i] > best[i]) { best[i] = vp[i]; best_idx[i] = g0 + ip[i]; }
+            const int64_t p = pos_offset + r0 + i;
+            if (p >= g0 && p < g1) tile_max = std::max(tile_max, pos[i]);
+          }
           const scalar_t new_m = std::max(m[i], static_cast<scalar_t>(tile_max + seg.bias));
           s[i] *= std::exp(m[i] - new_m);
           m[i] = new_m;
@@ -198,7 +204,7 @@ std::vector<Segment> column_segments(const at::Tensor& z2, const c10::optional<a
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> contrastive_loss_fwd(
     const at::Tensor& z1_, const at::Tensor& z2_, const c10::optional<at::Tensor>& z3_, double temperature,
     double hard_negative_weight, double hinge_margin, double hinge_weight, bool symmetric,
-    int64_t positive_offset) {
+    int64_t positive_offset, bool track_hardest) {
   at::NoGradGuard no_grad;  // a kernel: autograd is handled by the Python op around it
   check_inputs(z1_, z2_, z3_, positive_offset);
   const at::Tensor z1 = z1_.detach().contiguous(), z2 = z2_.detach().contiguous();
@@ -215,7 +221,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor hard_sim = at::full({n}, NAN, opts), hard_idx = at::full({n}, -1, opts.dtype(at::kLong));
   at::Tensor lse_sym = at::full({symmetric ? n : 0}, NAN, opts);
   AT_DISPATCH_FLOATING_TYPES(z1.scalar_type(), "contrastive_loss_fwd", [&] {
-    row_pass<scalar_t>(z1, r1, segs, positive_offset, temperature, true, lse, pos_sim, hard_sim, hard_idx);
+    row_pass<scalar_t>(z1, r1, segs, positive_offset, temperature, track_hardest, lse, pos_sim, hard_sim,
+                       hard_idx);
     if (symmetric) {
       // rows: the positives z2[offset:offset+n]; columns: z1 (the positive of row i is column i)
       const at::Tensor p = z2.narrow(0, positive_offset, n);
@@ -324,9 +331,11 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_loss_bwd(
   });
 
   // back through the normalisation: dz = r·dA - r³ (z·dA) z (rows with norm <= eps are scaled, not projected)
+  // (in place, without (rows x d) temporaries)
   auto finish = [](at::Tensor& dz, const at::Tensor& z, const at::Tensor& r) {
-    const at::Tensor proj = (z * dz).sum(1) * r.pow(3) * (r < 1.0 / kCosEps);
-    dz.mul_(r.unsqueeze(1)).sub_(z * proj.unsqueeze(1));
+    const at::Tensor zdz = at::bmm(z.unsqueeze(1), dz.unsqueeze(2)).view({-1});  // row-wise dot products
+    const at::Tensor proj = zdz * r.pow(3) * (r < 1.0 / kCosEps);
+    dz.mul_(r.unsqueeze(1)).addcmul_(z, proj.unsqueeze(1), -1);
   };
   finish(dz1, z1, r1);
   for (size_t s = 0; s < dcols.size(); ++s) finish(dcols[s], segs[s].z, segs[s].r);
@@ -337,7 +346,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_loss_bwd(
 TORCH_LIBRARY_FRAGMENT(fastprompt, m) {
   m.def(
       "contrastive_loss_cpu_fwd(Tensor z1, Tensor z2, Tensor? z3, float temperature, float hard_negative_weight, "
-      "float hinge_margin, float hinge_weight, bool symmetric, int positive_offset) -> "
+      "float hinge_margin, float hinge_weight, bool symmetric, int positive_offset, bool track_hardest) -> "
       "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "contrastive_loss_cpu_bwd(Tensor grad, Tensor z1, Tensor z2, Tensor? z3, Tensor lse, Tensor lse_sym, "

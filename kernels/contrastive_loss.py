@@ -36,22 +36,27 @@ _INT_MAX = tl.constexpr(2147483647)
 
 
 @triton.jit
-def _dot_tile(A, B, ra, rb, amask, bmask, d, stride_a, stride_b,
+def _dot_tile(A, B, a0, b0, amask, bmask, d, stride_a, stride_b,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Raw products A[ra] . B[rb]^T over the whole d, fp32 accumulation."""
+    """Raw products A[a0:a0+BLOCK_M] . B[b0:b0+BLOCK_N]^T over the whole d, fp32 accumulation.
+
+    The block's base pointer is offset in int64 (N·d may exceed 2^31); offsets inside the block are int32.
+    """
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    a_rows = ra.to(tl.int64) * stride_a
-    b_rows = rb.to(tl.int64) * stride_b
+    ks = tl.arange(0, BLOCK_K)
+    a_ptrs = A + tl.cast(a0, tl.int64) * stride_a + (tl.arange(0, BLOCK_M) * stride_a)[:, None] + ks[None, :]
+    b_ptrs = B + tl.cast(b0, tl.int64) * stride_b + (tl.arange(0, BLOCK_N) * stride_b)[:, None] + ks[None, :]
     for k0 in range(0, d, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        kmask = ks < d
-        a = tl.load(A + a_rows[:, None] + ks[None, :], mask=amask[:, None] & kmask[None, :], other=0.0)
-        b = tl.load(B + b_rows[:, None] + ks[None, :], mask=bmask[:, None] & kmask[None, :], other=0.0)
+        kmask = (k0 + ks) < d
+        a = tl.load(a_ptrs, mask=amask[:, None] & kmask[None, :], other=0.0)
+        b = tl.load(b_ptrs, mask=bmask[:, None] & kmask[None, :], other=0.0)
         if UPCAST:
             a = a.to(tl.float32)
             b = b.to(tl.float32)
         acc = tl.dot(a, tl.trans(b), acc, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
     return acc
 
 
@@ -61,8 +66,8 @@ def _fwd_kernel(X, RX, C0, RC0, C1, RC1, LSE, POS, HARD, HIDX,
                 NSEG: tl.constexpr, TRACK_HARD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    r0 = tl.program_id(0) * BLOCK_M
+    rows = r0 + tl.arange(0, BLOCK_M)
     rmask = rows < n_rows
     rx = tl.load(RX + rows, mask=rmask, other=0.0)
     pos_col = rows + pos_offset
@@ -85,7 +90,7 @@ def _fwd_kernel(X, RX, C0, RC0, C1, RC1, LSE, POS, HARD, HIDX,
         for c0 in range(0, m_seg, BLOCK_N):
             cols = c0 + tl.arange(0, BLOCK_N)
             cmask = cols < m_seg
-            acc = _dot_tile(X, C, rows, cols, rmask, cmask, d, stride_x, stride_c,
+            acc = _dot_tile(X, C, r0, c0, rmask, cmask, d, stride_x, stride_c,
                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
             rc = tl.load(RC + cols, mask=cmask, other=0.0)
             cos = acc * rx[:, None] * rc[None, :]
@@ -141,15 +146,14 @@ def _bwd_rows_kernel(Z1, R1, C0, RC0, C1, RC1, DA, LSE, CCE, CHG, CDIAG, HIDX, L
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
     """DA[rows] = sum_j dS_ij * unit(c_j), accumulated in fp32 in DA (this program's rows only)."""
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    r0 = tl.program_id(0) * BLOCK_M
+    rows = r0 + tl.arange(0, BLOCK_M)
     rmask = rows < n_rows
     rx = tl.load(R1 + rows, mask=rmask, other=0.0)
-    da_rows = rows.to(tl.int64) * stride_da
+    ks = tl.arange(0, BLOCK_K)
+    da_base = DA + tl.cast(r0, tl.int64) * stride_da + (tl.arange(0, BLOCK_M) * stride_da)[:, None] + ks[None, :]
     for k0 in range(0, d, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        tl.store(DA + da_rows[:, None] + ks[None, :], tl.zeros((BLOCK_M, BLOCK_K), tl.float32),
-                 mask=rmask[:, None] & (ks < d)[None, :])
+        tl.store(da_base + k0, tl.zeros((BLOCK_M, BLOCK_K), tl.float32), mask=rmask[:, None] & (k0 + ks < d)[None, :])
     tl.debug_barrier()
     for seg in tl.static_range(NSEG):
         if seg == 0:
@@ -165,24 +169,22 @@ def _bwd_rows_kernel(Z1, R1, C0, RC0, C1, RC1, DA, LSE, CCE, CHG, CDIAG, HIDX, L
         for c0 in range(0, m_seg, BLOCK_N):
             cols = c0 + tl.arange(0, BLOCK_N)
             cmask = cols < m_seg
-            acc = _dot_tile(Z1, C, rows, cols, rmask, cmask, d, stride_z1, stride_c,
+            acc = _dot_tile(Z1, C, r0, c0, rmask, cmask, d, stride_z1, stride_c,
                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
             rc = tl.load(RC + cols, mask=cmask, other=0.0)
             cos = acc * rx[:, None] * rc[None, :]
             ds = _ds_tile(cos, rows, rmask, cols, cmask, cols + seg * m_seg, LSE, CCE, CHG, CDIAG, HIDX,
                           LSE_SYM, CSYM, n_rows, pos_offset, inv_tau, bias, seg, SYMMETRIC)
             w = ds * rc[None, :]  # the columns enter as unit vectors: raw rows times their inverse norms
-            c_rows = cols.to(tl.int64) * stride_c
+            c_ptrs = C + tl.cast(c0, tl.int64) * stride_c + (tl.arange(0, BLOCK_N) * stride_c)[:, None] + ks[None, :]
             for k0 in range(0, d, BLOCK_K):
-                ks = k0 + tl.arange(0, BLOCK_K)
-                kmask = ks < d
-                c = tl.load(C + c_rows[:, None] + ks[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
+                kmask = (k0 + ks) < d
+                c = tl.load(c_ptrs + k0, mask=cmask[:, None] & kmask[None, :], other=0.0)
                 if UPCAST:
                     c = c.to(tl.float32)
-                ptrs = DA + da_rows[:, None] + ks[None, :]
                 omask = rmask[:, None] & kmask[None, :]
-                old = tl.load(ptrs, mask=omask, other=0.0)
-                tl.store(ptrs, tl.dot(w.to(c.dtype), c, old, input_precision=DOT_PREC), mask=omask)
+                old = tl.load(da_base + k0, mask=omask, other=0.0)
+                tl.store(da_base + k0, tl.dot(w.to(c.dtype), c, old, input_precision=DOT_PREC), mask=omask)
             tl.debug_barrier()  # the next tile re-reads what other threads of this program stored
 
 
@@ -193,37 +195,34 @@ def _bwd_cols_kernel(Z1, R1, C, RC, DB, LSE, CCE, CHG, CDIAG, HIDX, LSE_SYM, CSY
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
     """DB[cols] = sum_i dS_ij * unit(z1_i) for one segment's column block (this program's columns only)."""
-    pid = tl.program_id(0)
-    cols = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    c0 = tl.program_id(0) * BLOCK_N
+    cols = c0 + tl.arange(0, BLOCK_N)
     cmask = cols < m_seg
     rc = tl.load(RC + cols, mask=cmask, other=0.0)
-    db_rows = cols.to(tl.int64) * stride_db
+    ks = tl.arange(0, BLOCK_K)
+    db_base = DB + tl.cast(c0, tl.int64) * stride_db + (tl.arange(0, BLOCK_N) * stride_db)[:, None] + ks[None, :]
     for k0 in range(0, d, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        tl.store(DB + db_rows[:, None] + ks[None, :], tl.zeros((BLOCK_N, BLOCK_K), tl.float32),
-                 mask=cmask[:, None] & (ks < d)[None, :])
+        tl.store(db_base + k0, tl.zeros((BLOCK_N, BLOCK_K), tl.float32), mask=cmask[:, None] & (k0 + ks < d)[None, :])
     tl.debug_barrier()
     for r0 in range(0, n_rows, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
         rmask = rows < n_rows
         rx = tl.load(R1 + rows, mask=rmask, other=0.0)
-        acc = _dot_tile(Z1, C, rows, cols, rmask, cmask, d, stride_z1, stride_c,
+        acc = _dot_tile(Z1, C, r0, c0, rmask, cmask, d, stride_z1, stride_c,
                         BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
         cos = acc * rx[:, None] * rc[None, :]
         ds = _ds_tile(cos, rows, rmask, cols, cmask, cols + SEG * m_seg, LSE, CCE, CHG, CDIAG, HIDX,
                       LSE_SYM, CSYM, n_rows, pos_offset, inv_tau, bias, SEG, SYMMETRIC)
         w = tl.trans(ds * rx[:, None])  # (cols, rows)
-        z_rows = rows.to(tl.int64) * stride_z1
+        z_ptrs = Z1 + tl.cast(r0, tl.int64) * stride_z1 + (tl.arange(0, BLOCK_M) * stride_z1)[:, None] + ks[None, :]
         for k0 in range(0, d, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            kmask = ks < d
-            z = tl.load(Z1 + z_rows[:, None] + ks[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
+            kmask = (k0 + ks) < d
+            z = tl.load(z_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
             if UPCAST:
                 z = z.to(tl.float32)
-            ptrs = DB + db_rows[:, None] + ks[None, :]
             omask = cmask[:, None] & kmask[None, :]
-            old = tl.load(ptrs, mask=omask, other=0.0)
-            tl.store(ptrs, tl.dot(w.to(z.dtype), z, old, input_precision=DOT_PREC), mask=omask)
+            old = tl.load(db_base + k0, mask=omask, other=0.0)
+            tl.store(db_base + k0, tl.dot(w.to(z.dtype), z, old, input_precision=DOT_PREC), mask=omask)
         tl.debug_barrier()
 
 
@@ -231,16 +230,35 @@ def _bwd_cols_kernel(Z1, R1, C, RC, DB, LSE, CCE, CHG, CDIAG, HIDX, LSE_SYM, CSY
 # host side
 
 
+# TRITON_INTERPRET=1 at import turns every @triton.jit function into an interpreter object
+_INTERPRETED = type(_fwd_kernel).__name__ == "InterpretedFunction"
+
+
 def interpreting() -> bool:
-    return type(_fwd_kernel).__name__ == "InterpretedFunction"
+    return _INTERPRETED
+
+
+_LAUNCH_KEYS = ("num_warps", "num_stages", "maxnreg")
 
 
 def config(dtype: torch.dtype, interpret: bool) -> dict:
-    """Tile sizes and launch options. Interpreter: small tiles (each program instance costs ~20 ms)."""
+    """Tile sizes (constexprs) and launch options. Interpreter: small tiles (each program instance costs
+    ~20 ms)."""
     if interpret:
         return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
-    block_k = 32 if dtype == torch.float32 else 64
-    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, num_warps=4, num_stages=2)
+    # chosen so that every specialisation compiles without spills on sm_80 and sm_90
+    # (tests/ops/test_contrastive_loss_aot.py). maxnreg: without a bound ptxas may pick an occupancy-driven
+    # register count and spill a few values. fp32 takes smaller tiles and K steps: its "ieee" dot runs on
+    # the FMA units with whole operand rows in registers.
+    if dtype == torch.float32:
+        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2, maxnreg=255)
+    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2, maxnreg=255)
+
+
+def _split(cfg: dict) -> tuple[dict, dict]:
+    """(constexprs, launch options) of a :func:`config` dict."""
+    return ({k: v for k, v in cfg.items() if k not in _LAUNCH_KEYS},
+            {k: v for k, v in cfg.items() if k in _LAUNCH_KEYS})
 
 
 def _common(z1, interpret):
@@ -268,15 +286,17 @@ def inv_norms(z: torch.Tensor) -> torch.Tensor:
 
 
 def forward(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge_weight, symmetric,
-            positive_offset, blocks: dict | None = None):
-    """(row_loss, lse, lse_sym, pos_sim, hard_sim, hard_idx), all fp32 (hard_idx int64)."""
+            positive_offset, track_hard: bool = True, blocks: dict | None = None):
+    """(row_loss, lse, lse_sym, pos_sim, hard_sim, hard_idx), all fp32 (hard_idx int64). Without
+    ``track_hard`` (only allowed when hinge_weight == 0) hard_sim / hard_idx stay NaN / -1."""
+    if hinge_weight != 0.0 and not track_hard:
+        raise ValueError("the hinge needs the hardest negative: track_hard must be True when hinge_weight != 0")
     interp = _check_device(z1)
     z1, z2 = z1.contiguous(), z2.contiguous()
     z3 = None if z3 is None else z3.contiguous()
     n, d = z1.shape
     m2 = z2.shape[0]
-    cfg = dict(config(z1.dtype, interp), **(blocks or {}))
-    launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+    cfg, launch = _split(dict(config(z1.dtype, interp), **(blocks or {})))
     flags = dict(cfg, **_common(z1, interp))
     r1, r2 = inv_norms(z1), inv_norms(z2)
     r3 = inv_norms(z3) if z3 is not None else r2
@@ -290,7 +310,7 @@ def forward(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge_w
     grid = (triton.cdiv(n, flags["BLOCK_M"]),)
     _fwd_kernel[grid](z1, r1, z2, r2, c1, r3, lse, pos, hard, hidx, n, m2, d, z1.stride(0), z2.stride(0),
                       c1.stride(0), positive_offset, inv_tau, float(hard_negative_weight),
-                      NSEG=2 if z3 is not None else 1, TRACK_HARD=True, **flags, **launch)
+                      NSEG=2 if z3 is not None else 1, TRACK_HARD=bool(track_hard), **flags, **launch)
     lse_sym = torch.full((n if symmetric else 0,), float("nan"), **f32)
     if symmetric:
         p = z2[positive_offset:positive_offset + n]
@@ -321,8 +341,7 @@ def backward(grad, z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx, temper
     z3 = None if z3 is None else z3.contiguous()
     n, d = z1.shape
     m2 = z2.shape[0]
-    cfg = dict(config(z1.dtype, interp), **(blocks or {}))
-    launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+    cfg, launch = _split(dict(config(z1.dtype, interp), **(blocks or {})))
     flags = dict(cfg, **_common(z1, interp))
     r1, r2 = inv_norms(z1), inv_norms(z2)
     r3 = inv_norms(z3) if z3 is not None else r2
@@ -392,36 +411,36 @@ def aot_specs(full: bool = False) -> list[KernelSpec]:
 
     ``full``: 3 kernels x dtype (fp16, bf16, fp32 with "ieee" and "tf32" dots) x their flags (forward:
     1 or 2 column segments x hardest-negative tracking on/off; row pass: segments x symmetric; column
-    pass: segment 0/1 x symmetric). The CI subset keeps the register-heaviest variant of each kernel
-    (both segments / the z2 segment, hardest tracking, symmetric) for fp16 (bf16 compiles to the same
-    tiles) and fp32-ieee (the larger fp32 operands).
+    pass: segment 0/1 x symmetric) x row strides divisible by 16 or not (Triton specialises on it: d = 768
+    vs d = 100). The CI subset keeps the register-heaviest variant of each kernel (both segments / the z2
+    segment, hardest tracking, symmetric, 16-divisible strides: vectorised loads) for fp16 (bf16
+    compiles to the same tiles) and fp32-ieee.
     """
     dtypes = [(torch.float16, "ieee"), (torch.bfloat16, "ieee"), (torch.float32, "ieee"), (torch.float32, "tf32")]
     if not full:
         dtypes = [(torch.float16, "ieee"), (torch.float32, "ieee")]
+    flags = [(2, True), (2, False), (1, True), (1, False)] if full else [(2, True)]
+    kernels = [
+        ("fwd", _fwd_kernel, _fwd_signature, [dict(NSEG=a, TRACK_HARD=b) for a, b in flags]),
+        ("bwd_rows", _bwd_rows_kernel, _bwd_rows_signature, [dict(NSEG=a, SYMMETRIC=b) for a, b in flags]),
+        ("bwd_cols", _bwd_cols_kernel, _bwd_cols_signature, [dict(SEG=2 - a, SYMMETRIC=b) for a, b in flags]),
+    ]
     specs = []
     for dt, prec in dtypes:
         ty = _TRITON_TYPE[dt]
-        cfg = config(dt, interpret=False)
-        launch = dict(num_warps=cfg.pop("num_warps"), num_stages=cfg.pop("num_stages"))
+        cfg, launch = _split(config(dt, interpret=False))
         base = dict(cfg, UPCAST=dt == torch.float32, DOT_PREC=prec)
-        tag = f"{ty}{'_tf32' if prec == 'tf32' else ''}"
-        fwd_flags = [(2, True), (2, False), (1, True), (1, False)] if full else [(2, True)]
-        for nseg, hard in fwd_flags:
-            sig = _fwd_signature(ty)
-            specs.append(KernelSpec(f"cl_fwd_{tag}_seg{nseg}{'_hard' if hard else ''}", _fwd_kernel, sig,
-                                    dict(base, NSEG=nseg, TRACK_HARD=hard), divisible_by_16=_aligned(sig), **launch))
-        for nseg, sym in ([(2, True), (2, False), (1, True), (1, False)] if full else [(2, True)]):
-            sig = _bwd_rows_signature(ty)
-            specs.append(KernelSpec(f"cl_bwd_rows_{tag}_seg{nseg}{'_sym' if sym else ''}", _bwd_rows_kernel, sig,
-                                    dict(base, NSEG=nseg, SYMMETRIC=sym), divisible_by_16=_aligned(sig), **launch))
-        for seg, sym in ([(0, True), (0, False), (1, True), (1, False)] if full else [(0, True)]):
-            sig = _bwd_cols_signature(ty)
-            specs.append(KernelSpec(f"cl_bwd_cols_{tag}_seg{seg}{'_sym' if sym else ''}", _bwd_cols_kernel, sig,
-                                    dict(base, SEG=seg, SYMMETRIC=sym), divisible_by_16=_aligned(sig), **launch))
+        for name, fn, signature, variants in kernels:
+            for consts in variants:
+                for strided in ((True, False) if full else (True,)):
+                    sig = signature(ty)
+                    tag = "_".join(f"{k.lower()}{int(v)}" for k, v in consts.items())
+                    specs.append(KernelSpec(
+                        f"cl_{name}_{ty}{'_tf32' if prec == 'tf32' else ''}_{tag}{'' if strided else '_s1'}", fn,
+                        sig, dict(base, **consts), divisible_by_16=_aligned(sig, strided), **launch))
     return specs
 
 
-def _aligned(sig: dict) -> tuple:
-    # pointers come from the caching allocator (256-byte aligned); strides are not assumed divisible
-    return tuple(k for k, v in sig.items() if v.startswith("*"))
+def _aligned(sig: dict, strides: bool) -> tuple:
+    # pointers come from the caching allocator (256-byte aligned); row strides equal d
+    return tuple(k for k, v in sig.items() if v.startswith("*") or (strides and k.startswith("stride_")))

@@ -147,17 +147,17 @@ def _compute_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
-def _kernel_fwd(z1, z2, z3, temperature, hnw, margin, hw, symmetric, offset, backend):
+def _kernel_fwd(z1, z2, z3, temperature, hnw, margin, hw, symmetric, offset, backend, track_hardest):
     if backend == "cpu":
         cdt = _compute_dtype(z1.dtype)  # the C++ kernel is float/double: half inputs are upcast (O(N·d))
         z3c = None if z3 is None else z3.to(cdt).contiguous()
         return tuple(torch.ops.fastprompt.contrastive_loss_cpu_fwd(
             z1.to(cdt).contiguous(), z2.to(cdt).contiguous(), z3c, temperature, hnw, margin, hw, symmetric,
-            offset))
+            offset, track_hardest))
     if backend == "triton":
         from fastprompt.kernels import contrastive_loss as tk
 
-        return tk.forward(z1, z2, z3, temperature, hnw, margin, hw, symmetric, offset)
+        return tk.forward(z1, z2, z3, temperature, hnw, margin, hw, symmetric, offset, track_hard=track_hardest)
     raise ValueError(f"unknown kernel backend {backend!r}")
 
 
@@ -181,16 +181,17 @@ def _kernel_bwd(grad, z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx, tem
 @torch.library.custom_op("fastprompt::contrastive_loss_fwd", mutates_args=())
 def _op_fwd(z1: torch.Tensor, z2: torch.Tensor, z3: Optional[torch.Tensor], temperature: float,
             hard_negative_weight: float, hinge_margin: float, hinge_weight: float, symmetric: bool,
-            positive_offset: int, backend: str
+            positive_offset: int, backend: str, track_hardest: bool
             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row_loss, lse, lse_sym, pos_sim, hard_sim, hard_idx); lse_sym has 0 rows unless symmetric."""
+    """(row_loss, lse, lse_sym, pos_sim, hard_sim, hard_idx); lse_sym has 0 rows unless symmetric; the
+    hardest-negative outputs are NaN / -1 unless track_hardest (always tracked when hinge_weight != 0)."""
     return _kernel_fwd(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge_weight, symmetric,
-                       positive_offset, backend)
+                       positive_offset, backend, track_hardest or hinge_weight != 0.0)
 
 
 @_op_fwd.register_fake
 def _op_fwd_fake(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge_weight, symmetric,
-                 positive_offset, backend):
+                 positive_offset, backend, track_hardest):
     n, cdt = z1.shape[0], _compute_dtype(z1.dtype)
     vec = lambda k: z1.new_empty((k,), dtype=cdt)  # noqa: E731
     return (vec(n), vec(n), vec(n if symmetric else 0), vec(n), vec(n),
@@ -220,7 +221,7 @@ def _setup_context(ctx, inputs, output):
     z1, z2, z3, *params = inputs
     _, lse, lse_sym, pos_sim, hard_sim, hard_idx = output
     ctx.save_for_backward(z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx)
-    ctx.params = params
+    ctx.params = params[:-1]  # all but track_hardest, in the order _op_bwd takes them
     ctx.has_z3 = z3 is not None
     ctx.mark_non_differentiable(lse, lse_sym, pos_sim, hard_sim, hard_idx)
 
@@ -231,7 +232,7 @@ def _backward(ctx, grad_rows, *unused):
         grad_rows = lse.new_zeros(lse.shape)
     d1, d2, d3 = _op_bwd(grad_rows.contiguous(), z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx,
                          *ctx.params)
-    return (d1, d2, d3 if ctx.has_z3 else None) + (None,) * len(ctx.params)
+    return (d1, d2, d3 if ctx.has_z3 else None) + (None,) * (len(ctx.params) + 1)
 
 
 _op_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -292,7 +293,7 @@ def contrastive_loss(
         return contrastive_loss_reference(z1, z2, z3, reduction=reduction, return_stats=return_stats, **kw)
     rows, lse, lse_sym, pos_sim, hard_sim, hard_idx = _op_fwd(
         z1, z2, z3, kw["temperature"], kw["hard_negative_weight"], kw["hinge_margin"], kw["hinge_weight"],
-        kw["symmetric"], kw["positive_offset"], be)
+        kw["symmetric"], kw["positive_offset"], be, bool(return_stats))
     loss = rows.mean() if reduction == "mean" else rows.sum() if reduction == "sum" else rows
     if not return_stats:
         return loss

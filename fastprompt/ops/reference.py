@@ -59,12 +59,13 @@ def contrastive_loss_reference(
         lse_sym = torch.logsumexp(sym_logits, dim=1)
         loss = 0.5 * (loss + lse_sym - sym_logits.diagonal())
     pos_sim = sim[rows, pos]
-    not_pos = torch.ones_like(sim, dtype=torch.bool)
-    not_pos[rows, pos] = False
-    hard_sim, hard_idx = sim.masked_fill(~not_pos, float("-inf")).max(dim=1)
-    hinge = torch.relu(hinge_margin + hard_sim - pos_sim)
+    hard_sim = hard_idx = None
+    if hinge_weight != 0.0 or return_stats:  # the hardest negative costs another N x M pass
+        is_pos = torch.zeros_like(sim, dtype=torch.bool)
+        is_pos[rows, pos] = True
+        hard_sim, hard_idx = sim.masked_fill(is_pos, float("-inf")).max(dim=1)
     if hinge_weight != 0.0:
-        loss = loss + hinge_weight * hinge
+        loss = loss + hinge_weight * torch.relu(hinge_margin + hard_sim - pos_sim)
     if reduction == "mean":
         loss = loss.mean()
     elif reduction == "sum":

@@ -1,0 +1,303 @@
+"""fastprompt.ops.contrastive_loss: the reference against the papers' formulas, the C++ CPU kernel against
+the reference (loss, statistics and every gradient), the torch.library registration, the errors."""
+import importlib
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from fastprompt.ops import _cpp, contrastive_loss
+from fastprompt.ops.reference import contrastive_loss_reference
+
+# the module (fastprompt.ops.contrastive_loss is shadowed by the function of the same name)
+cl_mod = importlib.import_module("fastprompt.ops.contrastive_loss")
+
+needs_cpp = pytest.mark.skipif(not _cpp.available(), reason="fastprompt._C (the C++ extension) is not built")
+
+
+def make_inputs(n, m2, d, z3, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    zs = [torch.randn(n, d, generator=g, dtype=dtype), torch.randn(m2, d, generator=g, dtype=dtype)]
+    if z3:
+        zs.append(torch.randn(m2, d, generator=g, dtype=dtype))
+    return [z.requires_grad_() for z in zs]
+
+
+def loss_and_grads(zs, backend, seed=1, **kw):
+    """Loss, stats and the gradients of sum(loss * random weights) (covers reduction='none' fully)."""
+    for z in zs:
+        z.grad = None
+    loss, stats = contrastive_loss(*zs, backend=backend, return_stats=True, **kw)
+    w = torch.rand(loss.shape, generator=torch.Generator().manual_seed(seed), dtype=loss.dtype) + 0.5
+    (loss * w).sum().backward()
+    return loss.detach(), stats, [z.grad.clone() for z in zs]
+
+
+def assert_matches(zs, backend, atol=1e-5, rtol=1e-5, check_index=True, **kw):
+    ref = loss_and_grads(zs, "reference", **kw)
+    out = loss_and_grads(zs, backend, **kw)
+    torch.testing.assert_close(out[0], ref[0], atol=atol, rtol=rtol)
+    for name in ("lse", "pos_sim", "hardest_neg_sim"):
+        torch.testing.assert_close(getattr(out[1], name), getattr(ref[1], name), atol=atol, rtol=rtol, msg=name)
+    if kw.get("symmetric"):
+        torch.testing.assert_close(out[1].lse_sym, ref[1].lse_sym, atol=atol, rtol=rtol)
+    if check_index:
+        assert torch.equal(out[1].hardest_neg_index, ref[1].hardest_neg_index)
+    for i, (a, b) in enumerate(zip(out[2], ref[2])):
+        torch.testing.assert_close(a, b, atol=atol, rtol=rtol, msg=f"grad of z{i + 1}")
+    return ref, out
+
+
+# ------------------------------------------------------------------------------------------------
+# the reference is the papers' loss
+
+
+@pytest.mark.parametrize("hard_negative_weight", [0.0, 0.7])
+def test_reference_matches_simcse_and_promcse_formulas(hard_negative_weight):
+    """SimCSE: CE over cos/temp (+ weight on the z3 block); PromCSE cl_forward: MarginRankingLoss between
+    the positive and the max over the masked [z1·z2 | z1·z3] cosines, total = CE + w * hinge."""
+    z1, z2, z3 = make_inputs(12, 12, 20, True)
+    temp, margin, weight = 0.05, 0.2, 10.0
+    cos = F.cosine_similarity(z1[:, None], torch.cat([z2, z3])[None], dim=-1)
+    logits = cos / temp
+    logits = logits + torch.cat([torch.zeros(12), torch.full((12,), hard_negative_weight)])
+    ce = F.cross_entropy(logits, torch.arange(12))
+    pos = cos.diagonal()[:, None]
+    masked = torch.cat([cos[:, :12] - 1e9 * torch.eye(12), cos[:, 12:]], 1)
+    hardest = masked.max(1, keepdim=True)[0]
+    eh = torch.nn.MarginRankingLoss(margin=margin)(pos, hardest, torch.ones_like(pos))
+    expected = ce + weight * eh
+    got = contrastive_loss_reference(z1, z2, z3, temperature=temp, hard_negative_weight=hard_negative_weight,
+                                     hinge_margin=margin, hinge_weight=weight)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-6)
+    g_exp = torch.autograd.grad(expected, [z1, z2, z3])
+    g_got = torch.autograd.grad(got, [z1, z2, z3])
+    for a, b in zip(g_got, g_exp):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
+
+
+def test_reference_symmetric_is_the_clip_average():
+    z1, z2 = make_inputs(9, 9, 7, False)
+    s = F.normalize(z1, dim=-1) @ F.normalize(z2, dim=-1).T / 0.1
+    labels = torch.arange(9)
+    expected = 0.5 * (F.cross_entropy(s, labels) + F.cross_entropy(s.T, labels))
+    got = contrastive_loss_reference(z1, z2, temperature=0.1, symmetric=True)
+    torch.testing.assert_close(got, expected, atol=1e-6, rtol=1e-6)
+
+
+def test_reference_gathered_columns_equal_the_square_loss_rows():
+    """The rows of a process (offset into all-gathered columns) get the losses of the full square batch."""
+    z1, z2, z3 = make_inputs(12, 12, 8, True)
+    full = contrastive_loss_reference(z1, z2, z3, reduction="none", hinge_weight=2.0, hard_negative_weight=0.3)
+    part = contrastive_loss_reference(z1[4:8], z2, z3, reduction="none", hinge_weight=2.0, hard_negative_weight=0.3,
+                                      positive_offset=4)
+    torch.testing.assert_close(part, full[4:8], atol=1e-6, rtol=1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# C++ kernel against the reference
+
+CPU_CASES = [
+    # n, m2, d, z3, offset, options
+    (1, 1, 5, True, 0, dict(hinge_weight=1.0)),
+    (1, 4, 3, False, 2, dict()),
+    (2, 2, 1, False, 0, dict(symmetric=True)),
+    (7, 7, 13, True, 0, dict(hinge_weight=10.0, hard_negative_weight=0.5)),
+    (129, 129, 97, False, 0, dict(symmetric=True, hinge_weight=3.0, reduction="sum")),
+    (130, 300, 64, True, 77, dict(symmetric=True, hinge_weight=10.0, hard_negative_weight=-0.4, reduction="none")),
+    (257, 257, 1024, True, 0, dict(hinge_weight=10.0, hinge_margin=0.5)),
+    (300, 300, 33, False, 0, dict(temperature=1.0)),
+    (2049, 2049, 17, True, 0, dict(hinge_weight=10.0, symmetric=True)),
+]
+
+
+@needs_cpp
+@pytest.mark.parametrize("n,m2,d,z3,offset,kw", CPU_CASES)
+def test_cpu_matches_reference(n, m2, d, z3, offset, kw):
+    assert_matches(make_inputs(n, m2, d, z3), "cpu", positive_offset=offset, **kw)
+
+
+@needs_cpp
+@pytest.mark.parametrize("temperature", [1e-3, 20.0])
+def test_cpu_extreme_temperatures(temperature):
+    # float64: exact agreement; float32: the loss's sensitivity to a cosine error grows as 1/temperature
+    assert_matches(make_inputs(70, 70, 40, True, dtype=torch.float64), "cpu", atol=1e-9, rtol=1e-9,
+                   temperature=temperature, hinge_weight=5.0, symmetric=True)
+    tol = 1e-5 * max(1.0, 0.05 / temperature)
+    assert_matches(make_inputs(70, 70, 40, True), "cpu", atol=tol, rtol=tol, temperature=temperature,
+                   hinge_weight=5.0)
+
+
+@needs_cpp
+def test_cpu_half_inputs_are_computed_in_float32():
+    zs = make_inputs(40, 40, 24, True, dtype=torch.bfloat16)
+    ref, out = assert_matches(zs, "cpu", atol=1e-2, rtol=1e-2, check_index=False, hinge_weight=1.0)
+    assert out[0].dtype == torch.float32 and all(g.dtype == torch.bfloat16 for g in out[2])
+
+
+def tied_inputs(dtype=torch.float32):
+    """Integer-valued rows: every dot product is exact, so duplicated columns give bitwise equal cosines."""
+    g = torch.Generator().manual_seed(3)
+    z1 = torch.randint(-3, 4, (10, 6), generator=g).to(dtype)
+    z2 = torch.randint(-3, 4, (10, 6), generator=g).to(dtype)
+    z3 = torch.randint(-3, 4, (10, 6), generator=g).to(dtype)
+    z2[7] = z2[2]  # duplicate in-batch columns
+    z3[4] = z2[2]  # and a hard negative equal to them
+    z3[0] = z3[9]
+    z1[5] = z1[1]  # duplicate anchors
+    z1[z1.norm(dim=1) == 0, 0] = 1.0
+    return [z.requires_grad_() for z in (z1, z2, z3)]
+
+
+def check_ties(backend):
+    zs = tied_inputs()
+    kw = dict(hinge_weight=10.0, hinge_margin=2.0)  # a margin of 2 keeps every hinge active
+    loss, stats, grads = loss_and_grads(zs, backend, **kw)
+    ref = loss_and_grads(zs, "reference", **kw)
+    torch.testing.assert_close(loss, ref[0], atol=1e-5, rtol=1e-5)
+    # the rule: the lowest column index among the exact maxima (positive excluded)
+    cols = torch.cat([zs[1], zs[2]]).detach().double()
+    cos = F.normalize(zs[0].detach().double(), dim=-1) @ F.normalize(cols, dim=-1).T
+    cos[torch.arange(10), torch.arange(10)] = -2
+    best = cos.max(1, keepdim=True)[0]
+    expected_idx = torch.where(cos >= best - 1e-12, torch.arange(20), 99).min(1)[0]
+    assert torch.equal(stats.hardest_neg_index, expected_idx)
+    # gradients agree up to which of identical columns receives the hinge: compare column-group sums
+    torch.testing.assert_close(grads[0], ref[2][0], atol=1e-5, rtol=1e-5)
+    dcols, dref = torch.cat(grads[1:]), torch.cat(ref[2][1:])
+    for group in ([2, 7, 14], [10, 19]):
+        torch.testing.assert_close(dcols[group].sum(0), dref[group].sum(0), atol=1e-5, rtol=1e-5)
+    others = [j for j in range(20) if j not in (2, 7, 14, 10, 19)]
+    torch.testing.assert_close(dcols[others], dref[others], atol=1e-5, rtol=1e-5)
+
+
+@needs_cpp
+def test_cpu_ties_pick_the_lowest_index():
+    check_ties("cpu")
+
+
+@needs_cpp
+def test_cpu_gradcheck_float64():
+    z1, z2, z3 = make_inputs(5, 8, 6, True, dtype=torch.float64)
+
+    def f(a, b, c):
+        return contrastive_loss(a, b, c, backend="cpu", positive_offset=2, temperature=0.3, hinge_weight=2.0,
+                                hinge_margin=0.9, hard_negative_weight=0.4, symmetric=True, reduction="none")
+
+    assert torch.autograd.gradcheck(f, (z1, z2, z3), eps=1e-6, atol=1e-7)
+
+
+@needs_cpp
+def test_cpu_zero_vector_rows():
+    """A zero row has cosine 0 with everything (norm floored at eps, as F.normalize): finite, same grads."""
+    zs = make_inputs(6, 6, 5, True)
+    with torch.no_grad():
+        zs[0][2] = 0.0
+        zs[1][4] = 0.0
+    assert_matches(zs, "cpu", hinge_weight=1.0)
+
+
+@needs_cpp
+def test_cpu_backward_is_deterministic():
+    zs = make_inputs(300, 300, 48, True)
+    a = loss_and_grads(zs, "cpu", hinge_weight=1.0)[2]
+    b = loss_and_grads(zs, "cpu", hinge_weight=1.0)[2]
+    assert all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+# ------------------------------------------------------------------------------------------------
+# registration: one opaque node for torch.compile, fake tensors, autograd
+
+
+@needs_cpp
+def test_opcheck_forward_op():
+    z1, z2, z3 = make_inputs(6, 9, 5, True)
+    args = (z1, z2, z3, 0.1, 0.3, 0.2, 2.0, True, 1, "cpu", False)
+    torch.library.opcheck(torch.ops.fastprompt.contrastive_loss_fwd.default, args)
+
+
+@needs_cpp
+def test_torch_compile_sees_one_opaque_node():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    def f(a, b, c):
+        return contrastive_loss(a, b, c, backend="cpu", hinge_weight=1.0)
+
+    zs = make_inputs(16, 16, 8, True)
+    compiled = torch.compile(f, backend=backend, fullgraph=True)
+    out = compiled(*zs)
+    assert len(graphs) == 1
+    targets = [n.target for n in graphs[0].graph.nodes if n.op == "call_function"]
+    assert targets.count(torch.ops.fastprompt.contrastive_loss_fwd.default) == 1
+    assert not any("mm" in str(t) or "logsumexp" in str(t) for t in targets)
+    torch.testing.assert_close(out, f(*zs))
+    grads = torch.autograd.grad(out, zs)
+    ref = torch.autograd.grad(contrastive_loss(*zs, backend="reference", hinge_weight=1.0), zs)
+    for a, b in zip(grads, ref):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_auto_falls_back_to_reference_with_one_warning(monkeypatch, caplog):
+    monkeypatch.setattr(_cpp, "_state", {"tried": True, "module": None, "error": ImportError("not built"),
+                                         "warned": False})
+    zs = make_inputs(8, 8, 4, True)
+    with caplog.at_level(logging.WARNING, logger="fastprompt.ops._cpp"):
+        a = contrastive_loss(*zs, hinge_weight=1.0)
+        b = contrastive_loss(*zs, hinge_weight=1.0)
+    warnings = [r for r in caplog.records if "falls back" in r.getMessage()]
+    assert len(warnings) == 1 and "not built" in warnings[0].getMessage()
+    expected = contrastive_loss_reference(*zs, hinge_weight=1.0)
+    torch.testing.assert_close(a, expected)
+    torch.testing.assert_close(b, expected)
+    with pytest.raises(RuntimeError, match="fastprompt._C"):
+        contrastive_loss(*zs, backend="cpu")
+
+
+@needs_cpp
+def test_auto_on_cpu_uses_the_cpp_kernel(monkeypatch):
+    calls = []
+    real = cl_mod._kernel_fwd
+    monkeypatch.setattr(cl_mod, "_kernel_fwd", lambda *a: calls.append(a[9]) or real(*a))
+    contrastive_loss(*make_inputs(4, 4, 3, False))
+    assert calls == ["cpu"]
+
+
+# ------------------------------------------------------------------------------------------------
+# errors
+
+
+@pytest.mark.parametrize("make,kw,match", [
+    (lambda: (torch.randn(4, 3), torch.randn(4, 5)), {}, "dim 5"),
+    (lambda: (torch.randn(4), torch.randn(4, 3)), {}, "2-D"),
+    (lambda: (torch.randn(4, 3), torch.randn(3, 3)), {}, "at least as many rows"),
+    (lambda: (torch.randn(4, 3), torch.randn(4, 3), torch.randn(5, 3)), {}, "z3 must have as many rows"),
+    (lambda: (torch.randn(1, 3), torch.randn(1, 3)), {}, "at least 2 columns"),
+    (lambda: (torch.randn(1, 3), torch.randn(3, 3)), dict(symmetric=True), "symmetric"),
+    (lambda: (torch.randn(2, 3), torch.randn(4, 3)), dict(positive_offset=3), "positive_offset"),
+    (lambda: (torch.randn(2, 3), torch.randn(2, 3, dtype=torch.float64)), {}, "float64"),
+    (lambda: (torch.randint(0, 3, (2, 3)), torch.randn(2, 3)), {}, "floating-point"),
+    (lambda: (torch.tensor([[1.0, float("nan")], [0.0, 1.0]]), torch.randn(2, 2)), {}, "NaN or Inf"),
+    (lambda: (torch.randn(2, 2), torch.tensor([[1.0, float("inf")], [0.0, 1.0]])), {}, "z2 contains NaN"),
+    (lambda: (torch.randn(2, 3), torch.randn(2, 3)), dict(reduction="avg"), "reduction"),
+    (lambda: (torch.randn(2, 3), torch.randn(2, 3)), dict(backend="cuda"), "backend"),
+    (lambda: (torch.randn(2, 3), torch.randn(2, 3)), dict(temperature=0.0), "temperature"),
+    (lambda: (torch.randn(2, 3), torch.randn(2, 3)), dict(hinge_weight=float("nan")), "hinge_weight"),
+    (lambda: (torch.randn(2, 3), torch.randn(2, 3)), dict(hinge_weight=-1.0), "hinge_weight"),
+])
+def test_bad_input_raises_value_error(make, kw, match):
+    with pytest.raises(ValueError, match=match):
+        contrastive_loss(*make(), **kw)
+
+
+def test_stats_shapes_and_dtypes():
+    zs = make_inputs(5, 7, 3, True)
+    loss, stats = contrastive_loss(*zs, positive_offset=2, return_stats=True, reduction="none", backend="reference")
+    assert loss.shape == (5,) and stats.lse.shape == (5,) and stats.hardest_neg_index.dtype == torch.int64
+    assert stats.lse_sym is None
+    assert ((stats.hardest_neg_index >= 0) & (stats.hardest_neg_index < 14)).all()
+    assert not (stats.hardest_neg_index == torch.arange(5) + 2).any()  # never the positive

@@ -1,0 +1,84 @@
+"""Ahead-of-time compilation of the contrastive-loss Triton kernels for sm_80 and sm_90 (no GPU needed):
+zero register spills and shared memory within the per-block limit (232448 B on sm_90, 166912 B on sm_80).
+
+CI compiles the representative subset of ``aot_specs()`` (the register-heaviest variant of each kernel for
+fp16 and fp32); the slow test (and ``python -m fastprompt.kernels.aot fastprompt.kernels.contrastive_loss
+--cc 80 90 --full``) compiles every specialisation the launchers can produce.
+"""
+import importlib
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from fastprompt.kernels import aot  # noqa: E402
+
+tk = importlib.import_module("fastprompt.kernels.contrastive_loss")
+MODULE = "fastprompt.kernels.contrastive_loss"
+FLAGS = ("NSEG", "TRACK_HARD", "SYMMETRIC", "SEG")
+
+
+def assert_all_fit(rows, specs):
+    assert len(rows) == 2 * len(specs)
+    assert {r.cc for r in rows} == {80, 90}
+    assert {r.name for r in rows} == {s.name for s in specs}
+    bad = [r for r in rows if not r.fits]
+    assert not bad, "kernels that spill or exceed shared memory:\n" + aot.format_table(bad)
+    assert all(r.n_regs > 0 and r.shared > 0 and r.shared <= aot.SHARED_MEM_LIMIT[r.cc] for r in rows)
+
+
+def test_ci_specialisations_fit_sm80_and_sm90():
+    assert_all_fit(aot.check_module(MODULE, ccs=(80, 90)), tk.aot_specs())
+
+
+@pytest.mark.slow
+def test_every_specialisation_fits_sm80_and_sm90():
+    assert_all_fit(aot.check_module(MODULE, ccs=(80, 90), full=True), tk.aot_specs(full=True))
+
+
+class _Recorder:
+    """Stands in for a kernel: records the flag constexprs of each launch, then runs the real kernel."""
+
+    def __init__(self, name, kernel, launches):
+        self.name, self.kernel, self.launches = name, kernel, launches
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launches.add((self.name, tuple(sorted((k, v) for k, v in kwargs.items() if k in FLAGS))))
+            return self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+@pytest.mark.skipif(not tk.interpreting(), reason="records launches through the interpreter")
+def test_spec_list_covers_every_launch_configuration(monkeypatch):
+    """Every (kernel, flags) the launchers produce, for every dtype / dot precision, has a full spec with
+    the launch configuration the CUDA path uses."""
+    fn_name = {id(getattr(tk, n)): n for n in ("_fwd_kernel", "_bwd_rows_kernel", "_bwd_cols_kernel")}
+    specs = {(fn_name[id(s.fn)], s.constexprs["UPCAST"], s.constexprs["DOT_PREC"],
+              tuple(sorted((k, v) for k, v in s.constexprs.items() if k in FLAGS)),
+              tuple(sorted((k, v) for k, v in s.constexprs.items() if k.startswith("BLOCK_"))),
+              s.num_warps, s.num_stages, s.maxnreg, "stride_x" in s.divisible_by_16 or "stride_z1" in s.divisible_by_16)
+             for s in tk.aot_specs(full=True)}
+    launches = set()
+    for name in ("_fwd_kernel", "_bwd_rows_kernel", "_bwd_cols_kernel"):
+        monkeypatch.setattr(tk, name, _Recorder(name, getattr(tk, name), launches))
+    g = torch.Generator().manual_seed(0)
+    for z3 in (False, True):
+        for symmetric in (False, True):
+            for hinge in (0.0, 1.0):
+                zs = [torch.randn(3, 4, generator=g) for _ in range(3 if z3 else 2)] + ([] if z3 else [None])
+                out = tk.forward(*zs, 0.1, 0.0, 0.2, hinge, symmetric, 0, track_hard=hinge != 0)
+                tk.backward(torch.ones(3), *zs, *out[1:], 0.1, 0.0, 0.2, hinge, symmetric, 0)
+    assert len(launches) == 4 + 4 + 4  # fwd: segments x hardest (incl. the symmetric pass); rows, cols: 2 x 2
+    for dtype, precs in ((torch.float16, ["ieee"]), (torch.bfloat16, ["ieee"]), (torch.float32, ["ieee", "tf32"])):
+        consts, opts = tk._split(tk.config(dtype, interpret=False))
+        blocks = tuple(sorted(consts.items()))
+        for prec in precs:
+            for name, flags in launches:
+                for strided in (True, False):
+                    key = (name, dtype == torch.float32, prec, flags, blocks, opts["num_warps"], opts["num_stages"],
+                           opts["maxnreg"], strided)
+                    assert key in specs, key
+    assert {s.name for s in tk.aot_specs()} <= {s.name for s in tk.aot_specs(full=True)}

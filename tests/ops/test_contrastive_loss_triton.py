@@ -1,0 +1,109 @@
+"""The Triton kernels of contrastive_loss under the CPU interpreter (TRITON_INTERPRET=1, tests/conftest.py)
+against the plain-PyTorch reference: loss, statistics and every gradient. Grids are kept tiny (the
+interpreter costs ~20 ms per program instance); the interpreter tiles are 16 x 16 (x 32 along d), so
+the shapes below cover partial row / column / d blocks, several column tiles and both column segments."""
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytest.importorskip("triton")
+
+from fastprompt.ops import contrastive_loss  # noqa: E402
+
+tk = importlib.import_module("fastprompt.kernels.contrastive_loss")
+
+pytestmark = pytest.mark.skipif(not tk.interpreting(), reason="needs TRITON_INTERPRET=1 at import (tests/conftest.py)")
+
+
+def make_inputs(n, m2, d, z3, dtype=torch.float32, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    zs = [torch.randn(n, d, generator=g).to(dtype), torch.randn(m2, d, generator=g).to(dtype)]
+    if z3:
+        zs.append(torch.randn(m2, d, generator=g).to(dtype))
+    return [z.requires_grad_() for z in zs]
+
+
+def loss_and_grads(zs, backend, **kw):
+    for z in zs:
+        z.grad = None
+    loss, stats = contrastive_loss(*zs, backend=backend, return_stats=True, **kw)
+    w = torch.rand(loss.shape, generator=torch.Generator().manual_seed(1), dtype=loss.dtype) + 0.5
+    (loss * w).sum().backward()
+    return loss.detach(), stats, [z.grad.clone() for z in zs]
+
+
+CASES = [
+    # n, m2, d, z3, offset, options
+    (1, 1, 5, True, 0, dict(hinge_weight=1.0)),
+    (8, 8, 16, False, 0, dict()),
+    (17, 40, 33, True, 9, dict(symmetric=True, hinge_weight=10.0, hard_negative_weight=0.5, reduction="none")),
+    (33, 33, 70, True, 0, dict(hinge_weight=10.0, hard_negative_weight=-0.3)),
+    (20, 20, 1, False, 0, dict(symmetric=True)),
+    (5, 37, 100, False, 32, dict(reduction="sum", hinge_weight=2.0, hinge_margin=0.6)),
+]
+
+
+@pytest.mark.parametrize("n,m2,d,z3,offset,kw", CASES)
+def test_triton_matches_reference_fp32(n, m2, d, z3, offset, kw):
+    zs = make_inputs(n, m2, d, z3)
+    ref = loss_and_grads(zs, "reference", positive_offset=offset, **kw)
+    out = loss_and_grads(zs, "triton", positive_offset=offset, **kw)
+    torch.testing.assert_close(out[0], ref[0], atol=1e-5, rtol=1e-5)
+    for name in ("lse", "pos_sim", "hardest_neg_sim"):
+        torch.testing.assert_close(getattr(out[1], name), getattr(ref[1], name), atol=1e-5, rtol=1e-5)
+    if d > 1:  # d = 1: every cosine is +-1, the hardest negative is an arbitrary one of many exact ties
+        assert torch.equal(out[1].hardest_neg_index, ref[1].hardest_neg_index)
+    for a, b in zip(out[2], ref[2]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float16, 1e-3), (torch.bfloat16, 8e-3)])
+def test_triton_half_precision(dtype, tol):
+    """Half inputs against the reference on the same (rounded) inputs, computed in fp32 by both."""
+    zs = make_inputs(24, 24, 40, True, dtype=dtype)
+    kw = dict(hinge_weight=10.0, symmetric=True, temperature=0.1)
+    ref = loss_and_grads(zs, "reference", **kw)
+    out = loss_and_grads(zs, "triton", **kw)
+    torch.testing.assert_close(out[0], ref[0], atol=tol, rtol=tol)
+    for a, b in zip(out[2], ref[2]):
+        assert a.dtype == dtype
+        torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("temperature", [1e-3, 20.0])
+def test_triton_extreme_temperatures(temperature):
+    zs = make_inputs(20, 20, 24, True)
+    tol = 1e-5 * max(1.0, 0.05 / temperature)  # a cosine rounding error is amplified by 1 / temperature
+    ref = loss_and_grads(zs, "reference", temperature=temperature, hinge_weight=3.0)
+    out = loss_and_grads(zs, "triton", temperature=temperature, hinge_weight=3.0)
+    torch.testing.assert_close(out[0], ref[0], atol=tol, rtol=tol)
+    for a, b in zip(out[2], ref[2]):
+        torch.testing.assert_close(a, b, atol=tol, rtol=tol)
+
+
+def test_triton_ties_pick_the_lowest_index():
+    """Integer rows make every dot product exact, so duplicated columns tie bitwise across tiles."""
+    g = torch.Generator().manual_seed(3)
+    z1, z2, z3 = (torch.randint(-3, 4, (20, 6), generator=g).float() for _ in range(3))
+    z2[17] = z2[2]  # same column in another 16-wide tile
+    z3[4] = z2[2]  # and in the other segment
+    for z in (z1, z2, z3):
+        z[z.norm(dim=1) == 0, 0] = 1.0
+    _, stats = contrastive_loss(z1, z2, z3, backend="triton", return_stats=True, hinge_weight=1.0)
+    cos = F.normalize(z1.double(), dim=-1) @ F.normalize(torch.cat([z2, z3]).double(), dim=-1).T
+    cos[torch.arange(20), torch.arange(20)] = -2
+    expected = torch.where(cos >= cos.max(1, keepdim=True)[0] - 1e-12, torch.arange(40), 99).min(1)[0]
+    assert torch.equal(stats.hardest_neg_index, expected)
+
+
+def test_triton_stats_outputs_are_written_everywhere():
+    """The launchers poison outputs with NaN / -1: every row must be overwritten by the kernels."""
+    zs = [z.detach() for z in make_inputs(19, 19, 9, True)]
+    loss, lse, lse_sym, pos, hard, idx = tk.forward(*zs, 0.05, 0.0, 0.2, 1.0, True, 0)
+    for t in (loss, lse, lse_sym, pos, hard):
+        assert torch.isfinite(t).all()
+    assert (idx >= 0).all()
+    d1, d2, d3 = tk.backward(torch.ones(19), *zs, lse, lse_sym, pos, hard, idx, 0.05, 0.0, 0.2, 1.0, True, 0)
+    assert all(torch.isfinite(t).all() for t in (d1, d2, d3))
