@@ -129,8 +129,8 @@ def peak_memory_bytes(call, device) -> int:
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                epilog=__doc__.split("\n\n", 1)[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="64,128,256,512", help="comma-separated batch sizes")
     p.add_argument("--seq", type=int, default=32, help="S, tokens per sentence")
     p.add_argument("--prefix", type=int, default=16, help="P, prefix length")
@@ -178,7 +178,8 @@ def main(argv=None):
             ref = point.get("sdpa_concat")
             for r in point.values():
                 r["time_vs_sdpa"] = round(r["median_ms"] / ref["median_ms"], 3) if ref else None
-                r["mem_vs_sdpa"] = round(r["peak_mem_mb"] / ref["peak_mem_mb"], 3) if ref and ref["peak_mem_mb"] else None
+                has_mem = ref and ref["peak_mem_mb"]
+                r["mem_vs_sdpa"] = round(r["peak_mem_mb"] / ref["peak_mem_mb"], 3) if has_mem else None
                 rows.append(r)
     out_path.parent.mkdir(parents=True, exist_ok=True)
     with open(out_path, "w", newline="") as fh:

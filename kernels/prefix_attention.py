@@ -21,8 +21,8 @@ Dropout keeps probability ``(b, h, i, j)`` iff ``philox(seed; i*(P+S)+j, b*H+h, 
 function of (seed, position), so the backward regenerates the forward mask and the same seed replays it.
 
 ``UPCAST`` converts every loaded tile to fp32: the Triton CPU interpreter computes bf16 on the raw bits,
-so the host sets it when interpreting bf16. ``DOT_PREC`` is tl.dot's ``input_precision`` (it only matters
-for fp32 inputs: "ieee" unless torch allows TF32 matmuls).
+so the host sets it when interpreting bf16. ``DOT_PREC`` is tl.dot's ``input_precision``: "ieee" (exact
+products, like the reference) for fp32 inputs; fp16/bf16 operands ignore it.
 
 Rows without any visible key (possible only with P = 0 and an all-padding example) output zeros and get
 log-sum-exp ``-inf``; their backward contributes nothing.
@@ -38,8 +38,6 @@ import triton
 import triton.language as tl
 
 from .aot import KernelSpec
-
-LOG2E = 1.4426950408889634
 
 # ------------------------------------------------------------------------------------------------
 # device helpers
@@ -363,10 +361,17 @@ class Config:
     num_warps: int
     num_stages: int = 2
 
+    @property
+    def maxnreg(self) -> int:
+        # An explicit register bound (PTX .maxnreg, the register file shared by one CTA's threads, at most 255):
+        # without one ptxas may pick an occupancy-driven count (e.g. 128 with 8 warps) and spill a few words.
+        return min(255, 65536 // (32 * self.num_warps))
+
 
 def config(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout: bool) -> Config:
-    """The tiles each kernel is launched with (chosen so that no specialisation spills on sm_80/sm_90:
-    see ``aot_specs`` and the AOT test). Small sequences (S <= 32, BERT-style sentences) get 32-row tiles."""
+    """The tiles each kernel is launched with (chosen, with ``Config.maxnreg``, so that no specialisation
+    spills on sm_80/sm_90: see ``aot_specs`` and the AOT test). Short sequences (S <= 32, BERT-style
+    sentences) get 32-row tiles."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     bd = max(32, triton.next_power_of_2(D))
@@ -383,8 +388,8 @@ def config(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout: boo
         return Config(big, bn, 16 if P <= 16 else bn, bd, 4)
     if kernel == "bwd_dq":
         return Config(big, 32, bp, bd, warps)
-    if kernel == "bwd_dkdv":
-        return Config(32, big, 16, bd, warps)
+    if kernel == "bwd_dkdv":  # 64 key rows with dropout spill on sm_80 (mma.sync accumulators + Philox state)
+        return Config(32, 32 if dropout else big, 16, bd, warps)
     return Config(32, 32, bp, bd, warps)
 
 
@@ -467,7 +472,7 @@ def _constexprs(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout
         del consts["BLOCK_P"]
     elif kernel == "bwd_prefix":
         del consts["BLOCK_N"]
-    return consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
 
 
 def _upcast(dtype: torch.dtype) -> bool:
@@ -604,8 +609,8 @@ def aot_specs(full: bool = False) -> list[KernelSpec]:
 
 _KERNEL_FNS = {"fwd": _fwd_kernel, "bwd_dq": _bwd_dq_kernel, "bwd_dkdv": _bwd_dkdv_kernel,
                "bwd_prefix": _bwd_prefix_kernel}
-_RUNTIME_TYPES = {"sm_scale": "fp32", "dropout_p": "fp32", "PIDX": "*i64", "ORDER": "*i32", "SEG": "*i32", "MASK": "*u8", "LSE": "*fp32",
-                  "DELTA": "*fp32", "DPK": "*fp32", "DPV": "*fp32"}
+_RUNTIME_TYPES = {"sm_scale": "fp32", "dropout_p": "fp32", "PIDX": "*i64", "ORDER": "*i32", "SEG": "*i32",
+                  "MASK": "*u8", "LSE": "*fp32", "DELTA": "*fp32", "DPK": "*fp32", "DPV": "*fp32"}
 
 
 def _signature(kernel: str, ty: str) -> dict:

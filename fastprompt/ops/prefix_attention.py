@@ -13,14 +13,16 @@ Backends:
                  tiles then the token tiles; the backward recomputes from the saved log-sum-exp; prefix
                  gradients are per-program partial sums reduced in a fixed order). On CPU tensors this
                  runs the Triton interpreter (``TRITON_INTERPRET=1`` before the kernels are imported).
-``"cpu"``        PyTorch composite, fastest measured on CPU: the fused CPU flash-attention kernel over an
-                 on-the-fly concatenation (dropout 0, P >= 1), else a segment-wise matmul path that never
-                 concatenates K/V. Runs on any device (it is the CUDA fallback for D > 128 or float64).
-``"reference"``  :func:`fastprompt.ops.reference.prefix_attention_reference` (explicit concatenation, autograd).
+``"cpu"``        a composite of aten ops, the fastest we measured on CPU: SDPA (the fused CPU
+                 flash-attention kernel, forward and backward) over an on-the-fly concatenation, or eager
+                 attention with the seeded mask when dropout is on; autograd differentiates it. It runs on
+                 any device (the CUDA fallback for float64 or D > 128).
+``"reference"``  :func:`fastprompt.ops.reference.prefix_attention_reference` (explicit concatenation, float32).
 ``"auto"``       CUDA -> "triton" (when supported), otherwise "cpu".
 
-"triton" and "cpu" are one ``torch.library`` custom op (``fastprompt::prefix_attention_fwd`` / ``_bwd``
-with fake implementations and a registered autograd formula), so ``torch.compile`` sees a single node.
+"triton" is one ``torch.library`` custom op (``fastprompt::prefix_attention_fwd`` / ``_bwd`` with fake
+implementations and a registered autograd formula), so ``torch.compile`` keeps it as a single opaque node;
+the "cpu" composite is traced through (and can be fused) like any aten code.
 
 Dropout acts on the attention probabilities. Its mask is a pure function of ``seed`` and the position:
 the same seed reproduces the same mask exactly (the gradient cache replays forwards). ``seed=None`` with
@@ -33,7 +35,7 @@ sees the prefix, so a fully padded example simply attends to the prompt: finite 
 """
 from __future__ import annotations
 
-import functools
+import importlib.util
 from typing import Optional
 
 import torch
@@ -94,8 +96,12 @@ def prefix_attention(
     if resolved == "reference":
         return prefix_attention_reference(q, k, v, prefix_k, prefix_v, mask, scale=scale, dropout_p=dropout_p,
                                           seed=seed, prompt_index=prompt_index)
-    out, _, _ = torch.ops.fastprompt.prefix_attention_fwd(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale,
-                                                          dropout_p, seed, resolved)
+    if resolved == "cpu":
+        if prompt_index is not None:
+            _check_prompt_index(prompt_index, prefix_k.shape[0])
+        return _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed)
+    out, _ = torch.ops.fastprompt.prefix_attention_fwd(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale,
+                                                       dropout_p, seed)
     return out
 
 
@@ -104,15 +110,8 @@ def draw_seed() -> int:
     return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
 
 
-@functools.lru_cache(maxsize=None)
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-
-        from fastprompt.kernels import prefix_attention  # noqa: F401
-    except ImportError:
-        return False
-    return True
+# Whether triton is installed (checked once, without importing it: resolve_backend runs inside torch.compile).
+_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
 
 
 def resolve_backend(backend: str, q: torch.Tensor) -> str:
@@ -121,12 +120,12 @@ def resolve_backend(backend: str, q: torch.Tensor) -> str:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     triton_ok = q.dtype in _TRITON_DTYPES and q.shape[-1] <= _MAX_TRITON_HEAD_DIM
     if backend == "auto":
-        return "triton" if (q.is_cuda and triton_ok and _triton_available()) else "cpu"
+        return "triton" if (q.is_cuda and triton_ok and _TRITON_INSTALLED) else "cpu"
     if backend == "triton":
         if not triton_ok:
             raise ValueError(f"backend='triton' supports {_TRITON_DTYPES} and head dims <= {_MAX_TRITON_HEAD_DIM}; "
                              f"got {q.dtype} with D = {q.shape[-1]} (use backend='cpu' or 'auto')")
-        if not _triton_available():
+        if not _TRITON_INSTALLED:
             raise ValueError("backend='triton' needs the triton package (pip install triton)")
         if not q.is_cuda:
             from fastprompt.kernels.prefix_attention import interpreting
@@ -199,58 +198,7 @@ def _check_prompt_index(prompt_index: Optional[torch.Tensor], T: int) -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# the "cpu" backend: PyTorch composite with an explicit backward (saves only out + log-sum-exp)
-
-_flash_fwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_bwd = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
-
-
-def _per_example_prefix(prefix: torch.Tensor, prompt_index, B: int) -> torch.Tensor:
-    """(B, H, P, D): an expand (no copy) of a shared prefix, or the gather of each example's prompt."""
-    if prefix.dim() == 3:
-        return prefix.unsqueeze(0).expand(B, -1, -1, -1)
-    return prefix[prompt_index]
-
-
-def _use_flash(q, P, dropout_p) -> bool:
-    # The fused CPU kernel has no dropout, and with P = 0 a fully padded row would have no visible key.
-    return q.device.type == "cpu" and dropout_p == 0.0 and P > 0
-
-
-def _concat(q, k, v, prefix_k, prefix_v, mask, prompt_index):
-    """[prefix ; tokens] keys and values stacked as one contiguous (2, B, H, P + S, D) tensor, and the
-    additive mask (B, 1, 1, P + S). (Contiguous (B, H, L, D) keys/values are what the CPU flash backward
-    runs fastest on: a (B, L, H, D)-strided build made it markedly slower.)"""
-    B, H, S, D = k.shape
-    P = prefix_k.shape[-2]
-    kv = torch.empty((2, B, H, P + S, D), dtype=k.dtype, device=k.device)
-    for i, (tokens, prefix) in enumerate(((k, prefix_k), (v, prefix_v))):
-        kv[i, :, :, P:] = tokens
-        kv[i, :, :, :P] = prefix if prefix.dim() == 3 else prefix[prompt_index]
-    bias = q.new_zeros(B, 1, 1, P + S)
-    if mask is not None:
-        bias[:, 0, 0, P:].masked_fill_(~mask, float("-inf"))
-    return kv, bias
-
-
-def _reduce_prefix_grad(grad: torch.Tensor, prefix: torch.Tensor, prompt_index) -> torch.Tensor:
-    """(B, H, P, D) per-example prefix gradient -> prefix's shape: a deterministic sum over the batch
-    (per prompt: a one-hot matmul, which has a fixed reduction order unlike index_add_ on CUDA)."""
-    if prefix.dim() == 3:
-        return grad.sum(0).to(prefix.dtype)
-    onehot = torch.nn.functional.one_hot(prompt_index, prefix.shape[0]).to(grad.dtype)  # (B, T)
-    return (onehot.t() @ grad.flatten(1)).view(prefix.shape).to(prefix.dtype)
-
-
-def _segment_scores(q, k, pk, scale, mask):
-    """Scores over [prefix ; tokens] as one (B, H, S, P + S) tensor, computed per segment (the prefix
-    product broadcasts over the batch; K/V are never concatenated)."""
-    qs = q * scale
-    s = torch.cat([torch.matmul(qs, pk.transpose(-1, -2)), torch.matmul(qs, k.transpose(-1, -2))], -1)
-    if mask is not None:
-        P = pk.shape[-2]
-        s[..., P:].masked_fill_(~mask[:, None, None, :], float("-inf"))
-    return s
+# the "cpu" backend: a composite of differentiable aten ops
 
 
 def _cpu_compute_dtype(dtype):
@@ -259,172 +207,132 @@ def _cpu_compute_dtype(dtype):
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _bshd_like(x: torch.Tensor) -> torch.Tensor:
-    """x (B, H, S, D) in the transposed-(B, S, H, D) layout the custom op promises (a copy only if needed;
-    the CPU flash kernel already writes its output in the layout of q)."""
-    if x.transpose(1, 2).is_contiguous():
-        return x
-    B, H, S, D = x.shape
-    out = torch.empty((B, S, H, D), dtype=x.dtype, device=x.device).transpose(1, 2)
-    return out.copy_(x)
+def _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed):
+    """SDPA (the fused CPU flash-attention kernel forward and backward) over an on-the-fly concatenation
+    without dropout; with dropout, eager attention whose mask comes from the seed. Autograd differentiates it.
 
-
-def _no_concat():
-    return torch.empty(0)
-
-
-def _cpu_forward(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed):
-    """Returns (out, lse, kv): kv is the concatenation the backward reuses (flash path) or an empty tensor."""
+    Measured on CPU (bench/bench_prefix_attention.py and the notes in the README) this beats a custom op with
+    a hand-written backward: autograd keeps the concatenated keys/values and returns strided gradients
+    without the copies a fixed output layout costs, and the dropout path keeps its probabilities."""
     B, H, S, D = q.shape
     P = prefix_k.shape[-2]
     cd = _cpu_compute_dtype(q.dtype)
-    if _use_flash(q, P, dropout_p):
-        q32, k32, v32, pk32, pv32 = (x.to(cd) for x in (q, k, v, prefix_k, prefix_v))
-        kv, bias = _concat(q32, k32, v32, pk32, pv32, mask, prompt_index)
-        out, lse = _flash_fwd(q32, kv[0], kv[1], 0.0, False, attn_mask=bias, scale=scale)
-        return _bshd_like(out.to(q.dtype)), lse.float(), kv
-    qc, kc, vc = q.to(cd), k.to(cd), v.to(cd)
-    pk, pv = (_per_example_prefix(p, prompt_index, B).to(cd) if p.dim() == 4 else p.to(cd)
-              for p in (prefix_k, prefix_v))
-    s = _segment_scores(qc, kc, pk, scale, mask)
-    lse = torch.logsumexp(s, -1)
-    lse_safe = lse.masked_fill(torch.isinf(lse), 0.0)  # rows without any visible key -> probabilities 0
-    p = s.sub_(lse_safe[..., None]).exp_()
-    if dropout_p > 0:
-        keep = prefix_attention_dropout_mask(seed, p.shape, dropout_p, q.device)
-        p.mul_(keep).mul_(1.0 / (1.0 - dropout_p))
-    out = torch.matmul(p[..., :P], pv) + torch.matmul(p[..., P:], vc)
-    return _bshd_like(out.to(q.dtype)), lse.float(), _no_concat()
+    if prefix_k.dim() == 3:
+        pk, pv = (p.unsqueeze(0).expand(B, -1, -1, -1) for p in (prefix_k, prefix_v))
+    else:
+        pk, pv = prefix_k[prompt_index], prefix_v[prompt_index]
+    keys = torch.cat([pk, k], 2).to(cd)
+    values = torch.cat([pv, v], 2).to(cd)
+    qc = q.to(cd)
+    visible = empty = None
+    if mask is not None:
+        visible = torch.cat([mask.new_ones(B, P), mask], 1)
+        if P == 0:  # an all-padding example sees no key: unmask one for a finite softmax, zero its rows below
+            empty = ~mask.any(1)
+            visible[:, 0] |= empty
+        visible = visible[:, None, None, :]
+    if dropout_p == 0:
+        out = torch.nn.functional.scaled_dot_product_attention(qc, keys, values, attn_mask=visible, scale=scale)
+    else:
+        scores = torch.matmul(qc, keys.transpose(-1, -2)).mul_(scale)
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        probs = torch.softmax(scores, -1)
+        keep = torch.ops.fastprompt.seeded_keep_mask(probs.detach(), seed, dropout_p)
+        out = torch.matmul(probs * keep * (1.0 / (1.0 - dropout_p)), values)
+    if empty is not None:
+        out = out.masked_fill(empty[:, None, None, None], 0.0)
+    return out.to(q.dtype)
 
 
-def _cpu_backward(dout, q, k, v, prefix_k, prefix_v, out, lse, kv, mask, prompt_index, scale, dropout_p, seed):
-    B, H, S, D = q.shape
-    P = prefix_k.shape[-2]
-    cd = _cpu_compute_dtype(q.dtype)
-    if _use_flash(q, P, dropout_p):
-        q32, do32, o32 = (x.to(cd) for x in (q, dout, out))
-        bias = q32.new_zeros(B, 1, 1, P + S)
-        if mask is not None:
-            bias[:, 0, 0, P:].masked_fill_(~mask, float("-inf"))
-        dq, dkeys, dvalues = _flash_bwd(do32, q32, kv[0], kv[1], o32, lse, 0.0, False, attn_mask=bias, scale=scale)
-        dpk = _reduce_prefix_grad(dkeys[:, :, :P], prefix_k, prompt_index)
-        dpv = _reduce_prefix_grad(dvalues[:, :, :P], prefix_v, prompt_index)
-        return (dq.to(q.dtype), dkeys[:, :, P:].to(k.dtype), dvalues[:, :, P:].to(v.dtype), dpk, dpv)
-    qc, kc, vc, doc, oc = (x.to(cd) for x in (q, k, v, dout, out))
-    shared = prefix_k.dim() == 3
-    pk, pv = (p.to(cd) if shared else _per_example_prefix(p, prompt_index, B).to(cd) for p in (prefix_k, prefix_v))
-    # Recompute the probabilities from the saved log-sum-exp (flash-style: nothing (B, H, S, P+S) was kept).
-    s = _segment_scores(qc, kc, pk, scale, mask)
-    lse_safe = lse.to(cd).masked_fill(torch.isinf(lse), float("inf"))  # empty rows: exp(-inf) = 0
-    p = s.sub_(lse_safe[..., None]).exp_()
-    dp = torch.cat([torch.matmul(doc, pv.transpose(-1, -2)), torch.matmul(doc, vc.transpose(-1, -2))], -1)
-    if dropout_p > 0:
-        keep = prefix_attention_dropout_mask(seed, p.shape, dropout_p, q.device)
-        inv = 1.0 / (1.0 - dropout_p)
-        dp.mul_(keep).mul_(inv)
-        p_drop = p * keep * inv
-    else:
-        p_drop = p
-    delta = (doc * oc).sum(-1, keepdim=True)
-    ds = dp.sub_(delta).mul_(p).mul_(scale)
-    ds_p, ds_t = ds[..., :P], ds[..., P:]
-    dq = torch.matmul(ds_p, pk) + torch.matmul(ds_t, kc)
-    dk = torch.matmul(ds_t.transpose(-1, -2), qc)
-    dv = torch.matmul(p_drop[..., P:].transpose(-1, -2), doc)
-    if shared:  # sum over (batch, query) in one contraction: no per-example (B, H, P, D) tensor
-        dpk = torch.einsum("bhsp,bhsd->hpd", ds_p, qc).to(prefix_k.dtype)
-        dpv = torch.einsum("bhsp,bhsd->hpd", p_drop[..., :P], doc).to(prefix_v.dtype)
-    else:
-        dpk = _reduce_prefix_grad(torch.matmul(ds_p.transpose(-1, -2), qc), prefix_k, prompt_index)
-        dpv = _reduce_prefix_grad(torch.matmul(p_drop[..., :P].transpose(-1, -2), doc), prefix_v, prompt_index)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dpk, dpv
+@torch.library.custom_op("fastprompt::seeded_keep_mask", mutates_args=())
+def _seeded_keep_mask(like: torch.Tensor, seed: int, dropout_p: float) -> torch.Tensor:
+    """The CPU/reference dropout keep-mask of ``like``'s shape; an op so that torch.compile does not have to
+    trace the seeded torch.Generator it creates."""
+    return prefix_attention_dropout_mask(seed, like.shape, dropout_p, like.device)
+
+
+@_seeded_keep_mask.register_fake
+def _seeded_keep_mask_fake(like, seed, dropout_p):
+    return torch.empty(like.shape, dtype=torch.bool, device=like.device)
 
 
 # ------------------------------------------------------------------------------------------------
-# torch.library custom op
-
-
-def _like(grad: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """grad with the strides ``torch.empty_like(ref)`` has (what the fake implementation promises)."""
-    out = torch.empty_like(ref)  # no memory is touched unless the copy below is needed
-    if grad.dtype == ref.dtype and grad.stride() == out.stride() and grad.storage_offset() == 0:
-        return grad
-    return out.copy_(grad)
-
-
-def _saves_concat(q: torch.Tensor, P: int, dropout_p: float, backend: str) -> bool:
-    return backend == "cpu" and _use_flash(q, P, dropout_p)
+# the "triton" backend: one torch.library custom op (forward + registered backward, fake implementations)
 
 
 @torch.library.custom_op("fastprompt::prefix_attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
             key_padding_mask: Optional[torch.Tensor], prompt_index: Optional[torch.Tensor], scale: float,
-            dropout_p: float, seed: int, backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Returns (out, lse, kv): kv holds what the backward needs besides the inputs (the CPU flash path's
-    concatenated keys/values, like SDPA on a concatenation keeps them) or is empty."""
-    _check_prompt_index(prompt_index, prefix_k.shape[0] if prefix_k.dim() == 4 else 1)
-    if backend == "triton":
-        from fastprompt.kernels import prefix_attention as kernels
+            dropout_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward: (out (B, H, S, D) in a transposed (B, S, H, D) buffer, lse (B, H, S) float32)."""
+    from fastprompt.kernels import prefix_attention as kernels
 
-        out, lse = kernels.forward(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale=scale,
-                                   dropout_p=dropout_p, seed=seed)
-        return out, lse, _no_concat()
-    if backend != "cpu":
-        raise ValueError(f"fastprompt::prefix_attention_fwd runs backend 'triton' or 'cpu', got {backend!r}")
-    return _cpu_forward(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale, dropout_p, seed)
+    _check_prompt_index(prompt_index, prefix_k.shape[0] if prefix_k.dim() == 4 else 1)
+    return kernels.forward(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale=scale,
+                           dropout_p=dropout_p, seed=seed)
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale, dropout_p, seed, backend):
+def _fwd_fake(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale, dropout_p, seed):
     B, H, S, D = q.shape
-    P = prefix_k.shape[-2]
-    out = q.new_empty((B, S, H, D)).transpose(1, 2)
-    if _saves_concat(q, P, dropout_p, backend):
-        kv = q.new_empty((2, B, H, P + S, D), dtype=_cpu_compute_dtype(q.dtype))
-    else:
-        kv = q.new_empty((0,), dtype=torch.float32)
-    return out, q.new_empty((B, H, S), dtype=torch.float32), kv
+    return q.new_empty((B, S, H, D)).transpose(1, 2), q.new_empty((B, H, S), dtype=torch.float32)
 
 
 @torch.library.custom_op("fastprompt::prefix_attention_bwd", mutates_args=())
 def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
-            prefix_v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, kv: torch.Tensor,
-            key_padding_mask: Optional[torch.Tensor],
-            prompt_index: Optional[torch.Tensor], scale: float, dropout_p: float, seed: int,
-            backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    if backend == "triton":
-        from fastprompt.kernels import prefix_attention as kernels
+            prefix_v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
+            prompt_index: Optional[torch.Tensor], scale: float, dropout_p: float,
+            seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Triton backward: dq, dk, dv (like ``torch.empty_like`` of q, k, v), dprefix_k, dprefix_v (contiguous)."""
+    from fastprompt.kernels import prefix_attention as kernels
 
-        grads = kernels.backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask, prompt_index,
-                                 scale=scale, dropout_p=dropout_p, seed=seed)
-    else:
-        grads = _cpu_backward(dout, q, k, v, prefix_k, prefix_v, out, lse, kv, key_padding_mask, prompt_index,
-                              scale, dropout_p, seed)
-    dq, dk, dv, dpk, dpv = grads
+    dq, dk, dv, dpk, dpv = kernels.backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask,
+                                            prompt_index, scale=scale, dropout_p=dropout_p, seed=seed)
     return _like(dq, q), _like(dk, k), _like(dv, v), dpk.contiguous(), dpv.contiguous()
 
 
 @_bwd_op.register_fake
-def _bwd_fake(dout, q, k, v, prefix_k, prefix_v, out, lse, kv, key_padding_mask, prompt_index, scale, dropout_p,
-              seed, backend):
+def _bwd_fake(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask, prompt_index, scale, dropout_p, seed):
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
             prefix_k.new_empty(prefix_k.shape), prefix_v.new_empty(prefix_v.shape))
 
 
+def _like(grad: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """grad with the strides ``torch.empty_like(ref)`` has (what the fake implementation promises). The
+    kernels allocate their gradients with empty_like already; this only copies for a non-dense input."""
+    if grad.dtype == ref.dtype and grad.stride() == ref.stride() and grad.storage_offset() == 0 and _dense(ref):
+        return grad
+    return torch.empty_like(ref).copy_(grad)
+
+
+def _dense(x: torch.Tensor) -> bool:
+    """Non-overlapping and dense: some permutation of x is contiguous (then empty_like keeps x's strides)."""
+    expected = 1
+    for stride, size in sorted((st, sz) for st, sz in zip(x.stride(), x.shape) if sz != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, backend = inputs
-    out, lse, kv = output
-    ctx.save_for_backward(q, k, v, prefix_k, prefix_v, out, lse, kv, mask, prompt_index)
-    ctx.params = (scale, dropout_p, seed, backend)
-    ctx.mark_non_differentiable(lse, kv)
+    q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index)
+    ctx.params = (scale, dropout_p, seed)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
 
 
-def _backward(ctx, dout, _dlse, _dkv):
-    q, k, v, prefix_k, prefix_v, out, lse, kv, mask, prompt_index = ctx.saved_tensors
-    scale, dropout_p, seed, backend = ctx.params
+def _backward(ctx, dout, _dlse):
+    q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index = ctx.saved_tensors
+    scale, dropout_p, seed = ctx.params
+    if dout is None:
+        return None, None, None, None, None, None, None, None, None, None
     dq, dk, dv, dpk, dpv = torch.ops.fastprompt.prefix_attention_bwd(
-        dout, q, k, v, prefix_k, prefix_v, out, lse, kv, mask, prompt_index, scale, dropout_p, seed, backend)
-    return dq, dk, dv, dpk, dpv, None, None, None, None, None, None
+        dout, q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index, scale, dropout_p, seed)
+    return dq, dk, dv, dpk, dpv, None, None, None, None, None
 
 
 torch.library.register_autograd("fastprompt::prefix_attention_fwd", _backward, setup_context=_setup_context)

@@ -33,8 +33,8 @@ def test_spec_list_covers_every_launch_configuration():
     """Every (kernel, dtype, constexprs, warps, stages) the launchers can produce is in aot_specs(full=True),
     and the CI subset is part of it."""
     kernel_of = {id(fn): name for name, fn in kernels._KERNEL_FNS.items()}
-    full = {(kernel_of[id(s.fn)], s.signature["Q"], tuple(sorted(s.constexprs.items())), s.num_warps, s.num_stages)
-            for s in kernels.aot_specs(full=True)}
+    full = {(kernel_of[id(s.fn)], s.signature["Q"], tuple(sorted(s.constexprs.items())), s.num_warps, s.num_stages,
+             s.maxnreg) for s in kernels.aot_specs(full=True)}
     launched = set()
     for dtype, ty in ((torch.float16, "*fp16"), (torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
         for S in (1, 17, 32, 33, 128, 512):
@@ -44,7 +44,7 @@ def test_spec_list_covers_every_launch_configuration():
                         for kernel in kernels.KERNELS:
                             consts, opts = kernels._constexprs(kernel, S, P, D, dtype, dropout, upcast=False)
                             launched.add((kernel, ty, tuple(sorted(consts.items())), opts["num_warps"],
-                                          opts["num_stages"]))
+                                          opts["num_stages"], opts["maxnreg"]))
     assert launched == full
     names = {s.name for s in kernels.aot_specs(full=True)}
     assert {s.name for s in kernels.aot_specs()} <= names
