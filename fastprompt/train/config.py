@@ -68,6 +68,10 @@ class TrainConfig:
     epochs: float = 1.0  # may be fractional: 0.5 = half an epoch
     max_steps: int = 0  # > 0 overrides epochs
     max_grad_norm: float = 1.0  # 0 disables clipping
+    # --- large batches (gradient cache; either key turns it on) and activation memory
+    micro_batch_size: int = 0  # rows (sentences) per micro-batch of the gradient cache; 0 = off
+    max_tokens_per_micro_batch: int = 0  # padded-token budget per micro-batch; 0 = off
+    gradient_checkpointing: bool = False  # recompute backbone layers in backward (same gradients)
     precision: str = "fp32"
     max_nonfinite_steps: int = 5  # stop after this many consecutive non-finite losses (each is skipped)
     seed: int = 42
@@ -120,7 +124,7 @@ class TrainConfig:
         if self.max_length < 2:
             raise ValueError(f"max_length must be >= 2, got {self.max_length}")
         for name in ("weight_decay", "max_grad_norm", "init_std", "hinge_margin", "warmup_steps", "max_steps",
-                     "save_steps", "num_threads", "adam_epsilon"):
+                     "save_steps", "num_threads", "adam_epsilon", "micro_batch_size", "max_tokens_per_micro_batch"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.hinge_weight is not None and self.hinge_weight < 0:
@@ -143,6 +147,9 @@ class TrainConfig:
                              "builtin:gensim-wiki)")
         if not self.output_dir:
             raise ValueError("output_dir must be set")
+        if 0 < self.max_tokens_per_micro_batch < self.max_length:
+            raise ValueError(f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= max_length "
+                             f"({self.max_length}): a micro-batch holds at least one whole sequence")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         return self
@@ -162,6 +169,11 @@ class TrainConfig:
                 raise ValueError(f"unknown config key {key!r} in {source}"
                                  + (f" (did you mean {hint[0]!r}?)" if hint else f"; known keys: {sorted(known)}"))
         return cls(**data)
+
+    @property
+    def gradient_cache(self) -> bool:
+        """Whether steps use the gradient cache (micro-batched embedding with exact dropout replay)."""
+        return self.micro_batch_size > 0 or self.max_tokens_per_micro_batch > 0
 
     def prompt_config_dict(self) -> dict[str, Any]:
         """The PromptConfig fields of this config."""

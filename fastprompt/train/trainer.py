@@ -7,6 +7,10 @@ One optimisation step is four separable stages so the large-batch machinery can 
     out = compute_loss(emb)    # objective on embeddings only (no model inside)
     backward(out.loss)         # then optimizer_step(): unscale, clip, step, schedule
 
+With ``micro_batch_size`` / ``max_tokens_per_micro_batch`` the middle stages run as a gradient-cache step
+(:mod:`fastprompt.train.grad_cache`); under ``torchrun`` every process trains on its shard of each global
+batch with negatives gathered from all processes (:mod:`fastprompt.train.distributed`).
+
 Checkpoints: ``<output_dir>/last/`` (prompt + optimizer/scheduler/scaler/RNG/data position, written every
 ``save_steps`` and on SIGINT/SIGTERM) and ``<output_dir>/best/`` (prompt of the best STS-B dev score). Both
 are prompt checkpoints loadable with :meth:`PromptEncoder.load`, written into a temporary folder and renamed
@@ -33,6 +37,8 @@ from fastprompt.data import Batch, Collator, TrainExamples, UniqueBatchSampler, 
 from fastprompt.io import atomic_directory, recover_directory, write_json_atomic
 from fastprompt.objectives import ObjectiveOutput, build_objective
 from fastprompt.train.config import TrainConfig, load_config, save_config
+from fastprompt.train.distributed import GlobalBatchObjective, init_distributed
+from fastprompt.train.grad_cache import grad_cache_step
 from fastprompt.train.logs import MetricsLog, add_file_handler, remove_file_handler
 from fastprompt.train.signals import GracefulInterrupt
 from fastprompt.train.state import has_training_state, load_training_state, save_training_state
@@ -89,6 +95,16 @@ def linear_schedule(warmup_steps: int, total_steps: int) -> Callable[[int], floa
         return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
 
     return factor
+
+
+class _NullLog:
+    """Metrics sink of the non-main processes (only the main process writes logs)."""
+
+    def write(self, row):
+        pass
+
+    def close(self):
+        pass
 
 
 class Trainer:
@@ -171,7 +187,11 @@ class Trainer:
         self._log_handler = add_file_handler(self.output_dir / "train.log")
         if cfg.num_threads:
             torch.set_num_threads(cfg.num_threads)
-        self.device = self._device()
+        self.dist = init_distributed(self.config.device if self.config.device != "auto" else None)
+        self.device = self.dist.device if self.dist.enabled else self._device()
+        if self.dist.enabled and cfg.batch_size % self.dist.world_size:
+            raise ValueError(f"batch_size={cfg.batch_size} (the global batch) must be divisible by the "
+                             f"{self.dist.world_size} processes")
         resume_dir = self._resume_dir()
         if resume_dir is not None:
             self._check_same_run(resume_dir)
@@ -181,8 +201,9 @@ class Trainer:
                                             on_decode_error=cfg.on_decode_error)
         ex = self.examples
         logger.info("training data: %d rows of %s from %s", len(ex), "/".join(ex.columns), ex.source or "memory")
+        # Every process plans the same global batches and trains on its own equal shard of each.
         self.sampler = UniqueBatchSampler(sentence_keys(ex.rows), cfg.batch_size, seed=cfg.seed,
-                                          drop_last=cfg.drop_last)
+                                          drop_last=cfg.drop_last or self.dist.enabled)
         if self.sampler.num_batches(0) == 0:
             raise ValueError(f"{len(ex)} training rows make no batch of batch_size={cfg.batch_size} "
                              f"(drop_last={cfg.drop_last}); use a smaller batch_size or more data")
@@ -195,6 +216,9 @@ class Trainer:
 
             load_checkpoint_weights(self.encoder, resume_dir, read_checkpoint_config(resume_dir))
         self.encoder.to(self.device).train()
+        if cfg.gradient_checkpointing:
+            self.encoder.gradient_checkpointing_enable()
+        self.model = self.dist.wrap(self.encoder)  # DDP under torchrun, the encoder itself otherwise
         self.params = [p for p in self.encoder.trainable_parameters()]
         if not self.params:
             raise ValueError("the encoder has no trainable parameters (no prompt and no pooler head)")
@@ -205,6 +229,7 @@ class Trainer:
         obj_params = {k: v for k, v in cfg.to_dict().items() if v is not None}
         obj_params["backend"] = cfg.loss_backend
         self.objective = build_objective(cfg.objective, **obj_params)
+        self.global_objective = GlobalBatchObjective(self.objective, self.dist)
 
         self.total_steps = self._total_steps()
         warmup = cfg.warmup_steps or int(math.ceil(cfg.warmup_ratio * self.total_steps))
@@ -228,8 +253,9 @@ class Trainer:
             self.state = TrainerState(**saved["state"])
             logger.info("resumed from %s at step %d (epoch %d, batch %d)", resume_dir, self.state.global_step,
                         self.state.epoch, self.state.batch_in_epoch)
-        save_config(cfg, self.output_dir / "config.yaml")
-        self.metrics = MetricsLog(self.output_dir, resume_step=self.state.global_step if resume_dir else None,
+        if self.dist.is_main:
+            save_config(cfg, self.output_dir / "config.yaml")
+        self.metrics = _NullLog() if not self.dist.is_main else MetricsLog(self.output_dir, resume_step=self.state.global_step if resume_dir else None,
                                   tensorboard=cfg.tensorboard)
         self._setup_done = True
 
@@ -272,7 +298,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ one step
     def seed_step(self, step: int) -> None:
-        torch.manual_seed(step_seed(self.config.seed, step))
+        seed = step_seed(self.config.seed, step)
+        if self.dist.enabled:  # each process draws its own dropout masks
+            seed = step_seed(seed, self.dist.rank)
+        torch.manual_seed(seed)
 
     def autocast(self):
         if self.autocast_dtype is None:
@@ -282,11 +311,12 @@ class Trainer:
     def embed(self, batch: Batch) -> torch.Tensor:
         """Pooled embeddings of every view, (n_views, B, hidden), with graph."""
         with self.autocast():
-            emb = self.encoder(**batch.model_inputs())
+            emb = self.model(**batch.model_inputs())
         return emb.view(batch.n_views, batch.batch_size, -1)
 
     def compute_loss(self, embeddings: torch.Tensor) -> ObjectiveOutput:
-        return self.objective(embeddings.float())
+        """The objective on (n_views, local batch, hidden) embeddings; columns span all processes."""
+        return self.global_objective(embeddings.float())
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -296,6 +326,15 @@ class Trainer:
 
         A non-finite loss is returned without a backward pass.
         """
+        cfg = self.config
+        if cfg.gradient_cache:
+            res = grad_cache_step(
+                self.model, batch.model_inputs(),
+                lambda reps: self.compute_loss(reps.view(batch.n_views, batch.batch_size, -1)),
+                micro_batch_size=cfg.micro_batch_size or None, max_tokens=cfg.max_tokens_per_micro_batch or None,
+                loss_scale=self.scaler.scale if self.scaler is not None else None, autocast=self.autocast,
+                no_sync=self.dist.no_sync(self.model))
+            return res.output
         out = self.compute_loss(self.embed(batch))
         if torch.isfinite(out.loss):
             self.backward(out.loss)
@@ -325,7 +364,7 @@ class Trainer:
         self.seed_step(self.state.global_step)
         self.optimizer.zero_grad(set_to_none=True)
         out = self.training_step(batch)
-        loss = float(out.loss.detach())
+        loss = float(self.dist.mean(out.loss.detach()))  # the global-batch loss, the same on every process
         grad_norm, applied = None, False
         if math.isfinite(loss):
             grad_norm, applied = self.optimizer_step()
@@ -357,12 +396,22 @@ class Trainer:
         self.encoder.train()
         return float(result["stsb"])
 
+    def _local_rows(self, rows: list[int]) -> list[int]:
+        """This process's shard of a global batch (all of it in a single process)."""
+        if not self.dist.enabled:
+            return rows
+        n = len(rows) // self.dist.world_size
+        return rows[self.dist.rank * n:(self.dist.rank + 1) * n]
+
     def _trainer_state_dict(self) -> dict[str, Any]:
         return {"state": self.state.__dict__.copy(), "config": self.config.to_dict(),
                 "total_steps": self.total_steps}
 
     def save_last(self) -> Path:
-        """Write ``last/``: prompt checkpoint + everything needed to resume exactly."""
+        """Write ``last/``: prompt checkpoint + everything needed to resume exactly (main process only)."""
+        self._last_saved_step = self.state.global_step
+        if not self.dist.is_main:
+            return self.last_dir
         with atomic_directory(self.last_dir) as tmp:
             self.encoder.save(tmp)
             save_training_state(tmp, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
@@ -371,6 +420,8 @@ class Trainer:
         return self.last_dir
 
     def save_best(self, score: float | None) -> Path:
+        if not self.dist.is_main:
+            return self.best_dir
         with atomic_directory(self.best_dir) as tmp:
             self.encoder.save(tmp)
             write_json_atomic(tmp / "train_info.json", {"step": self.state.global_step, "stsb_dev": score,
@@ -378,7 +429,7 @@ class Trainer:
         return self.best_dir
 
     def _evaluate_and_select(self, bar) -> float | None:
-        score = self.evaluate_dev()
+        score = self.evaluate_dev() if self.dist.is_main else None
         if score is None:
             return None
         st = self.state
@@ -423,6 +474,7 @@ class Trainer:
                 while st.global_step < self.total_steps and status == "completed":
                     for b_idx, rows in self.sampler.iter_from(st.epoch, st.batch_in_epoch):
                         t0 = time.perf_counter()
+                        rows = self._local_rows(rows)
                         batch = self.collator([self.examples.rows[i] for i in rows]).to(self.device)
                         out = self._run_step(batch)
                         st.global_step += 1
@@ -493,7 +545,8 @@ class Trainer:
         if self.dev_data is None and status == "completed":
             self.save_best(None)  # no dev set: the final prompt is the one we have
         test = None
-        if status == "completed" and cfg.sts_dir is not None and cfg.final_eval and self.best_dir.is_dir():
+        if (status == "completed" and cfg.sts_dir is not None and cfg.final_eval and self.dist.is_main
+                and self.best_dir.is_dir()):
             test = self.evaluate_test(self.best_dir)
         summary = {
             "status": status,
@@ -512,7 +565,9 @@ class Trainer:
             "log_csv": str(self.log_path),
             "config": cfg.to_dict(),
         }
-        write_json_atomic(self.summary_path, summary)
+        if self.dist.is_main:
+            write_json_atomic(self.summary_path, summary)
+        self.dist.barrier()
         self._close_logs()
         logger.info("training %s at step %d/%d; best: %s; last: %s; log: %s; summary: %s", status, st.global_step,
                     self.total_steps, summary["best_checkpoint"], self.last_dir, self.log_path, self.summary_path)
