@@ -5,7 +5,8 @@ BERT-base attention shapes by default (B = 64..512, S = 32, P = 16, H = 12, D = 
 makes them (``view(B, S, H, D).transpose(1, 2)``), a padding mask with lengths uniform in [S/2, S] and a
 (H, P, D) trainable prefix. On CUDA the op runs its Triton kernels; on CPU it runs the op's CPU path
 (``backend="auto"``), against the same references. "fwd" is inference (no_grad); "fwd+bwd" runs the forward
-with gradients and the backward of ``(out * grad).sum()`` into q, k, v and the prefix.
+with gradients (and ``--dropout`` on the probabilities) and the backward of ``(out * grad).sum()`` into q,
+k, v and the prefix.
 
 Per point: median (and 20th/80th percentile) wall time over ``--repeats`` after ``--warmup`` calls, and peak
 memory allocated by one call above what was live before it (CUDA: the caching allocator's peak; CPU: the
@@ -14,6 +15,7 @@ go to CSV (and a table on stdout).
 
     python bench/bench_prefix_attention.py                          # CPU: fp32, B = 64,128,256,512
     python bench/bench_prefix_attention.py --batches 64,512 --repeats 5 --out /tmp/pa.csv
+    python bench/bench_prefix_attention.py --modes fwd+bwd --dropout 0.1 --out bench/results/pa_cpu_dropout.csv
     python bench/bench_prefix_attention.py --device cuda --dtype bf16
 """
 from __future__ import annotations
@@ -54,17 +56,19 @@ def concat_kv(k, v, pk, pv, mask):
     return keys, values, visible
 
 
-def run_provider(name, q, k, v, pk, pv, mask, scale, backend):
+def run_provider(name, q, k, v, pk, pv, mask, scale, backend, dropout_p=0.0):
     if name == "fastprompt":
-        return prefix_attention(q, k, v, pk, pv, mask, scale=scale, backend=backend)
+        return prefix_attention(q, k, v, pk, pv, mask, scale=scale, dropout_p=dropout_p, seed=0 if dropout_p else None,
+                                backend=backend)
     keys, values, visible = concat_kv(k, v, pk, pv, mask)
     if name == "sdpa_concat":
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale, dropout_p=dropout_p)
     scores = (q @ keys.transpose(-1, -2)) * scale
-    return torch.softmax(scores.masked_fill(~visible, float("-inf")), -1) @ values
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
+    return F.dropout(probs, dropout_p) @ values
 
 
-def make_call(name, mode, inputs, scale, backend):
+def make_call(name, mode, inputs, scale, backend, dropout_p=0.0):
     q, k, v, pk, pv, mask = inputs
     if mode == "fwd":
         def call():
@@ -75,7 +79,7 @@ def make_call(name, mode, inputs, scale, backend):
     grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.device, q.dtype)
 
     def call():
-        out = run_provider(name, *leaves[:3], *leaves[3:], mask, scale, backend)
+        out = run_provider(name, *leaves[:3], *leaves[3:], mask, scale, backend, dropout_p)
         return torch.autograd.grad(out, leaves, grad)
     return call
 
@@ -141,6 +145,7 @@ def main(argv=None):
     p.add_argument("--modes", default="fwd,fwd+bwd")
     p.add_argument("--providers", default=",".join(PROVIDERS))
     p.add_argument("--backend", default="auto", help="backend of the fastprompt op")
+    p.add_argument("--dropout", type=float, default=0.0, help="attention dropout in fwd+bwd (training)")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--repeats", type=int, default=None, help="timed calls per point (default: 10 CPU, 50 CUDA)")
     p.add_argument("--out", type=Path, default=None, help="CSV path (default bench/results/prefix_attention_<dev>.csv)")
@@ -165,13 +170,14 @@ def main(argv=None):
         for mode in args.modes.split(","):
             point = {}
             for name in providers:
-                call = make_call(name, mode, inputs, scale, args.backend)
+                call = make_call(name, mode, inputs, scale, args.backend, args.dropout)
                 med, q20, q80 = time_call(call, device, args.warmup, repeats)
                 peak = peak_memory_bytes(call, device)
                 with torch.no_grad():
                     err = (run_provider(name, *inputs, scale, args.backend).float() - want).abs().max().item()
                 point[name] = dict(device=device.type, dtype=str(dtype).replace("torch.", ""), provider=name,
-                                   mode=mode, B=B, S=S, P=P, H=H, D=D, threads=torch.get_num_threads(),
+                                   mode=mode, dropout=args.dropout if mode != "fwd" else 0.0,
+                                   B=B, S=S, P=P, H=H, D=D, threads=torch.get_num_threads(),
                                    median_ms=round(med, 4), p20_ms=round(q20, 4), p80_ms=round(q80, 4),
                                    peak_mem_mb=round(peak / 2**20, 3), max_abs_err_vs_sdpa=err)
                 logger.info("B=%d %-8s %-13s %9.3f ms  %9.2f MiB", B, mode, name, med, peak / 2**20)
@@ -191,7 +197,8 @@ def main(argv=None):
     for r in rows:
         print(f"| {r['B']} | {r['mode']} | {r['provider']} | {r['median_ms']:.2f} | {r['peak_mem_mb']:.1f} | "
               f"{r['time_vs_sdpa']} | {r['mem_vs_sdpa']} |")
-    print(f"\n{device.type}, {dtype}, S={S} P={P} H={H} D={D}, {torch.get_num_threads()} threads; wrote {out_path}")
+    print(f"\n{device.type}, {dtype}, S={S} P={P} H={H} D={D}, dropout in fwd+bwd {args.dropout}, "
+          f"{torch.get_num_threads()} threads; wrote {out_path}")
 
 
 if __name__ == "__main__":

@@ -238,23 +238,23 @@ def _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropo
         if visible is not None:
             scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, -1)
-        keep = torch.ops.fastprompt.seeded_keep_mask(probs.detach(), seed, dropout_p)
-        out = torch.matmul(probs * keep * (1.0 / (1.0 - dropout_p)), values)
+        out = torch.matmul(probs * torch.ops.fastprompt.seeded_dropout_scale(probs.detach(), seed, dropout_p), values)
     if empty is not None:
         out = out.masked_fill(empty[:, None, None, None], 0.0)
     return out.to(q.dtype)
 
 
-@torch.library.custom_op("fastprompt::seeded_keep_mask", mutates_args=())
-def _seeded_keep_mask(like: torch.Tensor, seed: int, dropout_p: float) -> torch.Tensor:
-    """The CPU/reference dropout keep-mask of ``like``'s shape; an op so that torch.compile does not have to
-    trace the seeded torch.Generator it creates."""
-    return prefix_attention_dropout_mask(seed, like.shape, dropout_p, like.device)
+@torch.library.custom_op("fastprompt::seeded_dropout_scale", mutates_args=())
+def _seeded_dropout_scale(like: torch.Tensor, seed: int, dropout_p: float) -> torch.Tensor:
+    """keep / (1 - p) with the CPU/reference keep-mask of ``like``'s shape, in ``like``'s dtype. An op, so
+    that torch.compile does not trace the seeded torch.Generator it creates."""
+    keep = prefix_attention_dropout_mask(seed, like.shape, dropout_p, like.device)
+    return keep.to(like.dtype).mul_(1.0 / (1.0 - dropout_p))
 
 
-@_seeded_keep_mask.register_fake
-def _seeded_keep_mask_fake(like, seed, dropout_p):
-    return torch.empty(like.shape, dtype=torch.bool, device=like.device)
+@_seeded_dropout_scale.register_fake
+def _seeded_dropout_scale_fake(like, seed, dropout_p):
+    return torch.empty_like(like, memory_format=torch.contiguous_format)
 
 
 # ------------------------------------------------------------------------------------------------

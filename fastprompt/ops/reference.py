@@ -93,7 +93,7 @@ def prefix_attention_dropout_mask(seed, shape, dropout_p, device):
     """Keep-mask (True = kept) of the reference and CPU paths: a pure function of (seed, shape, p)."""
     gen = torch.Generator(device=device)
     gen.manual_seed(int(seed) & 0xFFFF_FFFF_FFFF_FFFF)
-    return torch.rand(shape, generator=gen, device=device) >= dropout_p
+    return torch.empty(shape, dtype=torch.bool, device=device).bernoulli_(1.0 - dropout_p, generator=gen)
 
 
 def prefix_attention_reference(
