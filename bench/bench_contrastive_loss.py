@@ -10,8 +10,9 @@ mmap and returning it on free (MALLOC_MMAP_THRESHOLD_), so RSS follows the live 
 warm-up (library loading) and the inputs, the kernel's peak-RSS counter is reset (``echo 5 >
 /proc/self/clear_refs``), one fwd+bwd runs, and peak extra = VmHWM - VmRSS-before (torch's CPU
 allocations are invisible to tracemalloc; RSS is what the machine has to provide; the gradients count).
-CUDA: ``torch.cuda.max_memory_allocated`` after a reset. Time: another fresh child, one warm-up step,
-then the median of the repeats.
+CUDA: ``torch.cuda.max_memory_allocated`` after a reset. Time: another fresh child runs both providers
+alternately (one warm-up step each, then fused, reference, fused, ...) so that load changes on a shared
+machine hit both alike, and takes each one's median.
 
     python bench/bench_contrastive_loss.py                      # CPU, full grid -> bench/results/contrastive_loss_cpu.csv
     python bench/bench_contrastive_loss.py --n 16384 --d 768    # the issue's headline point
@@ -60,69 +61,67 @@ def _reset_peak_rss() -> bool:
         return False
 
 
-def child(mode: str, provider: str, config: str, n: int, d: int, device: str, repeats: int) -> dict:
-    """One measurement in this (fresh) process: ``memory`` (peak extra of one fwd+bwd) or ``time``."""
+def child(mode: str, providers: list[str], config: str, n: int, d: int, device: str, repeats: int) -> dict:
+    """One measurement in this (fresh) process. ``memory``: peak extra memory of one fwd+bwd of the single
+    provider. ``time``: the providers alternate step by step (fused, reference, fused, ...), so a change of
+    load on a shared machine hits both alike; returns each provider's median."""
     import torch
 
     from fastprompt.ops import contrastive_loss
 
     cfg = CONFIGS[config]
-    backend = {"fused": "auto", "reference": "reference"}[provider]
+    backends = {"fused": "auto", "reference": "reference"}
 
     def inputs(rows):
         g = torch.Generator(device=device).manual_seed(0)
         return [torch.randn(rows, d, generator=g, device=device).requires_grad_() for _ in range(3 if cfg["z3"] else 2)]
 
-    def step(zs):
-        contrastive_loss(*zs, backend=backend, **cfg["kw"]).backward()
+    def step(zs, provider):
+        for z in zs:
+            z.grad = None
+        contrastive_loss(*zs, backend=backends[provider], **cfg["kw"]).backward()
         if device == "cuda":
             torch.cuda.synchronize()
 
-    fused_name = "cpp" if device == "cpu" else "triton"
-    result = dict(provider=fused_name if provider == "fused" else "reference")
     if mode == "memory":
-        step(inputs(16))  # loads the libraries (and the extension) without warming any large buffer
+        (provider,) = providers
+        step(inputs(16), provider)  # loads the libraries (and the extension) without warming any large buffer
         zs = inputs(n)
         if device == "cuda":
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
             base = torch.cuda.memory_allocated()
-            step(zs)
-            return dict(result, peak_mb=(torch.cuda.max_memory_allocated() - base) / 2**20, exact_peak=True)
+            step(zs, provider)
+            return dict(peak_mb=(torch.cuda.max_memory_allocated() - base) / 2**20, exact_peak=True)
         base = _status_kb("VmRSS")
         exact = _reset_peak_rss()
-        step(zs)
-        return dict(result, peak_mb=(_status_kb("VmHWM") - base) / 1024, exact_peak=exact)
+        step(zs, provider)
+        return dict(peak_mb=(_status_kb("VmHWM") - base) / 1024, exact_peak=exact)
     zs = inputs(n)
-    step(zs)  # warm-up
-    times = []
+    times = {p: [] for p in providers}
+    for p in providers:
+        step(zs, p)  # warm-up
     for _ in range(repeats):
-        for z in zs:
-            z.grad = None
-        t = time.perf_counter()
-        step(zs)
-        times.append(time.perf_counter() - t)
-    return dict(result, median_s=statistics.median(times), times=times)
+        for p in providers:
+            t = time.perf_counter()
+            step(zs, p)
+            times[p].append(time.perf_counter() - t)
+    return {p: dict(median_s=statistics.median(ts), times=ts) for p, ts in times.items()}
 
 
-def run_child(mode, provider, config, n, d, device, repeats, timeout):
+def run_child(mode, providers, config, n, d, device, repeats, timeout):
     """Runs :func:`child` in a fresh interpreter. For memory, glibc is told to serve every allocation of 64 KiB
     or more with mmap and to give it back on free, so RSS follows the live tensors (otherwise freed heap
     pages stay resident and later allocations reuse them unseen)."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, provider, config, str(n), str(d), device,
-           str(repeats)]
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, ",".join(providers), config, str(n), str(d),
+           device, str(repeats)]
     env = dict(os.environ)
     if mode == "memory":
         env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"{mode} {provider} {config} N={n} d={d} failed:\n{proc.stderr[-3000:]}")
+        raise RuntimeError(f"{mode} {providers} {config} N={n} d={d} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def measure(provider, config, n, d, device, repeats, timeout):
-    mem = run_child("memory", provider, config, n, d, device, repeats, timeout)
-    return dict(mem, **run_child("time", provider, config, n, d, device, repeats, timeout))
 
 
 def reference_gb(config: str, n: int) -> float:
@@ -145,8 +144,8 @@ def main(argv=None) -> int:
     p.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        mode, provider, config, n, d, device, repeats = args.child
-        print(json.dumps(child(mode, provider, config, int(n), int(d), device, int(repeats))))
+        mode, providers, config, n, d, device, repeats = args.child
+        print(json.dumps(child(mode, providers.split(","), config, int(n), int(d), device, int(repeats))))
         return 0
 
     logging.basicConfig(level=logging.INFO, format="%(message)s")
@@ -165,20 +164,22 @@ def main(argv=None) -> int:
     grid = [(c, n, d) for c in args.config for d in args.d for n in args.n]
     for config, n, d in tqdm(grid, desc="contrastive_loss bench"):
         repeats = args.repeats or (2 if n >= 32768 else 3 if n >= 16384 else 5)
-        res = {"fused": measure("fused", config, n, d, args.device, repeats, args.timeout)}
-        note = "" if res["fused"]["exact_peak"] else "peak RSS not resettable: peak is the process high-water mark"
-        if args.device == "cpu" and reference_gb(config, n) > args.max_ref_gb:
+        with_ref = not (args.device == "cpu" and reference_gb(config, n) > args.max_ref_gb)
+        providers = ["fused", "reference"] if with_ref else ["fused"]
+        f = run_child("memory", ["fused"], config, n, d, args.device, repeats, args.timeout)
+        ref = run_child("memory", ["reference"], config, n, d, args.device, repeats, args.timeout) if with_ref else None
+        times = run_child("time", providers, config, n, d, args.device, repeats, args.timeout)
+        note = "" if f["exact_peak"] else "peak RSS not resettable: peak is the process high-water mark"
+        if not with_ref:
             note = f"reference skipped (estimated {reference_gb(config, n):.0f} GB > --max-ref-gb)"
-            ref = None
-        else:
-            ref = res["reference"] = measure("reference", config, n, d, args.device, repeats, args.timeout)
-        f = res["fused"]
-        row = dict(device=args.device, threads=threads, config=config, n=n, d=d, fused_provider=f["provider"],
-                   fused_median_s=round(f["median_s"], 4), fused_peak_extra_mb=round(f["peak_mb"], 1),
+        row = dict(device=args.device, threads=threads, config=config, n=n, d=d,
+                   fused_provider="cpp" if args.device == "cpu" else "triton",
+                   fused_median_s=round(times["fused"]["median_s"], 4), fused_peak_extra_mb=round(f["peak_mb"], 1),
                    repeats=repeats, note=note)
         if ref is not None:
-            row.update(reference_median_s=round(ref["median_s"], 4), reference_peak_extra_mb=round(ref["peak_mb"], 1),
-                       time_ratio_ref_over_fused=round(ref["median_s"] / f["median_s"], 2),
+            row.update(reference_median_s=round(times["reference"]["median_s"], 4),
+                       reference_peak_extra_mb=round(ref["peak_mb"], 1),
+                       time_ratio_ref_over_fused=round(times["reference"]["median_s"] / times["fused"]["median_s"], 2),
                        mem_ratio_ref_over_fused=round(ref["peak_mb"] / max(f["peak_mb"], 1e-3), 1))
         rows.append(row)
         logger.info("%s", row)
