@@ -360,12 +360,9 @@ class Config:
     BLOCK_D: int
     num_warps: int
     num_stages: int = 2
-
-    @property
-    def maxnreg(self) -> int:
-        # An explicit register bound (PTX .maxnreg, the register file shared by one CTA's threads, at most 255):
-        # without one ptxas may pick an occupancy-driven count (e.g. 128 with 8 warps) and spill a few words.
-        return min(255, 65536 // (32 * self.num_warps))
+    # PTX .maxnreg. Without a bound ptxas may pick an occupancy-driven register count (e.g. 128 with 8 warps)
+    # and spill a few words; with it, it allocates up to the bound. None leaves ptxas its heuristic.
+    maxnreg: int | None = 255
 
 
 def config(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout: bool) -> Config:
@@ -380,7 +377,10 @@ def config(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout: boo
         # Exact fp32 dots run on FMA units with whole operand rows in registers: 16-row tiles keep every
         # fp32 kernel spill-free (32-row tiles spill at D = 128, and erratically at D = 64); ptxas spills
         # a few registers of the prefix-gradient kernel at D = 64 with dropout unless it is not pipelined.
-        return Config(16, 16, 16, bd, 4, num_stages=1 if kernel == "bwd_prefix" else 2)
+        # ptxas is erratic here: at D = 128 the dropout kernels and dK/dV spill with a 255-register bound and
+        # not without one; the others need the bound (measured per specialisation by the AOT check).
+        return Config(16, 16, 16, bd, 4, num_stages=1 if kernel == "bwd_prefix" else 2,
+                      maxnreg=None if (bd == 128 and (dropout or kernel == "bwd_dkdv")) else 255)
     big = 32 if S <= 32 else 64
     bp = 16 if P <= 16 else 32
     if kernel == "fwd":
