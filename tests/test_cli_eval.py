@@ -145,5 +145,5 @@ def test_eval_frozen_minilm_all_seven(tmp_path, capsys, shared_data, minilm_dir,
         for task, published in {"sts12": 72.37, "sts13": 80.60, "sts14": 75.59, "sts15": 85.39,
                                 "sts16": 78.99, "stsb": 82.03}.items():
             assert abs(res[task] - published) <= 0.01, task
-    else:  # [CLS] is not what the model was trained for: worse on average, but still a sentence model
-        assert 50 < res["avg"] < 79
+    else:  # [CLS] is not what the model was trained for: worse on average (measured 73.69), still a sentence model
+        assert abs(res["avg"] - 73.69) <= 0.01
