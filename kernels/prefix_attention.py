@@ -549,7 +549,7 @@ def backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask=None,
     )
     consts, opts = _constexprs("bwd_prefix", S, P, D, q.dtype, dropout, upcast)
     n_pblocks = triton.cdiv(P, consts["BLOCK_P"])
-    chunk = triton.cdiv(B, batch_chunks(B, T * H * n_pblocks, q.device))
+    chunk = triton.cdiv(B, batch_chunks(B, max(1, T * H * n_pblocks), q.device))
     chunks = triton.cdiv(B, chunk)
     dpk_part = torch.zeros((chunks, T, H, P, D), dtype=torch.float32, device=q.device)
     dpv_part = torch.zeros_like(dpk_part)

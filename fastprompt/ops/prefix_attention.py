@@ -93,12 +93,12 @@ def prefix_attention(
         seed = draw_seed()
     seed = 0 if seed is None else int(seed)
     resolved = resolve_backend(backend, q)
+    if resolved != "triton" and prompt_index is not None:  # the Triton op checks inside (without a sync)
+        _check_prompt_index(prompt_index, prefix_k.shape[0])
     if resolved == "reference":
         return prefix_attention_reference(q, k, v, prefix_k, prefix_v, mask, scale=scale, dropout_p=dropout_p,
                                           seed=seed, prompt_index=prompt_index)
     if resolved == "cpu":
-        if prompt_index is not None:
-            _check_prompt_index(prompt_index, prefix_k.shape[0])
         return _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed)
     out, _ = torch.ops.fastprompt.prefix_attention_fwd(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale,
                                                        dropout_p, seed)
@@ -151,6 +151,8 @@ def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropo
         raise ValueError(f"q, k, v must have the same (B, H, S, D) shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
                          f"{tuple(v.shape)}")
     B, H, S, D = q.shape
+    if min(B, H, S, D) < 1:
+        raise ValueError(f"q must have B, H, S, D >= 1, got shape {tuple(q.shape)}")
     if prefix_k.shape != prefix_v.shape:
         raise ValueError(f"prefix_k {tuple(prefix_k.shape)} and prefix_v {tuple(prefix_v.shape)} differ in shape")
     if prefix_k.dim() not in (3, 4) or prefix_k.shape[-3] != H or prefix_k.shape[-1] != D:

@@ -248,6 +248,8 @@ def test_draw_seed_uses_torch_generator():
         ("backend", "backend must be one of"),
         ("triton_d", "head dims"),
         ("int_tensor", "floating point"),
+        ("empty", "B, H, S, D >= 1"),
+        ("index_range_reference", "must be in \\[0, 2\\)"),
     ],
 )
 def test_bad_input_raises_value_error(case, match):
@@ -285,6 +287,12 @@ def test_bad_input_raises_value_error(case, match):
         kw = dict(backend="triton")
     elif case == "int_tensor":
         args[0] = torch.zeros(2, 2, 8, 32, dtype=torch.long)
+    elif case == "empty":
+        args[0] = args[1] = args[2] = q[:, :, :0]
+        kw = {}
+    elif case == "index_range_reference":
+        args[3] = args[4] = torch.zeros(2, 2, 3, 32)
+        kw.update(prompt_index=torch.tensor([-1, 0]), backend="reference")
     with pytest.raises(ValueError, match=match):
         prefix_attention(*args, **kw)
 
