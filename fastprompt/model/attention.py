@@ -30,21 +30,17 @@ class PrefixState:
 def prefix_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                              fastprompt_state: PrefixState | None = None, **kwargs):
     """transformers attention function: (B, H, S, D) q/k/v -> ((B, S, H, D) output, None)."""
-    if fastprompt_state is None:  # the backbone used on its own: plain SDPA with transformers' mask
+    state = fastprompt_state
+    layer = getattr(module, "layer_idx", None)
+    if state is not None and state.capture is not None:
+        state.capture[layer] = (key[0].detach(), value[0].detach())
+    entry = state.layers[layer] if state is not None and layer < len(state.layers) else None
+    if entry is None:  # no prefix on this layer (or the backbone used on its own): stock SDPA
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    state = fastprompt_state
-    layer = module.layer_idx
-    if state.capture is not None:
-        state.capture[layer] = (key[0].detach(), value[0].detach())
-    entry = state.layers[layer] if layer < len(state.layers) else None
     from fastprompt.ops import prefix_attention  # local import: ops must not be needed to build a model
 
-    if entry is None:
-        pk = query.new_zeros(query.shape[1], 0, query.shape[3])
-        pv = pk
-    else:
-        pk, pv = (t.to(query.dtype) for t in entry)
+    pk, pv = (t.to(query.dtype) for t in entry)
     out = prefix_attention(query, key, value, pk, pv, state.key_padding_mask, scale=scaling,
                            dropout_p=dropout, backend=state.backend)
     return out.transpose(1, 2), None
