@@ -17,11 +17,17 @@ the row normalisation is fused in as a scaling of each raw tile product by the i
   accumulator lives in the output buffer (L2-resident), updated in d-chunks after each tile, with a
   CTA barrier between tiles; this supports any d without keeping a (rows x d) tile in registers.
 
+In the backward, the tiles' dS enters the tensor-core products in the input dtype (scaled by a power of
+two so fp16 keeps the small softmax terms), multiplied with unit vectors (raw rows scaled by their
+inverse norms in fp32 first, so zero rows stay zero).
+
 ``UPCAST`` converts every loaded tile to fp32 (the CPU interpreter computes bf16 on the raw bits, so the
 host sets it when interpreting); ``DOT_PREC`` is tl.dot's ``input_precision`` for fp32 inputs ("ieee"
 unless ``torch.backends.cuda.matmul.allow_tf32``).
 """
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
@@ -142,6 +148,7 @@ def _ds_tile(cos, rows, rmask, cols, cmask, gcol, LSE, CCE, CHG, CDIAG, HIDX, LS
 @triton.jit
 def _bwd_rows_kernel(Z1, R1, C0, RC0, C1, RC1, DA, LSE, CCE, CHG, CDIAG, HIDX, LSE_SYM, CSYM,
                      n_rows, m_seg, d, stride_z1, stride_c0, stride_c1, stride_da, pos_offset, inv_tau, bias1,
+                     grad_scale,
                      NSEG: tl.constexpr, SYMMETRIC: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -175,11 +182,12 @@ def _bwd_rows_kernel(Z1, R1, C0, RC0, C1, RC1, DA, LSE, CCE, CHG, CDIAG, HIDX, L
             cos = acc * rx[:, None] * rc[None, :]
             ds = _ds_tile(cos, rows, rmask, cols, cmask, cols + seg * m_seg, LSE, CCE, CHG, CDIAG, HIDX,
                           LSE_SYM, CSYM, n_rows, pos_offset, inv_tau, bias, seg, SYMMETRIC)
-            w = ds * rc[None, :]  # the columns enter as unit vectors: raw rows times their inverse norms
+            w = (ds * grad_scale).to(C.dtype.element_ty)
             c_ptrs = C + tl.cast(c0, tl.int64) * stride_c + (tl.arange(0, BLOCK_N) * stride_c)[:, None] + ks[None, :]
             for k0 in range(0, d, BLOCK_K):
                 kmask = (k0 + ks) < d
                 c = tl.load(c_ptrs + k0, mask=cmask[:, None] & kmask[None, :], other=0.0)
+                c = (c.to(tl.float32) * rc[:, None]).to(C.dtype.element_ty)  # unit vectors
                 if UPCAST:
                     c = c.to(tl.float32)
                 omask = rmask[:, None] & kmask[None, :]
@@ -190,7 +198,7 @@ def _bwd_rows_kernel(Z1, R1, C0, RC0, C1, RC1, DA, LSE, CCE, CHG, CDIAG, HIDX, L
 
 @triton.jit
 def _bwd_cols_kernel(Z1, R1, C, RC, DB, LSE, CCE, CHG, CDIAG, HIDX, LSE_SYM, CSYM,
-                     n_rows, m_seg, d, stride_z1, stride_c, stride_db, pos_offset, inv_tau, bias,
+                     n_rows, m_seg, d, stride_z1, stride_c, stride_db, pos_offset, inv_tau, bias, grad_scale,
                      SEG: tl.constexpr, SYMMETRIC: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -213,11 +221,12 @@ def _bwd_cols_kernel(Z1, R1, C, RC, DB, LSE, CCE, CHG, CDIAG, HIDX, LSE_SYM, CSY
         cos = acc * rx[:, None] * rc[None, :]
         ds = _ds_tile(cos, rows, rmask, cols, cmask, cols + SEG * m_seg, LSE, CCE, CHG, CDIAG, HIDX,
                       LSE_SYM, CSYM, n_rows, pos_offset, inv_tau, bias, SEG, SYMMETRIC)
-        w = tl.trans(ds * rx[:, None])  # (cols, rows)
+        w = tl.trans((ds * grad_scale).to(Z1.dtype.element_ty))  # (cols, rows)
         z_ptrs = Z1 + tl.cast(r0, tl.int64) * stride_z1 + (tl.arange(0, BLOCK_M) * stride_z1)[:, None] + ks[None, :]
         for k0 in range(0, d, BLOCK_K):
             kmask = (k0 + ks) < d
             z = tl.load(z_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
+            z = (z.to(tl.float32) * rx[:, None]).to(Z1.dtype.element_ty)  # unit vectors
             if UPCAST:
                 z = z.to(tl.float32)
             omask = cmask[:, None] & kmask[None, :]
@@ -354,22 +363,26 @@ def backward(grad, z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx, temper
     csym = cce if symmetric else torch.zeros_like(g)
     cdiag = cce + chg + csym
     lse_sym_ = lse_sym if symmetric else torch.zeros_like(g)
+    # dS is cast to the input dtype for the tensor-core products; a power-of-two scale brings its largest
+    # coefficient to [1, 2) so that fp16 does not flush the small softmax terms (~1/(N tau)) to zero
+    cmax = float(torch.stack([cce.abs().max(), chg.abs().max(), csym.abs().max()]).max())
+    grad_scale = 2.0 ** -math.floor(math.log2(cmax)) if cmax > 0 else 1.0
     f32 = dict(device=z1.device, dtype=torch.float32)
     da = torch.full((n, d), float("nan"), **f32)  # poisoned: the kernel zeroes and fills its own rows
     nseg = 2 if z3 is not None else 1
     common = (lse, cce, chg, cdiag, hard_idx, lse_sym_, csym)
     _bwd_rows_kernel[(triton.cdiv(n, flags["BLOCK_M"]),)](
         z1, r1, z2, r2, c1, r3, da, *common, n, m2, d, z1.stride(0), z2.stride(0), c1.stride(0), da.stride(0),
-        positive_offset, inv_tau, float(hard_negative_weight), NSEG=nseg, SYMMETRIC=bool(symmetric),
+        positive_offset, inv_tau, float(hard_negative_weight), grad_scale, NSEG=nseg, SYMMETRIC=bool(symmetric),
         **flags, **launch)
     dcols = []
     for seg, (c, rc, bias) in enumerate([(z2, r2, 0.0), (z3, r3, float(hard_negative_weight))][:nseg]):
         db = torch.full((m2, d), float("nan"), **f32)
         _bwd_cols_kernel[(triton.cdiv(m2, flags["BLOCK_N"]),)](
             z1, r1, c, rc, db, *common, n, m2, d, z1.stride(0), c.stride(0), db.stride(0), positive_offset,
-            inv_tau, bias, SEG=seg, SYMMETRIC=bool(symmetric), **flags, **launch)
-        dcols.append(_normalize_backward(db, c, rc))
-    return _normalize_backward(da, z1, r1), dcols[0], (dcols[1] if nseg == 2 else None)
+            inv_tau, bias, grad_scale, SEG=seg, SYMMETRIC=bool(symmetric), **flags, **launch)
+        dcols.append(_normalize_backward(db.mul_(1.0 / grad_scale), c, rc))
+    return _normalize_backward(da.mul_(1.0 / grad_scale), z1, r1), dcols[0], (dcols[1] if nseg == 2 else None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -394,7 +407,7 @@ def _bwd_rows_signature(ty):
     sig = {n: f"*{ty}" for n in ("Z1", "C0", "C1")}
     sig.update({n: "*fp32" for n in ("R1", "RC0", "RC1", "DA")}, **_coef_signature())
     sig.update(n_rows="i32", m_seg="i32", d="i32", stride_z1="i32", stride_c0="i32", stride_c1="i32",
-               stride_da="i32", pos_offset="i32", inv_tau="fp32", bias1="fp32")
+               stride_da="i32", pos_offset="i32", inv_tau="fp32", bias1="fp32", grad_scale="fp32")
     return sig
 
 
@@ -402,7 +415,7 @@ def _bwd_cols_signature(ty):
     sig = {n: f"*{ty}" for n in ("Z1", "C")}
     sig.update({n: "*fp32" for n in ("R1", "RC", "DB")}, **_coef_signature())
     sig.update(n_rows="i32", m_seg="i32", d="i32", stride_z1="i32", stride_c="i32", stride_db="i32",
-               pos_offset="i32", inv_tau="fp32", bias="fp32")
+               pos_offset="i32", inv_tau="fp32", bias="fp32", grad_scale="fp32")
     return sig
 
 
