@@ -80,8 +80,8 @@ def prefix_attention(
         prompt_index: ``(B,)`` integer prompt id per example, required with a 4-D prefix.
         backend: "auto", "triton", "cpu" or "reference" (see the module docstring).
 
-    The returned tensor of the "triton" and "cpu" backends has the memory layout of a transposed
-    ``(B, S, H, D)`` tensor, so ``out.transpose(1, 2).reshape(B, S, H * D)`` needs no copy.
+    The "triton" backend returns a transposed ``(B, S, H, D)`` buffer, so ``out.transpose(1, 2).reshape(B, S,
+    H * D)`` needs no copy (the "cpu" composite returns what SDPA returns: the same layout for such q).
     """
     _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p, backend)
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
