@@ -173,3 +173,16 @@ def test_real_minilm_frozen_encoder_matches_sentence_transformers_pooling(minilm
     m = batch["attention_mask"].unsqueeze(-1).float()
     ref = torch.nn.functional.normalize((h * m).sum(1) / m.sum(1), dim=-1).numpy()
     np.testing.assert_allclose(ours, ref, atol=1e-5)
+
+
+def test_triton_prefix_path_matches_dynamic_cache_reference(tiny_bert_dir):
+    """The whole model on the Triton kernels (CPU interpreter) vs the DynamicCache reference."""
+    config = PromptConfig(4, init_std=0.5)
+    fast, ref = _pair(tiny_bert_dir, config, attn_backend="triton")
+    fast.eval(), ref.eval()
+    batch = fast.tokenize(SENTENCES)
+    weights = torch.randn(*batch["input_ids"].shape, fast.hidden_size)
+    out_fast, g_fast = _grads(fast, batch, weights)
+    out_ref, g_ref = _grads(ref, batch, weights)
+    torch.testing.assert_close(out_fast, out_ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(g_fast["prompt.prefix"], g_ref["prompt.prefix"], atol=1e-5, rtol=1e-5)
