@@ -32,6 +32,9 @@ namespace {
 constexpr double kCosEps = 1e-8;  // same norm floor as the reference (F.normalize eps)
 constexpr int64_t kRowBlock = 128;
 constexpr int64_t kColTile = 256;
+constexpr int64_t kStripeElems = int64_t(1) << 22;  // per-thread stripe budget of the fused pass (16 MiB fp32)
+constexpr int64_t kMinStripeRows = 16;
+constexpr int64_t kMaxStripeRows = 256;
 
 // One contiguous run of columns: rows [0, z.size(0)) of z are global columns [base, base + rows).
 struct Segment {
@@ -192,6 +195,143 @@ void check_inputs(const at::Tensor& z1, const at::Tensor& z2, const c10::optiona
   }
 }
 
+// Back through the row normalisation, in place and without (rows x d) temporaries: from dA (the gradient
+// w.r.t. z / max(||z||, eps)) to dz = r·dA - r³ (z·dA) z; rows with norm <= eps are only scaled.
+void normalize_backward_(at::Tensor& dz, const at::Tensor& z, const at::Tensor& r) {
+  const at::Tensor zdz = at::bmm(z.unsqueeze(1), dz.unsqueeze(2)).view({-1});  // row-wise dot products
+  const at::Tensor proj = zdz * r.pow(3) * (r < 1.0 / kCosEps);
+  dz.mul_(r.unsqueeze(1)).addcmul_(z, proj.unsqueeze(1), -1);
+}
+
+// Runs f(slot) for slot in [0, n) on the intra-op threads (independent tasks, one parallel region).
+template <typename F>
+void parallel_slots(int64_t n, const F& f) {
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;
+    for (int64_t slot = begin; slot < end; ++slot) f(slot);
+  });
+}
+
+// Forward and backward in one pass, for a uniform per-row upstream gradient `weight` (reductions mean and
+// sum: the Python op rescales by the actual gradient later). Each row block computes its whole stripe of
+// logits (rows x M, one GEMM per column segment), takes the log-sum-exp, positive and hardest negative
+// from it, turns it into dS in place and uses it for dA (one GEMM) and dB (one GEMM): 3 products per
+// tile, as many as the materialising reference, instead of 4 for forward + recomputing backward.
+// Blocks run T at a time (T = threads), one stripe each; their dB updates go in T sub-rounds in which
+// slot t owns column group (t + k) mod T (Latin square: no atomics, deterministic for a given T).
+// Memory: T stripes of (rows x M), kept <= kStripeElems elements each by the row count per block.
+template <typename scalar_t>
+void fused_pass(const at::Tensor& z1, const at::Tensor& r1, const std::vector<Segment>& segs, int64_t pos_offset,
+                double temperature, double hinge_margin, double hinge_weight, double weight, bool track_hard,
+                int64_t block_rows, at::Tensor& lse, at::Tensor& pos_sim, at::Tensor& hard_sim,
+                at::Tensor& hard_idx, at::Tensor& dz1, std::vector<at::Tensor>& dcols) {
+  const int64_t n = z1.size(0), d = z1.size(1);
+  int64_t m = 0;
+  for (const Segment& seg : segs) m += seg.z.size(0);
+  const auto opts = z1.options();
+  constexpr scalar_t kNegInf = -std::numeric_limits<scalar_t>::infinity();
+  const int64_t nblocks = (n + block_rows - 1) / block_rows;
+  const int64_t slots = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), nblocks));
+  std::vector<at::Tensor> stripe(slots), xs(slots);
+  for (int64_t t = 0; t < slots; ++t) {
+    stripe[t] = at::empty({block_rows, m}, opts);
+    xs[t] = at::empty({block_rows, d}, opts);
+  }
+  const double inv_tau = 1.0 / temperature, c_ce = weight * inv_tau;
+  scalar_t* lse_p = lse.data_ptr<scalar_t>();
+  scalar_t* pos_p = pos_sim.data_ptr<scalar_t>();
+  scalar_t* hs_p = hard_sim.data_ptr<scalar_t>();
+  int64_t* hi_p = hard_idx.data_ptr<int64_t>();
+
+  for (int64_t round0 = 0; round0 < nblocks; round0 += slots) {
+    const int64_t active = std::min(slots, nblocks - round0);
+    auto rows_of = [&](int64_t t) {
+      const int64_t r0 = (round0 + t) * block_rows;
+      return std::make_pair(r0, std::min(r0 + block_rows, n) - r0);
+    };
+    // phase A: logits stripe -> statistics -> dS, all in the slot's stripe
+    parallel_slots(active, [&](int64_t t) {
+      const auto [r0, nr] = rows_of(t);
+      at::Tensor x = xs[t].narrow(0, 0, nr), st = stripe[t].narrow(0, 0, nr);
+      at::mul_out(x, z1.narrow(0, r0, nr), r1.narrow(0, r0, nr).unsqueeze(1));
+      for (const Segment& seg : segs) {
+        at::Tensor part = st.narrow(1, seg.base, seg.z.size(0));
+        at::mm_out(part, x, seg.z.t());
+        part.mul_(seg.rt.unsqueeze(0));  // unbiased logits cos / tau
+      }
+      scalar_t* sp = st.data_ptr<scalar_t>();
+      const int64_t ld = st.stride(0);
+      std::vector<scalar_t> pos(nr), best(nr, kNegInf), shift(nr);
+      std::vector<int64_t> best_idx(nr, -1);
+      for (int64_t i = 0; i < nr; ++i) pos[i] = sp[i * ld + pos_offset + r0 + i];
+      if (track_hard) {
+        for (int64_t i = 0; i < nr; ++i) sp[i * ld + pos_offset + r0 + i] = kNegInf;
+        auto [v, vi] = st.max(1);  // first maximum: the lowest index on exact ties
+        const scalar_t* vp = v.data_ptr<scalar_t>();
+        const int64_t* ip = vi.data_ptr<int64_t>();
+        for (int64_t i = 0; i < nr; ++i) {
+          best[i] = vp[i];
+          best_idx[i] = ip[i];
+          sp[i * ld + pos_offset + r0 + i] = pos[i];
+        }
+      }
+      for (const Segment& seg : segs) {
+        if (seg.bias != 0.0) st.narrow(1, seg.base, seg.z.size(0)).add_(seg.bias);
+      }
+      const at::Tensor mx = at::amax(st, {1});
+      const at::Tensor sum = st.sub_(mx.unsqueeze(1)).exp_().sum(1);  // stripe: exp(logit - max)
+      const scalar_t* mp = mx.data_ptr<scalar_t>();
+      const scalar_t* sump = sum.data_ptr<scalar_t>();
+      std::vector<scalar_t> row_scale(nr);
+      for (int64_t i = 0; i < nr; ++i) {
+        const int64_t row = r0 + i;
+        lse_p[row] = mp[i] + std::log(sump[i]);
+        pos_p[row] = pos[i] * static_cast<scalar_t>(temperature);
+        if (track_hard) {
+          hs_p[row] = best[i] * static_cast<scalar_t>(temperature);
+          hi_p[row] = best_idx[i];
+        }
+        row_scale[i] = static_cast<scalar_t>(c_ce) / sump[i];  // softmax / tau, times the row weight
+      }
+      st.mul_(at::from_blob(row_scale.data(), {nr, 1}, opts));
+      // one-hot terms: -(ce + hinge) at the positive, +hinge at the hardest negative
+      for (int64_t i = 0; i < nr; ++i) {
+        const int64_t row = r0 + i;
+        const bool active_hinge = hinge_weight != 0.0 && hinge_margin + hs_p[row] - pos_p[row] > 0;
+        const scalar_t c_h = active_hinge ? static_cast<scalar_t>(weight * hinge_weight) : scalar_t(0);
+        sp[i * ld + pos_offset + row] -= static_cast<scalar_t>(c_ce) + c_h;
+        if (c_h != 0) sp[i * ld + hi_p[row]] += c_h;
+      }
+    });
+    // phase B: dB[group (t + k) mod T] += dS[:, group]ᵀ · A_blk; the last sub-round also does dA for the slot
+    for (int64_t k = 0; k < slots; ++k) {
+      parallel_slots(active, [&](int64_t t) {
+        const auto [r0, nr] = rows_of(t);
+        const at::Tensor st = stripe[t].narrow(0, 0, nr), x = xs[t].narrow(0, 0, nr);
+        const int64_t g = (t + k) % slots, c0 = m * g / slots, c1 = m * (g + 1) / slots;
+        for (size_t s = 0; s < segs.size(); ++s) {
+          const int64_t b0 = std::max(c0, segs[s].base), b1 = std::min(c1, segs[s].base + segs[s].z.size(0));
+          if (b0 < b1) {
+            dcols[s].narrow(0, b0 - segs[s].base, b1 - b0).addmm_(st.narrow(1, b0, b1 - b0).t(), x);
+          }
+        }
+        if (k == slots - 1) {
+          at::Tensor da = dz1.narrow(0, r0, nr);
+          for (size_t s = 0; s < segs.size(); ++s) {
+            at::Tensor part = st.narrow(1, segs[s].base, segs[s].z.size(0));
+            part.mul_(segs[s].r.unsqueeze(0));  // the columns enter as unit vectors
+            if (s == 0) {
+              at::mm_out(da, part, segs[s].z);
+            } else {
+              da.addmm_(part, segs[s].z);
+            }
+          }
+        }
+      });
+    }
+  }
+}
+
 std::vector<Segment> column_segments(const at::Tensor& z2, const c10::optional<at::Tensor>& z3,
                                      double inv_tau, double hard_negative_weight) {
   std::vector<Segment> segs{make_segment(z2, inv_norm(z2), inv_tau, 0.0, 0)};
@@ -201,10 +341,21 @@ std::vector<Segment> column_segments(const at::Tensor& z2, const c10::optional<a
 
 }  // namespace
 
-std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> contrastive_loss_fwd(
-    const at::Tensor& z1_, const at::Tensor& z2_, const c10::optional<at::Tensor>& z3_, double temperature,
-    double hard_negative_weight, double hinge_margin, double hinge_weight, bool symmetric,
-    int64_t positive_offset, bool track_hardest) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_loss_bwd(
+    const at::Tensor& grad_, const at::Tensor& z1_, const at::Tensor& z2_, const c10::optional<at::Tensor>& z3_,
+    const at::Tensor& lse_, const at::Tensor& lse_sym_, const at::Tensor& pos_sim, const at::Tensor& hard_sim,
+    const at::Tensor& hard_idx_, double temperature, double hard_negative_weight, double hinge_margin,
+    double hinge_weight, bool symmetric, int64_t positive_offset);
+
+// Returns (row_loss, lse, lse_sym, pos_sim, hard_sim, hard_idx, dz1, dz2, dz3). With compute_grad (not
+// symmetric) the gradients for a uniform per-row upstream gradient `grad_weight` come along (fused pass);
+// otherwise they are empty.
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor,
+           at::Tensor>
+contrastive_loss_fwd(const at::Tensor& z1_, const at::Tensor& z2_, const c10::optional<at::Tensor>& z3_,
+                     double temperature, double hard_negative_weight, double hinge_margin, double hinge_weight,
+                     bool symmetric, int64_t positive_offset, bool track_hardest, bool compute_grad,
+                     double grad_weight) {
   at::NoGradGuard no_grad;  // a kernel: autograd is handled by the Python op around it
   check_inputs(z1_, z2_, z3_, positive_offset);
   const at::Tensor z1 = z1_.detach().contiguous(), z2 = z2_.detach().contiguous();
@@ -220,9 +371,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor lse = at::full({n}, NAN, opts), pos_sim = at::full({n}, NAN, opts);
   at::Tensor hard_sim = at::full({n}, NAN, opts), hard_idx = at::full({n}, -1, opts.dtype(at::kLong));
   at::Tensor lse_sym = at::full({symmetric ? n : 0}, NAN, opts);
+  TORCH_CHECK(!(compute_grad && symmetric), "contrastive_loss_cpu_fwd: compute_grad needs symmetric=False");
+  track_hardest = track_hardest || hinge_weight != 0.0;
+  const int64_t m = segs.size() * z2.size(0);
+  const int64_t stripe_rows = std::min<int64_t>(kMaxStripeRows, kStripeElems / m);
+  const bool fused = compute_grad && stripe_rows >= std::min<int64_t>(n, kMinStripeRows);
+  // distinct empty tensors: outputs of a custom op must not alias each other
+  at::Tensor dz1 = at::empty({0, z1.size(1)}, opts), dz2 = at::empty({0, z1.size(1)}, opts),
+             dz3 = at::empty({0, z1.size(1)}, opts);
+  if (fused) {
+    std::vector<at::Tensor> dcols{at::zeros_like(z2)};
+    if (z3.has_value()) dcols.push_back(at::zeros_like(*z3));
+    dz1 = at::empty_like(z1);
+    AT_DISPATCH_FLOATING_TYPES(z1.scalar_type(), "contrastive_loss_fused", [&] {
+      fused_pass<scalar_t>(z1, r1, segs, positive_offset, temperature, hinge_margin, hinge_weight, grad_weight,
+                           track_hardest, std::max<int64_t>(1, stripe_rows), lse, pos_sim, hard_sim, hard_idx, dz1,
+                           dcols);
+    });
+    normalize_backward_(dz1, z1, r1);
+    for (size_t s = 0; s < dcols.size(); ++s) normalize_backward_(dcols[s], segs[s].z, segs[s].r);
+    dz2 = dcols[0];
+    if (dcols.size() > 1) dz3 = dcols[1];
+  }
   AT_DISPATCH_FLOATING_TYPES(z1.scalar_type(), "contrastive_loss_fwd", [&] {
-    row_pass<scalar_t>(z1, r1, segs, positive_offset, temperature, track_hardest, lse, pos_sim, hard_sim,
-                       hard_idx);
+    if (!fused) {
+      row_pass<scalar_t>(z1, r1, segs, positive_offset, temperature, track_hardest, lse, pos_sim, hard_sim,
+                         hard_idx);
+    }
     if (symmetric) {
       // rows: the positives z2[offset:offset+n]; columns: z1 (the positive of row i is column i)
       const at::Tensor p = z2.narrow(0, positive_offset, n);
@@ -235,7 +410,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
   at::Tensor loss = lse - pos_sim * inv_tau;
   if (symmetric) loss = (loss + lse_sym - pos_sim * inv_tau).mul_(0.5);
   if (hinge_weight != 0.0) loss = loss + (hard_sim - pos_sim + hinge_margin).clamp_min_(0).mul_(hinge_weight);
-  return {loss, lse, lse_sym, pos_sim, hard_sim, hard_idx};
+  if (compute_grad && !fused) {  // stripes would not fit the budget (huge M): recompute, 4 products per tile
+    std::tie(dz1, dz2, dz3) =
+        contrastive_loss_bwd(at::full({n}, grad_weight, opts), z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx,
+                             temperature, hard_negative_weight, hinge_margin, hinge_weight, symmetric, positive_offset);
+  }
+  return {loss, lse, lse_sym, pos_sim, hard_sim, hard_idx, dz1, dz2, dz3};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_loss_bwd(
@@ -330,15 +510,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_loss_bwd(
     }
   });
 
-  // back through the normalisation: dz = r·dA - r³ (z·dA) z (rows with norm <= eps are scaled, not projected)
-  // (in place, without (rows x d) temporaries)
-  auto finish = [](at::Tensor& dz, const at::Tensor& z, const at::Tensor& r) {
-    const at::Tensor zdz = at::bmm(z.unsqueeze(1), dz.unsqueeze(2)).view({-1});  // row-wise dot products
-    const at::Tensor proj = zdz * r.pow(3) * (r < 1.0 / kCosEps);
-    dz.mul_(r.unsqueeze(1)).addcmul_(z, proj.unsqueeze(1), -1);
-  };
-  finish(dz1, z1, r1);
-  for (size_t s = 0; s < dcols.size(); ++s) finish(dcols[s], segs[s].z, segs[s].r);
+  normalize_backward_(dz1, z1, r1);
+  for (size_t s = 0; s < dcols.size(); ++s) normalize_backward_(dcols[s], segs[s].z, segs[s].r);
   at::Tensor dz3 = dcols.size() > 1 ? dcols[1] : at::empty({0, z1.size(1)}, opts);
   return {dz1, dcols[0], dz3};
 }
@@ -346,8 +519,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_loss_bwd(
 TORCH_LIBRARY_FRAGMENT(fastprompt, m) {
   m.def(
       "contrastive_loss_cpu_fwd(Tensor z1, Tensor z2, Tensor? z3, float temperature, float hard_negative_weight, "
-      "float hinge_margin, float hinge_weight, bool symmetric, int positive_offset, bool track_hardest) -> "
-      "(Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
+      "float hinge_margin, float hinge_weight, bool symmetric, int positive_offset, bool track_hardest, "
+      "bool compute_grad, float grad_weight) -> (Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def(
       "contrastive_loss_cpu_bwd(Tensor grad, Tensor z1, Tensor z2, Tensor? z3, Tensor lse, Tensor lse_sym, "
       "Tensor pos_sim, Tensor hard_sim, Tensor hard_idx, float temperature, float hard_negative_weight, "

@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 from typing import NamedTuple, Optional
 
+import numpy as np
 import torch
 
 from fastprompt.ops import _cpp
@@ -147,17 +148,26 @@ def _compute_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
-def _kernel_fwd(z1, z2, z3, temperature, hnw, margin, hw, symmetric, offset, backend, track_hardest):
+def _mean_weight(n: int, dtype: torch.dtype) -> float:
+    """1/n rounded as MeanBackward rounds it in ``dtype``, so that loss.backward() rescales by exactly 1."""
+    return float(np.float32(1.0) / np.float32(n)) if dtype == torch.float32 else 1.0 / n
+
+
+def _kernel_fwd(z1, z2, z3, temperature, hnw, margin, hw, symmetric, offset, backend, track_hardest, grad_weight):
+    """Forward kernels; with ``grad_weight`` > 0 (CPU only) also the gradients for that uniform per-row
+    upstream gradient, from the same tiles (dz1, dz2, dz3 in the input dtype; empty otherwise)."""
     if backend == "cpu":
         cdt = _compute_dtype(z1.dtype)  # the C++ kernel is float/double: half inputs are upcast (O(N·d))
         z3c = None if z3 is None else z3.to(cdt).contiguous()
-        return tuple(torch.ops.fastprompt.contrastive_loss_cpu_fwd(
+        out = torch.ops.fastprompt.contrastive_loss_cpu_fwd(
             z1.to(cdt).contiguous(), z2.to(cdt).contiguous(), z3c, temperature, hnw, margin, hw, symmetric,
-            offset, track_hardest))
+            offset, track_hardest, grad_weight > 0, grad_weight)
+        return tuple(out[:6]) + tuple(g.to(z1.dtype) for g in out[6:])
     if backend == "triton":
         from fastprompt.kernels import contrastive_loss as tk
 
-        return tk.forward(z1, z2, z3, temperature, hnw, margin, hw, symmetric, offset, track_hard=track_hardest)
+        stats = tk.forward(z1, z2, z3, temperature, hnw, margin, hw, symmetric, offset, track_hard=track_hardest)
+        return stats + tuple(z1.new_empty((0, z1.shape[1])) for _ in range(3))  # distinct: no aliasing
     raise ValueError(f"unknown kernel backend {backend!r}")
 
 
@@ -181,21 +191,29 @@ def _kernel_bwd(grad, z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx, tem
 @torch.library.custom_op("fastprompt::contrastive_loss_fwd", mutates_args=())
 def _op_fwd(z1: torch.Tensor, z2: torch.Tensor, z3: Optional[torch.Tensor], temperature: float,
             hard_negative_weight: float, hinge_margin: float, hinge_weight: float, symmetric: bool,
-            positive_offset: int, backend: str, track_hardest: bool
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(row_loss, lse, lse_sym, pos_sim, hard_sim, hard_idx); lse_sym has 0 rows unless symmetric; the
-    hardest-negative outputs are NaN / -1 unless track_hardest (always tracked when hinge_weight != 0)."""
+            positive_offset: int, backend: str, track_hardest: bool, grad_weight: float
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                       torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(row_loss, lse, lse_sym, pos_sim, hard_sim, hard_idx, dz1, dz2, dz3). lse_sym has 0 rows unless
+    symmetric; the hardest-negative outputs are NaN / -1 unless track_hardest (always tracked when
+    hinge_weight != 0); dz* are the gradients for the uniform per-row upstream gradient ``grad_weight``
+    when it is > 0 (the CPU kernel's fused forward+backward), else empty."""
     return _kernel_fwd(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge_weight, symmetric,
-                       positive_offset, backend, track_hardest or hinge_weight != 0.0)
+                       positive_offset, backend, track_hardest or hinge_weight != 0.0, grad_weight)
 
 
 @_op_fwd.register_fake
 def _op_fwd_fake(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge_weight, symmetric,
-                 positive_offset, backend, track_hardest):
+                 positive_offset, backend, track_hardest, grad_weight):
     n, cdt = z1.shape[0], _compute_dtype(z1.dtype)
     vec = lambda k: z1.new_empty((k,), dtype=cdt)  # noqa: E731
+    empty = lambda: z1.new_empty((0, z1.shape[1]))  # noqa: E731
+    if grad_weight > 0:
+        grads = (torch.empty_like(z1), torch.empty_like(z2), torch.empty_like(z3) if z3 is not None else empty())
+    else:
+        grads = (empty(), empty(), empty())
     return (vec(n), vec(n), vec(n if symmetric else 0), vec(n), vec(n),
-            z1.new_empty((n,), dtype=torch.int64))
+            z1.new_empty((n,), dtype=torch.int64)) + grads
 
 
 @torch.library.custom_op("fastprompt::contrastive_loss_bwd", mutates_args=())
@@ -219,20 +237,36 @@ def _op_bwd_fake(grad, z1, z2, z3, *args):
 
 def _setup_context(ctx, inputs, output):
     z1, z2, z3, *params = inputs
-    _, lse, lse_sym, pos_sim, hard_sim, hard_idx = output
-    ctx.save_for_backward(z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx)
-    ctx.params = params[:-1]  # all but track_hardest, in the order _op_bwd takes them
+    _, lse, lse_sym, pos_sim, hard_sim, hard_idx, g1, g2, g3 = output
+    ctx.grad_weight = params[-1]
+    ctx.n_params = len(params)
     ctx.has_z3 = z3 is not None
-    ctx.mark_non_differentiable(lse, lse_sym, pos_sim, hard_sim, hard_idx)
+    ctx.mark_non_differentiable(lse, lse_sym, pos_sim, hard_sim, hard_idx, g1, g2, g3)
+    if ctx.grad_weight > 0:  # the forward already computed the gradients (for a uniform upstream gradient)
+        ctx.save_for_backward(g1, g2, g3 if z3 is not None else None)
+    else:
+        ctx.save_for_backward(z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx)
+        ctx.params = params[:-2]  # all but track_hardest and grad_weight, in the order _op_bwd takes them
 
 
 def _backward(ctx, grad_rows, *unused):
+    if ctx.grad_weight > 0:
+        # rows.mean()/.sum() of the wrapper make grad_rows uniform: rescale the precomputed gradients
+        g1, g2, g3 = ctx.saved_tensors
+        factor = grad_rows[0] / ctx.grad_weight if grad_rows is not None else 0.0
+        # (eager only: a plain tensor; tracing sees fake / functional tensor subclasses, no data to test)
+        eager = type(grad_rows) is torch.Tensor and not torch.compiler.is_compiling()
+        if eager and float(factor) == 1.0:
+            grads = (g1, g2, g3)  # the usual loss.backward(): no copy
+        else:
+            grads = tuple(None if g is None else g * factor.to(g.dtype) for g in (g1, g2, g3))
+        return grads + (None,) * ctx.n_params
     z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx = ctx.saved_tensors
     if grad_rows is None:
         grad_rows = lse.new_zeros(lse.shape)
     d1, d2, d3 = _op_bwd(grad_rows.contiguous(), z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx,
                          *ctx.params)
-    return (d1, d2, d3 if ctx.has_z3 else None) + (None,) * (len(ctx.params) + 1)
+    return (d1, d2, d3 if ctx.has_z3 else None) + (None,) * ctx.n_params
 
 
 _op_fwd.register_autograd(_backward, setup_context=_setup_context)
@@ -291,9 +325,16 @@ def contrastive_loss(
               positive_offset=int(positive_offset))
     if be == "reference":
         return contrastive_loss_reference(z1, z2, z3, reduction=reduction, return_stats=return_stats, **kw)
-    rows, lse, lse_sym, pos_sim, hard_sim, hard_idx = _op_fwd(
+    # CPU kernel, mean/sum, not symmetric: forward and backward in one pass over the tiles (3 products per
+    # tile instead of 4); the gradients are computed for the per-row upstream gradient of .mean()/.sum()
+    # of a unit loss gradient, and rescaled in backward
+    needs_grad = torch.is_grad_enabled() and any(z is not None and z.requires_grad for z in (z1, z2, z3))
+    grad_weight = 0.0
+    if be == "cpu" and needs_grad and reduction != "none" and not symmetric:
+        grad_weight = 1.0 if reduction == "sum" else _mean_weight(z1.shape[0], _compute_dtype(z1.dtype))
+    rows, lse, lse_sym, pos_sim, hard_sim, hard_idx, *_ = _op_fwd(
         z1, z2, z3, kw["temperature"], kw["hard_negative_weight"], kw["hinge_margin"], kw["hinge_weight"],
-        kw["symmetric"], kw["positive_offset"], be, bool(return_stats))
+        kw["symmetric"], kw["positive_offset"], be, bool(return_stats), grad_weight)
     loss = rows.mean() if reduction == "mean" else rows.sum() if reduction == "sum" else rows
     if not return_stats:
         return loss
