@@ -5,15 +5,20 @@
 // is fused in as a rank-1 scaling of each tile by the inverse norms). The element-wise tile work uses
 // ATen's vectorised kernels (they run single-threaded inside the parallel region).
 //
-// Forward: online log-sum-exp per row and a running max/argmax of the cosines over the columns other
-// than the positive (the hardest negative; ties keep the lowest column index). Symmetric: a second
-// streamed pass with the positives as rows and z1 as columns. Only per-row statistics are returned.
-//
-// Backward: each tile's dS (gradient w.r.t. the cosines) is recomputed once and feeds both
-// dA += dS·B and dB += dSᵀ·A. To do that without atomics or per-thread copies of dB, the rows and the
-// columns are each split into T groups and processed in T rounds: in round r thread t owns row group
-// t and column group (t + r) mod T, so no two threads ever write the same rows of dA or dB (a Latin
-// square schedule). Accumulation order is fixed for a given thread count, so results are deterministic.
+// Three paths:
+// - fused_pass (reductions mean/sum, gradients needed, not symmetric; what training runs): forward and
+//   backward together, for a uniform per-row upstream gradient that the Python op rescales later. Each
+//   row block computes its stripe of logits (rows x M, <= 16 MiB per thread), takes the statistics from
+//   it and turns it into dS in place: 3 BLAS products per tile, like the materialising reference.
+// - row_pass (forward only): online log-sum-exp per row and a running max/argmax of the cosines over the
+//   columns other than the positive (the hardest negative; ties keep the lowest column index); the
+//   symmetric term is a second pass with the positives as rows and z1 as columns. Only per-row
+//   statistics are kept.
+// - contrastive_loss_bwd (any per-row gradient, symmetric): recomputes each tile once and feeds both
+//   dA += dS·B and dB += dSᵀ·A (4 products per tile with the forward).
+// dB is written without atomics or per-thread copies: rows and columns are split into groups processed in
+// rounds in which thread t owns row group t and column group (t + r) mod T (a Latin square schedule), so
+// results are deterministic for a given thread count.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/LegacyTypeDispatch.h>
