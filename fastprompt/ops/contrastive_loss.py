@@ -4,7 +4,9 @@
 cosine similarity, and returns the cross-entropy of the positive ``z2[positive_offset + i]`` (+ an optional
 symmetric term and the PromCSE hinge). The kernels never materialise the N x M similarity matrix: the
 forward streams column tiles with an online log-sum-exp and a running max/argmax for the hardest
-negative and saves only per-row statistics; the backward recomputes the tiles.
+negative and saves only per-row statistics; the backward recomputes the tiles. On the CPU, when the
+gradient is needed and the reduction is mean/sum (not symmetric), the forward computes the gradients
+too from the same tiles (for the unit upstream gradient; the backward only rescales them).
 
 Backends: ``"triton"`` (CUDA; on CPU tensors the Triton interpreter), ``"cpu"`` (the C++ kernel of
 ``fastprompt._C``), ``"reference"`` (plain PyTorch, :func:`fastprompt.ops.reference.contrastive_loss_reference`)
