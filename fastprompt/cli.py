@@ -214,19 +214,9 @@ def add_encode_parser(subparsers) -> argparse.ArgumentParser:
 
 def read_sentences(path: str | os.PathLike) -> list[str]:
     """One sentence per line of a UTF-8 file; an empty line is an error (rows must match lines)."""
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"input file not found: {path}")
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line_no = data[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}: not valid UTF-8 (line {line_no}: {e.reason})") from None
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    lines = [line[:-1] if line.endswith("\r") else line for line in lines]
+    from fastprompt.io import read_utf8_lines
+
+    lines = read_utf8_lines(path, what="input file")
     if not lines:
         raise ValueError(f"{path} has no sentences")
     for i, line in enumerate(lines, start=1):

@@ -88,3 +88,22 @@ def read_json(path: str | os.PathLike, what: str = "file") -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"{what} {path} is not a JSON object")
     return data
+
+
+def read_utf8_lines(path: str | os.PathLike, what: str = "file") -> list[str]:
+    """UTF-8 lines without their terminators (``\\n`` or ``\\r\\n``), with clear errors for a missing file and
+    for bytes that are not UTF-8 (naming the line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"{what} not found: {path}")
+    data = path.read_bytes()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line_no = data[: e.start].count(b"\n") + 1
+        raise ValueError(f"{path}: not valid UTF-8 (line {line_no}, byte {e.start}: {e.reason})") from None
+    # Split on "\n" only: str.splitlines() would also break lines at \x85, \u2028, ... inside a sentence.
+    lines = text.split("\n")
+    if lines and lines[-1] == "":
+        lines.pop()
+    return [line[:-1] if line.endswith("\r") else line for line in lines]

@@ -36,6 +36,8 @@ from pathlib import Path
 import numpy as np
 from scipy.stats import spearmanr
 
+from fastprompt.io import read_utf8_lines
+
 logger = logging.getLogger(__name__)
 
 #: The seven tasks of the papers' table, in table order.
@@ -86,20 +88,7 @@ class STSData:
 
 # ----------------------------------------------------------------------------------------- reading
 def _read_lines(path: Path) -> list[str]:
-    """UTF-8 lines without their terminators (``\\n`` or ``\\r\\n``), with a clear error for a bad file."""
-    if not path.is_file():
-        raise FileNotFoundError(f"STS file not found: {path}")
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        line_no = data[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}: not valid UTF-8 (line {line_no}, byte {e.start}: {e.reason})") from None
-    # Split on "\n" only: str.splitlines() would also break lines at \x85, \u2028, ... inside a sentence.
-    lines = text.split("\n")
-    if lines and lines[-1] == "":
-        lines.pop()
-    return [line[:-1] if line.endswith("\r") else line for line in lines]
+    return read_utf8_lines(path, what="STS file")
 
 
 def _norm(sentence: str) -> str:

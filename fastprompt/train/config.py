@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from fastprompt.model.config import INIT_MODES, POSITION_MODES
+from fastprompt.model.encoder import PREFIX_MODES
 from fastprompt.model.pooling import MLP_MODES, POOLERS
 PRECISIONS = ("fp32", "bf16", "fp16")
 LOSS_BACKENDS = ("auto", "triton", "cpu", "reference")
@@ -107,7 +108,7 @@ class TrainConfig:
         _choice("on_decode_error", self.on_decode_error, ("error", "skip"))
         _choice("prompt_init", self.prompt_init, INIT_MODES)
         _choice("position_mode", self.position_mode, POSITION_MODES)
-        _choice("prefix_mode", self.prefix_mode, ("attention", "cache"))
+        _choice("prefix_mode", self.prefix_mode, PREFIX_MODES)
         if self.batch_size < 2:
             raise ValueError(
                 f"batch_size must be >= 2, got {self.batch_size}: in-batch contrastive learning needs at least one "
