@@ -8,7 +8,7 @@ stops it above ``--kill-gb`` (that point is reported as over budget); the child 
 (``ru_maxrss``) and the median step time. Results go to CSV and JSON; the summary names the largest global
 batch that trained within ``--budget-gb`` in each mode.
 
-    python bench/bench_large_batch.py                       # the full sweep (slow: ~1 h on 2 cores)
+    python bench/bench_large_batch.py                       # the full sweep (~16 min on 2 idle cores)
     python bench/bench_large_batch.py --batches 256,2048 --modes cache,plain --steps 2
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ def child(args) -> dict:
             loss = loss_fn(reps).loss
             loss.backward()
         optimizer.step()
-        return float(loss)
+        return float(loss.detach())
 
     times, losses = [], []
     for _ in range(args.steps):
@@ -113,9 +113,36 @@ def run_point(args, mode: str, batch: int, steps: int) -> dict:
     return json.loads(out.strip().splitlines()[-1])
 
 
+def largest_within_budget(args, rows: list[dict]) -> dict:
+    out = {}
+    for mode in args.modes.split(","):
+        ok = [r["global_batch"] for r in rows
+              if r["mode"] == mode and r["status"] == "ok" and r["peak_rss_gb"] <= args.budget_gb]
+        out[mode] = max(ok) if ok else None
+    return out
+
+
+def write_results(args, rows: list[dict]) -> None:
+    """CSV of every point plus a JSON summary (command, budget, largest batch within it per mode)."""
+    for mode in args.modes.split(","):
+        ref = next((r for r in rows if r["mode"] == mode and r["status"] == "ok"), None)
+        for r in rows:
+            if ref and r["mode"] == mode and r["status"] == "ok":
+                r["time_per_sentence_vs_smallest"] = r["time_per_sentence_ms"] / ref["time_per_sentence_ms"]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    keys = sorted({k for r in rows for k in r})
+    with open(args.out, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=keys)
+        w.writeheader()
+        w.writerows(rows)
+    summary = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "budget_gb": args.budget_gb,
+               "rows": rows, "largest_batch_within_budget": largest_within_budget(args, rows)}
+    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--batches", default="256,1024,4096,16384,65536", help="global batch sizes (sentences)")
+    p.add_argument("--batches", default="256,512,1024,2048,4096,16384,65536", help="global batch sizes (sentences)")
     p.add_argument("--modes", default="cache,plain", help="cache, plain and/or checkpointing")
     p.add_argument("--micro-batch-size", type=int, default=256)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="bf16")
@@ -144,32 +171,15 @@ def main(argv=None):
             row = run_point(args, mode, batch, steps)
             rows.append(row)
             print(json.dumps(row), flush=True)
-            if row["status"] != "ok" or row["peak_rss_gb"] > args.kill_gb:
+            write_results(args, rows)  # after every point: an interrupted sweep keeps what it measured
+            if row["status"] != "ok" or row["peak_rss_gb"] > args.budget_gb:
                 break  # larger batches in this mode only need more memory
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    keys = sorted({k for r in rows for k in r})
-    with open(args.out, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    summary = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "budget_gb": args.budget_gb,
-               "rows": rows, "largest_batch_within_budget": {}}
-    for mode in args.modes.split(","):
-        ok = [r["global_batch"] for r in rows
-              if r["mode"] == mode and r["status"] == "ok" and r["peak_rss_gb"] <= args.budget_gb]
-        summary["largest_batch_within_budget"][mode] = max(ok) if ok else None
-    for mode in args.modes.split(","):
-        ref = next((r for r in rows if r["mode"] == mode and r["status"] == "ok"), None)
-        for r in rows:
-            if ref and r["mode"] == mode and r["status"] == "ok":
-                r["time_per_sentence_vs_smallest"] = r["time_per_sentence_ms"] / ref["time_per_sentence_ms"]
-    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\n{'mode':<14}{'batch':>8}{'peak RSS GB':>13}{'ms/sentence':>13}{'vs smallest':>12}  status")
     for r in rows:
         print(f"{r['mode']:<14}{r['global_batch']:>8}{r['peak_rss_gb']:>13.2f}"
               f"{r.get('time_per_sentence_ms', float('nan')):>13.3f}"
               f"{r.get('time_per_sentence_vs_smallest', float('nan')):>12.2f}  {r['status']}")
-    print("largest global batch within", args.budget_gb, "GB:", summary["largest_batch_within_budget"])
+    print("largest global batch within", args.budget_gb, "GB:", largest_within_budget(args, rows))
     print("wrote", args.out, "and", args.out.with_suffix(".json"))
 
 
