@@ -46,7 +46,8 @@ struct Segment {
   at::Tensor z;   // (rows, d), contiguous
   at::Tensor r;   // (rows,) inverse norms
   at::Tensor rt;  // r / temperature: scales a raw tile product into logits (without the bias)
-  double bias;    // added to the logits of these columns
+  double bias;    // added to the logit of each row's own column: row i, segment row pos_offset + i
+                  // (SimCSE's hard-negative weight: only the anchor's own hard negative is weighted)
   int64_t base;   // global index of the first column
 };
 
@@ -148,25 +149,39 @@ void row_pass(const at::Tensor& x, const at::Tensor& rx, const std::vector<Segme
           }
         }
         at::Tensor v = ws.vals.narrow(0, 0, nr), vi = ws.idx.narrow(0, 0, nr);
-        if (track_hard) {
+        if (track_hard) {  // on the unbiased logits: the hardest negative is defined on cosines
           at::max_out(v, vi, l, 1);
           for (int64_t i : hidden) lp[i * ld + (pos_offset + r0 + i - g0)] = pos[i];
-        } else {
-          at::amax_out(v, l, {1});
         }
+        // the bias of each row's own column in this segment (after the hardest-negative max)
+        std::vector<int64_t> biased;
+        if (seg.bias != 0.0) {
+          for (int64_t i = 0; i < nr; ++i) {
+            const int64_t b = seg.base + pos_offset + r0 + i;
+            if (b >= g0 && b < g1) {
+              lp[i * ld + (b - g0)] += static_cast<scalar_t>(seg.bias);
+              biased.push_back(i);
+            }
+          }
+        }
+        if (!track_hard) at::amax_out(v, l, {1});
         const scalar_t* vp = v.data_ptr<scalar_t>();
         const int64_t* ip = vi.data_ptr<int64_t>();
-        for (int64_t i = 0; i < nr; ++i) {
-          scalar_t tile_max = vp[i];
-          if (track_hard) {
+        std::vector<scalar_t> tile_max(vp, vp + nr);
+        if (track_hard) {
+          for (int64_t i = 0; i < nr; ++i) {
             if (vp[i] > best[i]) { best[i] = vp[i]; best_idx[i] = g0 + ip[i]; }
-            const int64_t p = pos_offset + r0 + i;
-            if (p >= g0 && p < g1) tile_max = std::max(tile_max, pos[i]);
           }
-          const scalar_t new_m = std::max(m[i], static_cast<scalar_t>(tile_max + seg.bias));
+          for (int64_t i : hidden) tile_max[i] = std::max(tile_max[i], pos[i]);
+          for (int64_t i : biased) {
+            tile_max[i] = std::max(tile_max[i], lp[i * ld + (seg.base + pos_offset + r0 + i - g0)]);
+          }
+        }
+        for (int64_t i = 0; i < nr; ++i) {
+          const scalar_t new_m = std::max(m[i], tile_max[i]);
           s[i] *= std::exp(m[i] - new_m);
           m[i] = new_m;
-          shift[i] = new_m - static_cast<scalar_t>(seg.bias);
+          shift[i] = new_m;
         }
         const at::Tensor sh = at::from_blob(shift.data(), {nr}, opts);
         const at::Tensor tile_sum = l.sub_(sh.unsqueeze(1)).exp_().sum(1);
@@ -280,8 +295,11 @@ void fused_pass(const at::Tensor& z1, const at::Tensor& r1, const std::vector<Se
           sp[i * ld + pos_offset + r0 + i] = pos[i];
         }
       }
-      for (const Segment& seg : segs) {
-        if (seg.bias != 0.0) st.narrow(1, seg.base, seg.z.size(0)).add_(seg.bias);
+      for (const Segment& seg : segs) {  // each row's own column of the segment (after the hardest negative)
+        if (seg.bias == 0.0) continue;
+        for (int64_t i = 0; i < nr; ++i) {
+          sp[i * ld + seg.base + pos_offset + r0 + i] += static_cast<scalar_t>(seg.bias);
+        }
       }
       const at::Tensor mx = at::amax(st, {1});
       const at::Tensor sum = st.sub_(mx.unsqueeze(1)).exp_().sum(1);  // stripe: exp(logit - max)
@@ -433,7 +451,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_loss_bwd(
   const at::Tensor z1 = z1_.detach().contiguous(), z2 = z2_.detach().contiguous();
   c10::optional<at::Tensor> z3;
   if (z3_.has_value()) z3 = z3_->detach().contiguous();
-  const int64_t n = z1.size(0), m2 = z2.size(0);
+  const int64_t n = z1.size(0);
   const double inv_tau = 1.0 / temperature, alpha = symmetric ? 0.5 : 1.0;
   const auto opts = z1.options();
   const at::Tensor grad = grad_.detach().to(opts).contiguous(), lse = lse_.to(opts).contiguous();
@@ -493,12 +511,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> contrastive_loss_bwd(
                 }
               }
               // dS = c_ce * softmax (+ the symmetric part)
-              at::Tensor ds = l.sub_((lse.narrow(0, r0, nr) - seg.bias).unsqueeze(1)).exp_();
+              at::Tensor ds = l.sub_(lse.narrow(0, r0, nr).unsqueeze(1)).exp_();
+              scalar_t* dp = ds.data_ptr<scalar_t>();
+              const int64_t ld = ds.stride(0);
+              if (seg.bias != 0.0) {  // each row's own column of the segment carries the bias
+                const scalar_t eb = static_cast<scalar_t>(std::exp(seg.bias));
+                for (int64_t i = 0; i < nr; ++i) {
+                  const int64_t b = seg.base + positive_offset + r0 + i;
+                  if (b >= g0 && b < g0 + nc) dp[i * ld + (b - g0)] *= eb;
+                }
+              }
               ds.mul_(c_ce.narrow(0, r0, nr).unsqueeze(1));
               if (q.defined()) ds.narrow(1, q0, q.size(1)).add_(q);
               // one-hot terms: -(ce + hinge + sym) at the positive, +hinge at the hardest negative
-              scalar_t* dp = ds.data_ptr<scalar_t>();
-              const int64_t ld = ds.stride(0);
               for (int64_t i = 0; i < nr; ++i) {
                 const int64_t row = r0 + i, p = positive_offset + row, h = hidx[row];
                 if (p >= g0 && p < g0 + nc) dp[i * ld + (p - g0)] -= cce[row] + chg[row] + csy[row];

@@ -8,8 +8,8 @@ the row normalisation is fused in as a scaling of each raw tile product by the i
 (computed once, O(N)).
 
 - ``_fwd_kernel``: one program per block of rows streams every column tile: online log-sum-exp of
-  ``cos / tau (+ bias on z3)``, the positive's cosine, and a running max / argmax of the cosines over the
-  non-positive columns (the hardest negative; exact ties keep the lowest column index). The symmetric
+  ``cos / tau`` (+ the bias on each row's own z3 column), the positive's cosine, and a running max /
+  argmax of the cosines over the non-positive columns (the hardest negative; exact ties keep the lowest column index). The symmetric
   term reuses it with the positives as rows and z1 as the columns.
 - ``_bwd_rows_kernel`` (dz1) and ``_bwd_cols_kernel`` (dz2, dz3): the row pass and the column pass of
   the backward recompute the tiles and their ``dS`` (the gradient w.r.t. the cosines, shared helper
@@ -110,7 +110,9 @@ def _fwd_kernel(X, RX, C0, RC0, C1, RC1, LSE, POS, HARD, HIDX,
                 upd = tmax > best  # strict: an equal value in a later tile keeps the lower index
                 best = tl.where(upd, tmax, best)
                 best_idx = tl.where(upd, targ, best_idx)
-            lg = tl.where(cmask[None, :], cos * inv_tau + bias, float("-inf"))
+            # the bias goes to each row's own column of the segment (SimCSE: the anchor's own hard negative)
+            own = cols[None, :] == pos_col[:, None]
+            lg = tl.where(cmask[None, :], cos * inv_tau + tl.where(own, bias, 0.0), float("-inf"))
             m_new = tl.maximum(m, tl.max(lg, axis=1))
             s = s * tl.exp(m - m_new) + tl.sum(tl.exp(lg - m_new[:, None]), axis=1)
             m = m_new
@@ -132,7 +134,8 @@ def _ds_tile(cos, rows, rmask, cols, cmask, gcol, LSE, CCE, CHG, CDIAG, HIDX, LS
     cdiag = tl.load(CDIAG + rows, mask=rmask, other=0.0)
     hidx = tl.load(HIDX + rows, mask=rmask, other=-1).to(tl.int32)
     lg = cos * inv_tau
-    ds = cce[:, None] * tl.exp(lg + bias - lse[:, None])
+    own = cols[None, :] == (rows + pos_offset)[:, None]  # the biased column of each row in this segment
+    ds = cce[:, None] * tl.exp(lg + tl.where(own, bias, 0.0) - lse[:, None])
     if SYMMETRIC:
         if SEG == 0:
             k = cols - pos_offset

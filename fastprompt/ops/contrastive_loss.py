@@ -15,7 +15,8 @@ and ``"auto"``. The triton/cpu kernels are one ``torch.library`` custom op
 single opaque node.
 
 Definitions (documented in the README, "Contrastive loss"): cosines ``s_ij``; logits
-``l_ij = s_ij / temperature`` plus ``hard_negative_weight`` on the z3 columns; ``ce_i = lse_i - l_i,p(i)``;
+``l_ij = s_ij / temperature``, plus ``hard_negative_weight`` on the anchor's own hard negative (column
+``M2 + p(i)``, i.e. ``z3[p(i)]``; the other z3 rows are plain negatives, as in SimCSE); ``ce_i = lse_i - l_i,p(i)``;
 with ``symmetric`` the row loss is ``(ce_i + ce_sym_i) / 2``, ``ce_sym_i`` being the cross-entropy of the
 positive ``z2[p(i)]`` against the columns ``z1`` (label ``i``; in the gathered setting only the local z1
 rows are its columns). PromCSE's hinge ``relu(hinge_margin + s_i,h(i) - s_i,p(i))`` uses the hardest
@@ -303,7 +304,8 @@ def contrastive_loss(
             ``positive_offset = rank * N``).
         z3: optional (M2, d) hard negatives, extra columns.
         temperature: logits are cosine / temperature.
-        hard_negative_weight: added to the logits of the z3 columns (the log of a weight, as in SimCSE).
+        hard_negative_weight: added to the logit of each anchor's own hard negative ``z3[positive_offset + i]``
+            (the log of SimCSE's weight; the other z3 rows stay plain negatives).
         hinge_margin, hinge_weight: PromCSE's L_EH = relu(margin + cos(z1_i, hardest negative) - cos(z1_i,
             positive)), added with this weight (PromCSE uses margin 0.2, weight 10; 0 disables it).
         symmetric: average the loss with the reverse term (positives z2[p(i)] against the columns z1).

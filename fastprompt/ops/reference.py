@@ -30,7 +30,8 @@ def contrastive_loss_reference(
 
     Columns are ``cat(z2, z3)``; the positive of anchor ``i`` is column ``positive_offset + i``.
     Per row: ``ce_i = logsumexp_j(l_ij) - l_i,pos`` with ``l_ij = cos_ij / temperature`` plus
-    ``hard_negative_weight`` on the z3 columns; with ``symmetric`` the row loss is
+    ``hard_negative_weight`` on column ``m2 + positive_offset + i`` (the anchor's own hard negative
+    ``z3[positive_offset + i]``; the other z3 rows are plain negatives, as in SimCSE); with ``symmetric`` the row loss is
     ``(ce_i + ce_sym_i) / 2`` where ``ce_sym_i`` is the cross-entropy of positive ``z2[pos_i]`` against the
     columns ``z1``. ``hinge_i = relu(hinge_margin + cos(z1_i, h_i) - cos(z1_i, z2[pos_i]))`` with ``h_i`` the
     column of largest cosine other than the positive (on cosines, without the hard-negative bias, as in
@@ -45,12 +46,12 @@ def contrastive_loss_reference(
     b = F.normalize(cols.to(cdt), dim=-1, eps=COSINE_EPS)
     sim = a @ b.T  # (N, M) cosines
     logits = sim / temperature
-    if z3 is not None and hard_negative_weight != 0.0:
-        bias = torch.zeros(b.shape[0], dtype=cdt, device=b.device)
-        bias[m2:] = hard_negative_weight
-        logits = logits + bias
     rows = torch.arange(n, device=z1.device)
     pos = rows + positive_offset
+    if z3 is not None and hard_negative_weight != 0.0:  # only each anchor's own hard negative, as SimCSE
+        bias = torch.zeros_like(logits)
+        bias[rows, m2 + pos] = hard_negative_weight
+        logits = logits + bias
     lse = torch.logsumexp(logits, dim=1)
     loss = lse - logits[rows, pos]
     lse_sym = None

@@ -55,13 +55,16 @@ def assert_matches(zs, backend, atol=1e-5, rtol=1e-5, check_index=True, **kw):
 
 @pytest.mark.parametrize("hard_negative_weight", [0.0, 0.7])
 def test_reference_matches_simcse_and_promcse_formulas(hard_negative_weight):
-    """SimCSE: CE over cos/temp (+ weight on the z3 block); PromCSE cl_forward: MarginRankingLoss between
+    """SimCSE: CE over cos/temp (+ weight on each anchor's own hard negative); PromCSE cl_forward: MarginRankingLoss between
     the positive and the max over the masked [z1·z2 | z1·z3] cosines, total = CE + w * hinge."""
     z1, z2, z3 = make_inputs(12, 12, 20, True)
     temp, margin, weight = 0.05, 0.2, 10.0
     cos = F.cosine_similarity(z1[:, None], torch.cat([z2, z3])[None], dim=-1)
     logits = cos / temp
-    logits = logits + torch.cat([torch.zeros(12), torch.full((12,), hard_negative_weight)])
+    # SimCSE's cl_forward, literally: the weight sits on the diagonal of the z1·z3 block
+    weights = torch.tensor([[0.0] * 12 + [0.0] * i + [hard_negative_weight] + [0.0] * (12 - i - 1)
+                            for i in range(12)])
+    logits = logits + weights
     ce = F.cross_entropy(logits, torch.arange(12))
     pos = cos.diagonal()[:, None]
     masked = torch.cat([cos[:, :12] - 1e9 * torch.eye(12), cos[:, 12:]], 1)
@@ -109,6 +112,10 @@ CPU_CASES = [
     (257, 257, 1024, True, 0, dict(hinge_weight=10.0, hinge_margin=0.5)),
     (300, 300, 33, False, 0, dict(temperature=1.0)),
     (2049, 2049, 17, True, 0, dict(hinge_weight=10.0, symmetric=True)),
+    # each anchor's own hard negative z3[offset + i] spread over several column tiles: fused pass, then
+    # forward without the hardest negative + recomputing backward
+    (300, 520, 40, True, 150, dict(hard_negative_weight=1.3)),
+    (300, 520, 40, True, 150, dict(hard_negative_weight=2.0, reduction="none")),
 ]
 
 
@@ -116,6 +123,23 @@ CPU_CASES = [
 @pytest.mark.parametrize("n,m2,d,z3,offset,kw", CPU_CASES)
 def test_cpu_matches_reference(n, m2, d, z3, offset, kw):
     assert_matches(make_inputs(n, m2, d, z3), "cpu", positive_offset=offset, **kw)
+
+
+@needs_cpp
+@pytest.mark.parametrize("reduction", ["none", "mean"])
+def test_cpu_without_stats_matches_reference(reduction):
+    """No stats and no hinge: the forward skips the hardest-negative search (its own row pass)."""
+    kw = dict(positive_offset=150, hard_negative_weight=1.7, reduction=reduction)
+    zs = make_inputs(300, 520, 40, True)
+    got = contrastive_loss(*zs, backend="cpu", **kw)
+    grads = torch.autograd.grad(got.sum(), zs)
+    ref = contrastive_loss_reference(*zs, **kw)
+    ref_grads = torch.autograd.grad(ref.sum(), zs)
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(contrastive_loss(*zs, backend="cpu", **kw), ref.detach(), atol=1e-5, rtol=1e-5)
 
 
 @needs_cpp
