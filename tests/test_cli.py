@@ -16,6 +16,18 @@ def test_help_lists_the_subcommands(capsys):
         assert f"    {name} " in out
 
 
+def test_help_imports_neither_torch_nor_transformers():
+    """Every subcommand's parser is built for ``fastprompt -h``: heavy imports must wait for ``run_*``."""
+    code = ("import sys, contextlib, io\n"
+            "from fastprompt import cli\n"
+            "for argv in (['-h'], ['train', '-h'], ['eval', '-h'], ['encode', '-h']):\n"
+            "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
+            "        cli.main(argv)\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'yaml') if m in sys.modules))\n")
+    out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True, text=True).stdout
+    assert out.strip() == "[]"
+
+
 def test_no_subcommand_prints_help_and_fails(capsys):
     assert cli.main([]) == 2
     assert "usage: fastprompt" in capsys.readouterr().err
