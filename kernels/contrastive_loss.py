@@ -9,8 +9,8 @@ the row normalisation is fused in as a scaling of each raw tile product by the i
 
 - ``_fwd_kernel``: one program per block of rows streams every column tile: online log-sum-exp of
   ``cos / tau`` (+ the bias on each row's own z3 column), the positive's cosine, and a running max /
-  argmax of the cosines over the non-positive columns (the hardest negative; exact ties keep the lowest column index). The symmetric
-  term reuses it with the positives as rows and z1 as the columns.
+  argmax of the cosines over the non-positive columns (the hardest negative; exact ties keep the lowest
+  column index). The symmetric term reuses it with the positives as rows and z1 as the columns.
 - ``_bwd_rows_kernel`` (dz1) and ``_bwd_cols_kernel`` (dz2, dz3): the row pass and the column pass of
   the backward recompute the tiles and their ``dS`` (the gradient w.r.t. the cosines, shared helper
   ``_ds_tile``). Each program owns its output rows, so there are no atomics. Its (rows x d) fp32
