@@ -50,6 +50,10 @@ class PromptEncoder(nn.Module):
                 raise ValueError(f"backbone config has no {attr!r}: only encoder models with standard "
                                  "self-attention (BERT, RoBERTa, ...) are supported")
         self.backbone = backbone.requires_grad_(False)
+        if getattr(cfg, "use_cache", False):
+            # an encoder keeps no key/value cache (the "cache" prefix mode asks for one explicitly); with
+            # the config's default True, transformers warns under gradient checkpointing
+            cfg.use_cache = False
         self.tokenizer = tokenizer
         self.base_model = base_model or getattr(cfg, "_name_or_path", None)
         self.num_layers = cfg.num_hidden_layers

@@ -32,6 +32,7 @@ def test_checkpointing_gives_identical_gradients_with_dropout_on(tiny_model_dir,
     assert len(calls) == enc.num_layers
     enc.gradient_checkpointing_enable()
     assert enc.is_gradient_checkpointing
+    assert enc.backbone.config.use_cache is False  # else transformers warns about caching every run
     out_b, g_b = _grads(enc, batch, seed=123)
     assert len(calls) == 3 * enc.num_layers, "each layer must be recomputed in backward"
     torch.testing.assert_close(out_a, out_b, atol=1e-6, rtol=1e-6)
