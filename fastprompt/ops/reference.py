@@ -31,8 +31,8 @@ def contrastive_loss_reference(
     Columns are ``cat(z2, z3)``; the positive of anchor ``i`` is column ``positive_offset + i``.
     Per row: ``ce_i = logsumexp_j(l_ij) - l_i,pos`` with ``l_ij = cos_ij / temperature`` plus
     ``hard_negative_weight`` on column ``m2 + positive_offset + i`` (the anchor's own hard negative
-    ``z3[positive_offset + i]``; the other z3 rows are plain negatives, as in SimCSE); with ``symmetric`` the row loss is
-    ``(ce_i + ce_sym_i) / 2`` where ``ce_sym_i`` is the cross-entropy of positive ``z2[pos_i]`` against the
+    ``z3[positive_offset + i]``; the other z3 rows are plain negatives, as in SimCSE); with ``symmetric``
+    the row loss is ``(ce_i + ce_sym_i) / 2`` where ``ce_sym_i`` is the cross-entropy of positive ``z2[pos_i]`` against the
     columns ``z1``. ``hinge_i = relu(hinge_margin + cos(z1_i, h_i) - cos(z1_i, z2[pos_i]))`` with ``h_i`` the
     column of largest cosine other than the positive (on cosines, without the hard-negative bias, as in
     PromCSE). Row loss = ce + hinge_weight * hinge. Computation is in float32 (float64 stays float64).

@@ -55,8 +55,9 @@ def assert_matches(zs, backend, atol=1e-5, rtol=1e-5, check_index=True, **kw):
 
 @pytest.mark.parametrize("hard_negative_weight", [0.0, 0.7])
 def test_reference_matches_simcse_and_promcse_formulas(hard_negative_weight):
-    """SimCSE: CE over cos/temp (+ weight on each anchor's own hard negative); PromCSE cl_forward: MarginRankingLoss between
-    the positive and the max over the masked [z1·z2 | z1·z3] cosines, total = CE + w * hinge."""
+    """SimCSE: CE over cos/temp (+ weight on each anchor's own hard negative); PromCSE cl_forward:
+    MarginRankingLoss between the positive and the max over the masked [z1·z2 | z1·z3] cosines, total =
+    CE + w * hinge."""
     z1, z2, z3 = make_inputs(12, 12, 20, True)
     temp, margin, weight = 0.05, 0.2, 10.0
     cos = F.cosine_similarity(z1[:, None], torch.cat([z2, z3])[None], dim=-1)
