@@ -25,6 +25,7 @@ class DistributedContext:
     world_size: int = 1
     local_rank: int = 0
     device: torch.device = torch.device("cpu")
+    owns_group: bool = False  # init_distributed created the process group, so shutdown() destroys it
 
     @property
     def enabled(self) -> bool:
@@ -61,6 +62,18 @@ class DistributedContext:
         if self.enabled:
             dist.barrier()
 
+    def shutdown(self) -> None:
+        """Destroy the process group this context created (a no-op otherwise).
+
+        Drop every DDP wrapper first: a DDP reducer that outlives the group frees it from Python with the
+        GIL held, while a gloo worker thread may need the GIL to release its last work's tensors: a
+        deadlock at exit (pytorch/pytorch#56297). Destroyed here, the group is freed with the GIL released.
+        """
+        if self.owns_group and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
+            self.owns_group = False
+
 
 def init_distributed(device: str | None = None) -> DistributedContext:
     """Set up ``torch.distributed`` from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK).
@@ -75,12 +88,13 @@ def init_distributed(device: str | None = None) -> DistributedContext:
     if dev.type == "cuda":
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
-    if world > 1 and not dist.is_initialized():
+    owns = world > 1 and not dist.is_initialized()
+    if owns:
         dist.init_process_group(backend="nccl" if dev.type == "cuda" else "gloo")
         logger.info("torch.distributed: rank %d of %d on %s", rank, world, dev)
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
-    return DistributedContext(rank=rank, world_size=world, local_rank=local, device=dev)
+    return DistributedContext(rank=rank, world_size=world, local_rank=local, device=dev, owns_group=owns)
 
 
 def gather_views(z1: torch.Tensor, z2: torch.Tensor, z3: torch.Tensor | None, ctx: DistributedContext):

@@ -19,6 +19,7 @@ into place. ``train()`` returns the summary also written to ``<output_dir>/summa
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import math
 import shutil
@@ -568,10 +569,19 @@ class Trainer:
         if self.dist.is_main:
             write_json_atomic(self.summary_path, summary)
         self.dist.barrier()
+        self._release_distributed()
         self._close_logs()
         logger.info("training %s at step %d/%d; best: %s; last: %s; log: %s; summary: %s", status, st.global_step,
                     self.total_steps, summary["best_checkpoint"], self.last_dir, self.log_path, self.summary_path)
         return summary
+
+    def _release_distributed(self) -> None:
+        """Drop the DDP wrapper, then the process group init_distributed created (in that order: see
+        DistributedContext.shutdown). The encoder stays usable, e.g. for evaluation."""
+        if self.model is not self.encoder:
+            self.model = self.encoder
+            gc.collect()
+        self.dist.shutdown()
 
     def _close_logs(self) -> None:
         if self._setup_done:
