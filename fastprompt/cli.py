@@ -18,6 +18,8 @@ import os
 import sys
 from pathlib import Path
 
+from fastprompt.io import read_utf8_lines  # standard library only: keeps `fastprompt -h` light
+
 logger = logging.getLogger(__name__)
 
 #: Subcommands, in ``fastprompt -h`` order: "module:function" of each ``add_<name>_parser``.
@@ -214,8 +216,6 @@ def add_encode_parser(subparsers) -> argparse.ArgumentParser:
 
 def read_sentences(path: str | os.PathLike) -> list[str]:
     """One sentence per line of a UTF-8 file; an empty line is an error (rows must match lines)."""
-    from fastprompt.io import read_utf8_lines
-
     lines = read_utf8_lines(path, what="input file")
     if not lines:
         raise ValueError(f"{path} has no sentences")
