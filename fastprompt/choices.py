@@ -1,0 +1,41 @@
+"""Every closed set of choices fastprompt accepts, in one place.
+
+Standard library only, so the command line can offer these as ``choices=`` for ``--help`` without
+importing torch, and the configuration can reject a typo before any model or data is loaded. Every other
+module (ops, model, config, CLI) imports its allowed values from here instead of spelling them out.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+#: Implementations of the fused ops (``contrastive_loss``, ``prefix_attention``).
+BACKENDS = ("auto", "triton", "cpu", "reference")
+#: How the last hidden states become one sentence vector.
+POOLERS = ("cls", "cls_before_pooler", "mean", "mask", "bn_mlp")
+#: When the pooler's trainable head is applied.
+MLP_MODES = ("none", "train", "always")
+#: How the prefix reaches attention: the fused op, or the DynamicCache reference path.
+PREFIX_MODES = ("attention", "cache")
+#: Initialisation of a new prompt.
+INIT_MODES = ("normal", "uniform", "vocab")
+#: Token position ids: standard (0..S-1) or shifted by the prompt length (the papers' transformers 4.2.1 code).
+POSITION_MODES = ("standard", "shifted")
+#: Training precision (autocast dtype).
+PRECISIONS = ("fp32", "bf16", "fp16")
+#: Training objectives by name.
+OBJECTIVE_NAMES = ("simcse", "promcse_eh")
+#: Reductions of the contrastive loss over anchors.
+REDUCTIONS = ("mean", "sum", "none")
+#: Training-file formats.
+TRAIN_FORMATS = ("auto", "text", "csv")
+#: What to do with lines of a text corpus that are not UTF-8.
+DECODE_ERROR_MODES = ("error", "skip")
+#: Weights dtype names accepted on the command line.
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+def check_choice(name: str, value, allowed: Iterable[str]) -> None:
+    """Raise ``ValueError`` naming ``name``, the bad ``value`` and every allowed value."""
+    allowed = tuple(allowed)
+    if value not in allowed:
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
