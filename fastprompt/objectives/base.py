@@ -40,7 +40,7 @@ extras, locally, one micro-batch at a time:
   index): they never shift the sentence forwards' dropout stream, and a reference can replay them.
 
 How a step computes all this with and without the gradient cache, and over several processes, is in
-:mod:`fastprompt.train.steps`; the full contract with examples: ``docs/training.md``.
+:mod:`fastprompt.train.steps`; the full contract, and how to write a term: ``docs/objectives.md``.
 """
 from __future__ import annotations
 
@@ -199,6 +199,15 @@ class Method(nn.Module):
         for t in self.terms:
             cols += (f"loss_{t.name}", f"w_{t.name}")
         return cols
+
+    def resume_state(self) -> dict[str, torch.Tensor]:
+        """What ``last/`` saves of the terms: trainable parameters and buffers (BatchNorm statistics, ...).
+
+        Frozen parameters (a language-model head loaded from the backbone's checkpoint, possibly tied to its
+        word embeddings) are rebuilt from their source at setup, so they are neither saved nor loaded.
+        """
+        frozen = {name for name, p in self.named_parameters() if not p.requires_grad}
+        return {k: v for k, v in self.state_dict().items() if k not in frozen}
 
     def add_extras(self, batch: Batch, generators: dict[str, torch.Generator]) -> Batch:
         """``batch`` with every term's extras (``generators``: one per term name)."""

@@ -80,7 +80,7 @@ class RunDirectory:
         """Write ``last/``: everything needed to continue the run exactly."""
         with atomic_directory(self.last) as tmp:
             encoder.save(tmp)
-            state = {k: v.detach().contiguous().cpu() for k, v in method.state_dict().items()}
+            state = {k: v.detach().contiguous().cpu() for k, v in method.resume_state().items()}
             if state:
                 save_file(state, str(tmp / METHOD_FILE))
             save_training_state(tmp, optimizer=optimizer, scheduler=scheduler, scaler=scaler, trainer=trainer)
@@ -89,7 +89,7 @@ class RunDirectory:
     @staticmethod
     def load_method(method, resume_dir: Path) -> None:
         """Restore the token terms' weights saved in ``resume_dir`` (nothing to do for a method without any)."""
-        expected = method.state_dict()
+        expected = method.resume_state()
         path = resume_dir / METHOD_FILE
         if not expected and not path.is_file():
             return
@@ -100,7 +100,7 @@ class RunDirectory:
         if set(saved) != set(expected):
             raise ValueError(f"{path} holds weights {sorted(saved)}, the method has {sorted(expected)}: "
                              "it was written by a run with other token terms")
-        method.load_state_dict(saved)
+        method.load_state_dict(saved, strict=False)  # the frozen parameters are not saved (resume_state)
 
     def save_best(self, encoder, info: dict[str, Any]) -> Path:
         """Write ``best/``: the prompt checkpoint and ``train_info.json`` (step, score, config)."""

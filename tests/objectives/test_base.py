@@ -1,6 +1,7 @@
 """The objective contract's building blocks: weight schedules, views by name, methods and their extras."""
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from fastprompt.data import Batch
 from fastprompt.objectives import Method, SimCSE, TokenTerm, Views, WeightSchedule
@@ -89,3 +90,32 @@ def test_extras_are_token_aligned_and_unique():
         twice.add_extras(batch, {"a": torch.Generator()})
     moved = batch.to("cpu")
     assert moved.view_names == ("sent0", "sent0") and set(moved.extras) == {"a_labels"}
+
+
+class _WithFrozenHead(_Count):
+    """A term holding a frozen module tied to another tensor (like an MLM decoder tied to word embeddings)."""
+
+    def __init__(self, embeddings: torch.nn.Embedding):
+        super().__init__("tied")
+        self.proj = torch.nn.Linear(3, 3)
+        self.norm = torch.nn.BatchNorm1d(3)
+        self.decoder = torch.nn.Linear(3, embeddings.num_embeddings, bias=False).requires_grad_(False)
+        self.decoder.weight = embeddings.weight
+
+
+def test_last_saves_and_restores_only_trainable_weights_and_buffers(tmp_path):
+    from fastprompt.train.checkpoints import METHOD_FILE, RunDirectory
+
+    embeddings = torch.nn.Embedding(11, 3).requires_grad_(False)
+    method = Method(SimCSE(), [_WithFrozenHead(embeddings)])
+    state = method.resume_state()
+    assert set(state) == {"terms.0.proj.weight", "terms.0.proj.bias", "terms.0.norm.weight", "terms.0.norm.bias",
+                          "terms.0.norm.running_mean", "terms.0.norm.running_var", "terms.0.norm.num_batches_tracked"}
+    save_file({k: v.contiguous() for k, v in state.items()}, str(tmp_path / METHOD_FILE))
+
+    torch.manual_seed(1)
+    other = Method(SimCSE(), [_WithFrozenHead(embeddings)])
+    RunDirectory.load_method(other, tmp_path)
+    for name, value in method.state_dict().items():
+        assert torch.equal(other.state_dict()[name], value), name
+    assert other.terms[0].decoder.weight is embeddings.weight  # the tie survives loading
