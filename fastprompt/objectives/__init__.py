@@ -2,7 +2,7 @@
 
 A training method is a :class:`Method`: one sentence-level objective over pooled embeddings (:class:`SimCSE`,
 :class:`PromCSEEH`) plus token-level terms (:class:`TokenTerm`) with their own forwards and weight schedules.
-See :mod:`fastprompt.objectives.base` and ``docs/training.md`` ("Objectives: the contract").
+See :mod:`fastprompt.objectives.base` and ``docs/objectives.md``.
 
 Imported lazily: :class:`~fastprompt.objectives.config.ObjectiveConfig` (standard library only) loads without
 torch, so a training config validates before any model code is imported.

@@ -12,7 +12,8 @@ when resuming (:mod:`fastprompt.train.checkpoints`). One optimisation step::
 Under ``torchrun`` every process trains on its shard of each global batch (:mod:`fastprompt.train.distributed`).
 Checkpoints: ``<output_dir>/last/`` (written every ``save_steps`` and on SIGINT/SIGTERM; resuming from it
 continues bit for bit) and ``<output_dir>/best/`` (the prompt of the best STS-B dev score). ``train()`` returns
-the summary also written to ``<output_dir>/summary.json``. Structure and contract: ``docs/training.md``.
+the summary also written to ``<output_dir>/summary.json``. Structure: ``docs/training.md``; objectives:
+``docs/objectives.md``.
 """
 from __future__ import annotations
 
