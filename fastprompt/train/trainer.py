@@ -201,7 +201,9 @@ class Trainer:
         self.params = self.encoder.trainable_parameters() + [p for p in self.method.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the encoder has no trainable parameters (no prompt and no pooler head)")
-        self.dist.broadcast_from_main([*self.encoder.prompt_state_dict().values(), *self.method.state_dict().values()])
+        # Frozen term parameters are loaded from the same source on every process: only the rest is broadcast.
+        self.dist.broadcast_from_main([*self.encoder.prompt_state_dict().values(),
+                                       *self.method.resume_state().values()])
         total = sum(p.numel() for p in self.encoder.parameters())
         trained = sum(p.numel() for p in self.params)
         logger.info("trainable parameters: %d (%.3f%% of %d)", trained, 100.0 * trained / total, total)
