@@ -2,30 +2,66 @@
 
 All views of a batch are encoded in one forward pass, laid out view-major: rows ``[v*B, (v+1)*B)`` are
 view ``v`` of the ``B`` examples, so the encoder's ``(n_views*B, H)`` output reshapes to
-``(n_views, B, H)``. Padding is dynamic: to the longest sequence of the batch, truncated at
-``max_length`` tokens (32 by default, as in SimCSE/DCPCSE/PromCSE).
+``(n_views, B, H)``. Views have names (``Batch.view_names``): the data column each view reads, e.g.
+``("sent0", "sent0")`` for unsupervised SimCSE (one sentence, two dropout views) and
+``("sent0", "sent1", "hard_neg")`` for NLI triplets. Padding is dynamic: to the longest sequence of the
+batch, truncated at ``max_length`` tokens (32 by default, as in SimCSE/DCPCSE/PromCSE).
 """
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+
+#: Column names of rows with 1, 2 and 3 sentences when the data does not name them.
+DEFAULT_COLUMNS = {1: ("sent0",), 2: ("sent0", "sent1"), 3: ("sent0", "sent1", "hard_neg")}
 
 
 @dataclass
 class Batch:
-    """Token ids of ``n_views`` views of ``batch_size`` examples, view-major."""
+    """Token ids of ``n_views`` views of ``batch_size`` examples, view-major.
+
+    ``extras``: per-row tensors of token-level objective terms (masked-token ids, labels, ...), first
+    dimension ``n_views * batch_size`` in the same view-major order, sliced along with the token ids when a
+    step splits the batch into micro-batches. Label tensors use -100 for rows/tokens a term ignores.
+    """
 
     input_ids: torch.Tensor
     attention_mask: torch.Tensor
     token_type_ids: torch.Tensor | None
     n_views: int
     batch_size: int
+    view_names: tuple[str, ...] = ()
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self.view_names = tuple(self.view_names) or self.default_view_names(self.n_views)
+        if len(self.view_names) != self.n_views:
+            raise ValueError(f"{self.n_views} views need {self.n_views} names, got {self.view_names}")
+        self.check_extras()
+
+    @staticmethod
+    def default_view_names(n_views: int) -> tuple[str, ...]:
+        """Names of views given by position: anchor, positive, hard negative (SimCSE's layout)."""
+        return DEFAULT_COLUMNS.get(n_views, tuple(f"view{i}" for i in range(n_views)))
+
+    def check_extras(self) -> None:
+        """Every extra is token-aligned with ``input_ids``: (rows, seq_len, ...)."""
+        for name, value in self.extras.items():
+            if value.dim() < 2 or tuple(value.shape[:2]) != tuple(self.input_ids.shape):
+                raise ValueError(f"extra {name!r} has shape {tuple(value.shape)}; extras are token-aligned with "
+                                 f"input_ids {tuple(self.input_ids.shape)}: (rows, seq_len, ...)")
+
+    @property
+    def rows(self) -> int:
+        """Sequences in the batch: ``n_views * batch_size``."""
+        return self.n_views * self.batch_size
 
     def to(self, device: torch.device | str) -> "Batch":
         tt = self.token_type_ids.to(device) if self.token_type_ids is not None else None
-        return Batch(self.input_ids.to(device), self.attention_mask.to(device), tt, self.n_views, self.batch_size)
+        return Batch(self.input_ids.to(device), self.attention_mask.to(device), tt, self.n_views, self.batch_size,
+                     self.view_names, {k: v.to(device) for k, v in self.extras.items()})
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
@@ -48,21 +84,38 @@ def hf_tokenize(tokenizer) -> Callable[[list[str], int], dict]:
 
 
 class Collator:
-    """Turns a list of rows (tuples of 1, 2 or 3 sentences) into a :class:`Batch`.
+    """Turns a list of rows (tuples of sentences) into a :class:`Batch`.
 
     ``tokenize(texts, max_length) -> {"input_ids", "attention_mask"[, "token_type_ids"]}`` pads to the longest
     text; pass ``PromptEncoder.tokenize`` (which also wraps sentences in a template when the encoder has one)
-    or :func:`hf_tokenize` of a Hugging Face tokenizer. A one-sentence row is unsupervised SimCSE: the
-    sentence is tokenised once and repeated as two views, which differ only by the encoder's dropout noise.
+    or :func:`hf_tokenize` of a Hugging Face tokenizer.
+
+    columns: the names of a row's sentences (default: ``sent0``, ``sent1``, ``hard_neg`` by row width).
+    views: the column each view reads, in view order (default: the columns; a single column twice, which is
+        unsupervised SimCSE: the two views differ only by the encoder's dropout noise). A column read by
+        several views with the same tokenize function is tokenised once.
+    view_tokenize: per view, a tokenize function replacing ``tokenize`` (None keeps it), e.g. a different
+        prompt template per view; views tokenised apart are right-padded to a common width with
+        ``pad_token_id``.
     """
 
-    def __init__(self, tokenize: Callable[[list[str], int], dict], max_length: int = 32):
+    def __init__(self, tokenize: Callable[[list[str], int], dict], max_length: int = 32, *,
+                 columns: Sequence[str] | None = None, views: Sequence[str] | None = None,
+                 view_tokenize: Sequence[Callable | None] | None = None, pad_token_id: int = 0):
         if max_length < 2:
             raise ValueError(f"max_length must be >= 2 (room for the special tokens), got {max_length}")
         if not callable(tokenize):
             raise TypeError("tokenize must be a callable (texts, max_length) -> dict of tensors")
         self.tokenize = tokenize
         self.max_length = int(max_length)
+        self.columns = tuple(columns) if columns is not None else None
+        self.views = tuple(views) if views is not None else None
+        if self.views is not None and self.columns is not None and not set(self.views) <= set(self.columns):
+            raise ValueError(f"views {self.views} read columns the rows do not have ({self.columns})")
+        self.view_tokenize = tuple(view_tokenize) if view_tokenize is not None else None
+        if self.view_tokenize is not None and (self.views is None or len(self.view_tokenize) != len(self.views)):
+            raise ValueError("view_tokenize needs views= and one entry (a function or None) per view")
+        self.pad_token_id = pad_token_id
 
     def __call__(self, rows: Sequence[tuple[str, ...]]) -> Batch:
         if not rows:
@@ -70,13 +123,35 @@ class Collator:
         width = len(rows[0])
         if any(len(r) != width for r in rows):
             raise ValueError("all rows of a batch must have the same number of sentences")
-        texts = [row[v] for v in range(width) for row in rows]
-        enc = self.tokenize(texts, self.max_length)
-        ids, mask = enc["input_ids"], enc["attention_mask"]
-        tt = enc.get("token_type_ids")
-        n_views = width
-        if width == 1:  # two dropout views of the same tokens
-            ids, mask = ids.repeat(2, 1), mask.repeat(2, 1)
-            tt = tt.repeat(2, 1) if tt is not None else None
-            n_views = 2
-        return Batch(ids, mask, tt, n_views=n_views, batch_size=len(rows))
+        columns = self.columns or DEFAULT_COLUMNS.get(width) or tuple(f"col{i}" for i in range(width))
+        if len(columns) != width:
+            raise ValueError(f"rows have {width} sentences but the columns are {columns}")
+        views = self.views or (columns * 2 if width == 1 else columns)
+        fns = self.view_tokenize or (None,) * len(views)
+        # Tokenise each distinct (column, function) once; views with the default function share one call
+        # (padded together), as do repeated views of one column.
+        groups: dict[Callable, list[str]] = {}
+        for col, fn in zip(views, fns):
+            cols = groups.setdefault(fn or self.tokenize, [])
+            if col not in cols:
+                cols.append(col)
+        encoded: dict[tuple[str, Callable], dict[str, torch.Tensor]] = {}
+        for fn, cols in groups.items():
+            texts = [row[columns.index(c)] for c in cols for row in rows]
+            enc = fn(texts, self.max_length)
+            for i, c in enumerate(cols):
+                encoded[c, fn] = {k: v[i * len(rows):(i + 1) * len(rows)] for k, v in enc.items()
+                                  if k in ("input_ids", "attention_mask", "token_type_ids")}
+        parts = [encoded[col, fn or self.tokenize] for col, fn in zip(views, fns)]
+        width_tokens = max(p["input_ids"].shape[1] for p in parts)
+        keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if all(k in p for p in parts)]
+        out = {k: torch.cat([_pad_right(p[k], width_tokens, self.pad_token_id if k == "input_ids" else 0)
+                             for p in parts]) for k in keys}
+        return Batch(out["input_ids"], out["attention_mask"], out.get("token_type_ids"), n_views=len(views),
+                     batch_size=len(rows), view_names=views)
+
+
+def _pad_right(x: torch.Tensor, width: int, value: int) -> torch.Tensor:
+    if x.shape[1] == width:
+        return x
+    return torch.nn.functional.pad(x, (0, width - x.shape[1]), value=value)

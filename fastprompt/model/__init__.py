@@ -1,9 +1,26 @@
-"""The prompted encoder: trainable prefixes (PrefixPrompt), the frozen backbone wrapper (PromptEncoder), pooling."""
-from .config import PromptConfig
-from .encoder import DEFAULT_TEMPLATE, PromptEncoder
-from .pooling import MLP_MODES, POOLERS, Pooler
-from .prefix import PrefixPrompt
-from .resolve import resolve_model_path
+"""The prompted encoder: trainable prefixes (PrefixPrompt), the frozen backbone wrapper (PromptEncoder), pooling.
+
+Imported lazily, so that :class:`PromptConfig` (standard library only) loads without torch: a training config
+validates before any model code is imported.
+"""
+import importlib
+
+_LAZY = {
+    "PromptConfig": ".config",
+    "PrefixPrompt": ".prefix",
+    "PromptEncoder": ".encoder",
+    "DEFAULT_TEMPLATE": ".encoder",
+    "Pooler": ".pooling",
+    "POOLERS": ".pooling",
+    "MLP_MODES": ".pooling",
+    "resolve_model_path": ".resolve",
+}
 
 __all__ = ["PromptConfig", "PrefixPrompt", "PromptEncoder", "Pooler", "POOLERS", "MLP_MODES",
            "DEFAULT_TEMPLATE", "resolve_model_path"]
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'fastprompt.model' has no attribute {name!r}")

@@ -1,60 +1,50 @@
-"""PromptConfig: every choice that defines the trainable prompt, serialised into checkpoints."""
+"""PromptConfig: every choice that defines the trainable prompt, serialised into checkpoints.
+
+Standard library only (no torch), so a training config that owns one validates before any model loads.
+"""
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, fields
 
-POSITION_MODES = ("standard", "shifted")
-INIT_MODES = ("normal", "uniform", "vocab")
+from fastprompt.choices import INIT_MODES, POSITION_MODES
+from fastprompt.fields import option, validate_fields
 
 
 @dataclass
 class PromptConfig:
-    """Hyper-parameters of :class:`~fastprompt.model.PrefixPrompt`.
+    """The trainable prompt: its shape, parameterisation, initialisation and token positions.
 
-    Attributes:
-        prompt_length: number of prefix positions P per layer (P-tuning v2's ``pre_seq_len``).
-        prefix_projection: reparameterise the prefix through an MLP
-            (Embedding(P, hidden) -> Linear(hidden, projection_hidden_size) -> Tanh -> Linear(.., 2*layers*hidden)),
-            as PromCSE/DCPCSE's ``prefix_projection``.
-        projection_hidden_size: width of that MLP.
-        shared_across_layers: one prefix shared by every layer (PromCSE's layer-shared ablation).
-        input_layer_only: a prefix on the first attention layer only (the shallow ablation).
-        cls_prompt: a trainable vector replaces the [CLS] token embedding (D2CSE's "[CLS] prompt").
-        prompt_dropout: dropout on the prefix key/values (P-tuning v2 uses the backbone's hidden dropout).
-        init: "normal" (N(0, init_std)), "uniform" (U(-init_std, init_std)), or "vocab": the frozen backbone's
-            own per-layer keys/values of P random vocabulary tokens (a data-free warm start).
-        init_std: scale of the random initialisations.
-        position_mode: "standard" keeps token positions 0..S-1; "shifted" reproduces the original
-            PromCSE/DCPCSE code (transformers 4.2.1), where tokens sat at positions P..P+S-1.
+    The hyper-parameters of :class:`~fastprompt.model.PrefixPrompt`; each field's help text documents it.
+    ``prefix_projection`` is PromCSE/DCPCSE's reparameterisation: Embedding(P, hidden) ->
+    Linear(hidden, projection_hidden_size) -> Tanh -> Linear(.., 2*layers*hidden). ``init="vocab"`` uses the
+    frozen backbone's own per-layer keys/values of P random vocabulary tokens (a data-free warm start) and
+    ignores ``init_std``.
     """
 
-    prompt_length: int = 16
-    prefix_projection: bool = False
-    projection_hidden_size: int = 512
-    shared_across_layers: bool = False
-    input_layer_only: bool = False
-    cls_prompt: bool = False
-    prompt_dropout: float = 0.0
-    init: str = "normal"
-    init_std: float = 0.02
-    position_mode: str = "standard"
+    prompt_length: int = option(16, "prefix positions P per layer (P-tuning v2's pre_seq_len)", ge=1)
+    prefix_projection: bool = option(False, "reparameterise the prefix through an MLP (PromCSE/DCPCSE)")
+    projection_hidden_size: int = option(512, "width of the prefix_projection MLP", ge=1)
+    shared_across_layers: bool = option(False, "one prefix shared by every layer (PromCSE's ablation)")
+    input_layer_only: bool = option(False, "a prefix on the first attention layer only (the shallow ablation)")
+    cls_prompt: bool = option(False, "a trainable vector replaces the [CLS] token embedding (D2CSE)")
+    prompt_dropout: float = option(0.0, "dropout on the prefix key/values (P-tuning v2: the hidden dropout)",
+                                   ge=0.0, lt=1.0)
+    init: str = option("normal", "prompt initialisation: N(0, init_std), U(-init_std, init_std), or vocabulary "
+                       "tokens' keys/values", choices=INIT_MODES, key="prompt_init")
+    init_std: float = option(0.02, "scale of the normal/uniform initialisation (> 0: zero would start every "
+                             "prefix position identical)", gt=0.0)
+    position_mode: str = option("standard", "token positions 0..S-1 (standard) or P..P+S-1 (shifted: the "
+                                "original PromCSE/DCPCSE code)", choices=POSITION_MODES)
 
     def __post_init__(self):
-        if not isinstance(self.prompt_length, int) or self.prompt_length < 1:
-            raise ValueError(f"prompt_length must be a positive integer, got {self.prompt_length!r}")
-        if self.projection_hidden_size < 1:
-            raise ValueError(f"projection_hidden_size must be positive, got {self.projection_hidden_size}")
+        self.validate()
+
+    def validate(self) -> "PromptConfig":
+        validate_fields(self)
         if self.shared_across_layers and self.input_layer_only:
             raise ValueError("shared_across_layers and input_layer_only are mutually exclusive")
-        if not 0.0 <= self.prompt_dropout < 1.0:
-            raise ValueError(f"prompt_dropout must be in [0, 1), got {self.prompt_dropout}")
-        if self.init not in INIT_MODES:
-            raise ValueError(f"init must be one of {INIT_MODES}, got {self.init!r}")
-        if self.init_std <= 0:
-            raise ValueError(f"init_std must be positive, got {self.init_std}")
-        if self.position_mode not in POSITION_MODES:
-            raise ValueError(f"position_mode must be one of {POSITION_MODES}, got {self.position_mode!r}")
+        return self
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

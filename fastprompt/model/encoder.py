@@ -1,9 +1,11 @@
 """PromptEncoder: a frozen Hugging Face encoder + trainable deep prompts + pooling, with encode/save/load."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -13,15 +15,15 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoModel, AutoTokenizer
 
+from fastprompt.choices import MLP_MODES, PREFIX_MODES
+
 from .attention import PrefixState, build_prefix_cache, register_attention
 from .config import PromptConfig
-from .pooling import MLP_MODES, Pooler
+from .pooling import Pooler
 from .prefix import PrefixPrompt
 from .resolve import resolve_model_path
 
 logger = logging.getLogger(__name__)
-
-PREFIX_MODES = ("attention", "cache")
 DEFAULT_TEMPLATE = 'This sentence : "[X]" means [MASK] .'  # PromptBERT's BERT template
 
 
@@ -142,6 +144,25 @@ class PromptEncoder(nn.Module):
 
         return save_checkpoint(self, checkpoint_dir)
 
+    @contextlib.contextmanager
+    def using_weights(self, checkpoint_dir: str | os.PathLike) -> Iterator["PromptEncoder"]:
+        """Run a block with a prompt checkpoint's weights in this encoder, then put the current ones back.
+
+        Everything :meth:`save` writes (prompt, [CLS] prompt, pooler head and its BatchNorm statistics) is
+        loaded in place, so an optimizer holding these parameters keeps working after the block; the
+        train/eval mode is restored too. The checkpoint must describe a prompt of this encoder's shape.
+        """
+        from .checkpoint import load_checkpoint_weights, read_checkpoint_config
+
+        current = {k: v.detach().clone() for k, v in self.prompt_state_dict().items()}
+        was_training = self.training
+        load_checkpoint_weights(self, checkpoint_dir, read_checkpoint_config(checkpoint_dir))
+        try:
+            yield self
+        finally:
+            self.load_state_dict(current, strict=False)
+            self.train(was_training)
+
     def gradient_checkpointing_enable(self, enable: bool = True) -> "PromptEncoder":
         """Recompute each backbone layer in backward instead of storing its activations.
 
@@ -260,10 +281,15 @@ class PromptEncoder(nn.Module):
         return out.last_hidden_state
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Pooled sentence embeddings (B, hidden); the pooler head follows its train/eval mode."""
+                token_type_ids: torch.Tensor | None = None, *, head: bool = True) -> torch.Tensor:
+        """Pooled sentence embeddings (B, hidden); the pooler head follows its train/eval mode.
+
+        ``head=False`` returns the vectors before the head: training applies the head on the loss side, over
+        the whole global batch (see :class:`~fastprompt.model.pooling.Pooler`).
+        """
         hidden = self.hidden_states(input_ids, attention_mask, token_type_ids)
-        return self.pooler(hidden, attention_mask, input_ids, self.tokenizer.mask_token_id)
+        vec = self.pooler.pool(hidden, attention_mask, input_ids, self.tokenizer.mask_token_id)
+        return self.pooler.apply_head(vec) if head else vec
 
     @torch.no_grad()
     def _init_prefix_from_vocab(self):

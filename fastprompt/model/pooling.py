@@ -4,8 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-POOLERS = ("cls", "cls_before_pooler", "mean", "mask", "bn_mlp")
-MLP_MODES = ("none", "train", "always")
+from fastprompt.choices import MLP_MODES, POOLERS
 
 
 class Pooler(nn.Module):
@@ -16,6 +15,10 @@ class Pooler(nn.Module):
     ([CLS] state with D2CSE's BatchNorm MLP head).
     mlp: when the head is applied: "none", "train" (SimCSE's ``mlp_only_train``: training only) or "always".
     The head is SimCSE's Linear + Tanh for cls/mean/mask and Linear-BN-ReLU-Linear for bn_mlp.
+
+    ``forward`` = :meth:`apply_head` of :meth:`pool`. Training calls the two apart: the encoder returns
+    :meth:`pool`'s vectors and the trainer applies the head over the whole global batch (every view, every
+    process), so a head that mixes rows (BatchNorm) sees the same batch however the step is split.
     """
 
     def __init__(self, pooler: str, hidden_size: int, mlp: str = "none"):
@@ -37,6 +40,17 @@ class Pooler(nn.Module):
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
                 mask_token_id: int | None = None) -> torch.Tensor:
+        return self.apply_head(self.pool(hidden, attention_mask, input_ids, mask_token_id))
+
+    def apply_head(self, vec: torch.Tensor) -> torch.Tensor:
+        """The trainable head over (rows, hidden) pooled vectors, when the mlp mode uses it in this mode."""
+        if self.head is not None and (self.mlp == "always" or self.training):
+            return self.head(vec)
+        return vec
+
+    def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
+             mask_token_id: int | None = None) -> torch.Tensor:
+        """The sentence vector before the head: (B, S, hidden) -> (B, hidden)."""
         if self.pooler in ("cls", "cls_before_pooler", "bn_mlp"):
             vec = hidden[:, 0]
         elif self.pooler == "mean":
@@ -52,6 +66,4 @@ class Pooler(nn.Module):
                                  "encode with a template that contains [MASK]")
             first = is_mask.to(torch.int8).argmax(1)
             vec = hidden[torch.arange(hidden.shape[0], device=hidden.device), first]
-        if self.head is not None and (self.mlp == "always" or self.training):
-            vec = self.head(vec)
         return vec

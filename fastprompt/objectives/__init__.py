@@ -1,25 +1,34 @@
-"""Training objectives: one module per method, each composing fastprompt.ops into a scalar loss.
+"""Training objectives: the contract (:mod:`.base`), one module per method, each composing fastprompt.ops.
 
-An objective is a callable ``objective(embeddings) -> ObjectiveOutput`` where ``embeddings`` is
-``(n_views, batch, hidden)``; it sees embeddings only (never the model), so the trainer can compute the
-loss and its gradient w.r.t. the embeddings separately from the encoder's forward/backward.
+A training method is a :class:`Method`: one sentence-level objective over pooled embeddings (:class:`SimCSE`,
+:class:`PromCSEEH`) plus token-level terms (:class:`TokenTerm`) with their own forwards and weight schedules.
+See :mod:`fastprompt.objectives.base` and ``docs/objectives.md``.
+
+Imported lazily: :class:`~fastprompt.objectives.config.ObjectiveConfig` (standard library only) loads without
+torch, so a training config validates before any model code is imported.
 """
-from fastprompt.objectives.promcse_eh import PromCSEEH
-from fastprompt.objectives.simcse import ObjectiveOutput, SimCSE, split_views
+import importlib
 
-#: name -> class; every class is a dataclass whose fields are also TrainConfig keys.
-OBJECTIVES = {"simcse": SimCSE, "promcse_eh": PromCSEEH}
+_LAZY = {
+    "Method": ".base",
+    "ObjectiveOutput": ".base",
+    "SentenceObjective": ".base",
+    "TokenTerm": ".base",
+    "Views": ".base",
+    "WeightSchedule": ".base",
+    "ObjectiveConfig": ".config",
+    "PromCSEEH": ".promcse_eh",
+    "SimCSE": ".simcse",
+    "split_views": ".simcse",
+    "OBJECTIVES": ".registry",
+    "build_objective": ".registry",
+    "objective_from_config": ".registry",
+}
+
+__all__ = sorted(_LAZY)
 
 
-def build_objective(name: str, **params):
-    """Instantiate an objective by name; ``params`` may hold extra keys (e.g. a whole config dict)."""
-    import dataclasses
-
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; available: {sorted(OBJECTIVES)}")
-    cls = OBJECTIVES[name]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in params.items() if k in fields})
-
-
-__all__ = ["OBJECTIVES", "ObjectiveOutput", "PromCSEEH", "SimCSE", "build_objective", "split_views"]
+def __getattr__(name):
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'fastprompt.objectives' has no attribute {name!r}")

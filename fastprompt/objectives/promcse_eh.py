@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fastprompt.objectives.config import check_hinge_weight
 from fastprompt.objectives.simcse import SimCSE
 
 
@@ -22,6 +23,4 @@ class PromCSEEH(SimCSE):
     name = "promcse_eh"
 
     def __post_init__(self):
-        if self.hinge_weight <= 0:
-            raise ValueError(f"promcse_eh needs hinge_weight > 0 (PromCSE uses 10), got {self.hinge_weight}; "
-                             "use objective=simcse for InfoNCE alone")
+        check_hinge_weight(self.name, self.hinge_weight)

@@ -1,10 +1,10 @@
 """SimCSE's InfoNCE: cosine similarity / temperature over in-batch negatives.
 
 Unsupervised: the two views of a row are the same sentence under two dropout masks. Supervised: the
-entailment hypothesis is the positive and, for triplets, the contradiction is an extra column (a hard
-negative) whose logit gets ``hard_negative_weight`` added (the log of SimCSE's weight; 0 = weight 1).
-The loss itself is :func:`fastprompt.ops.contrastive_loss` (fused kernels or the reference, chosen by
-``backend``), so this module only maps views to the op's arguments.
+entailment hypothesis is the positive and, for triplets, the contradiction (the view named ``hard_neg``) is
+an extra column (a hard negative) whose logit gets ``hard_negative_weight`` added (the log of SimCSE's
+weight; 0 = weight 1). The loss itself is :func:`fastprompt.ops.contrastive_loss` (fused kernels or the
+reference, chosen by ``backend``), so this module only maps views to the op's arguments.
 """
 from __future__ import annotations
 
@@ -12,31 +12,27 @@ from dataclasses import dataclass
 
 import torch
 
+from fastprompt.objectives.base import ObjectiveOutput, SentenceObjective, Views
 from fastprompt.ops import contrastive_loss
 
-
-@dataclass
-class ObjectiveOutput:
-    """The scalar loss and detached float statistics for logging."""
-
-    loss: torch.Tensor
-    stats: dict[str, float]
+HARD_NEGATIVE_VIEW = "hard_neg"
 
 
-def split_views(embeddings: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(n_views, B, H) -> anchors, positives, hard negatives (None for two views)."""
-    if embeddings.dim() != 3 or embeddings.shape[0] not in (2, 3):
-        raise ValueError(
-            f"embeddings must be (n_views, batch, hidden) with 2 or 3 views, got shape {tuple(embeddings.shape)}"
-        )
-    if embeddings.shape[1] < 2 and embeddings.shape[0] == 2:
+def split_views(views: Views) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Local anchors (view 0), gathered positives (view 1) and gathered hard negatives (the ``hard_neg``
+    view, or None)."""
+    n = len(views.names)
+    if n not in (2, 3) or (n == 3 and views.names[2] != HARD_NEGATIVE_VIEW):
+        raise ValueError(f"simcse needs 2 or 3 views (anchor, positive[, {HARD_NEGATIVE_VIEW}]), got {n}: "
+                         f"{views.names}")
+    if n == 2 and views.gathered.shape[1] < 2:
         raise ValueError("a batch of one pair has no in-batch negative: use batch_size >= 2")
-    z3 = embeddings[2] if embeddings.shape[0] == 3 else None
-    return embeddings[0], embeddings[1], z3
+    z3 = views.gathered[2] if n == 3 else None
+    return views.local[0], views.gathered[1], z3
 
 
 @dataclass
-class SimCSE:
+class SimCSE(SentenceObjective):
     """InfoNCE over cosine similarities (SimCSE / DCPCSE). ``hinge_weight`` > 0 adds PromCSE's L_EH."""
 
     temperature: float = 0.05
@@ -47,10 +43,13 @@ class SimCSE:
 
     name = "simcse"
 
-    def __call__(self, embeddings: torch.Tensor, *, positive_offset: int = 0) -> ObjectiveOutput:
-        """Loss of ``embeddings`` shaped (n_views, B, H), view-major as the collator lays them out."""
-        z1, z2, z3 = split_views(embeddings)
-        return self.from_views(z1, z2, z3, positive_offset=positive_offset)
+    @property
+    def stat_names(self) -> tuple[str, ...]:
+        return ("pos_cos", "hard_neg_cos", "acc") + (("loss_cl", "loss_eh") if self.hinge_weight else ())
+
+    def loss(self, views: Views) -> ObjectiveOutput:
+        z1, z2, z3 = split_views(views)
+        return self.from_views(z1, z2, z3, positive_offset=views.positive_offset)
 
     def from_views(self, z1: torch.Tensor, z2: torch.Tensor, z3: torch.Tensor | None = None, *,
                    positive_offset: int = 0) -> ObjectiveOutput:

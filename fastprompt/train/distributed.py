@@ -1,16 +1,24 @@
-"""More than one process (``torchrun``): negatives across processes and one gradient sync per step.
+"""More than one process (``torchrun``): the global batch's loss side on every process, one gradient sum per step.
 
-Every process embeds its own shard of the global batch; the positives and hard negatives of all processes
-are all-gathered *with gradient* (``torch.distributed.nn.functional.all_gather``), so each process contrasts
-its anchors against the whole global batch. Each process's loss is the mean over its own anchors; the
-all-gather's backward sums the column gradients back to their owners and DDP averages the parameter
-gradients over processes, which together give exactly the gradient of the global-batch mean loss.
+Every process embeds its own shard of the global batch. The loss side all-gathers the pre-head vectors of all
+views *with gradient* (:meth:`DistributedContext.gather_batch`), so every process applies the pooler head to
+the whole global batch (a BatchNorm head sees exactly the rows of a one-process run and keeps identical
+running statistics everywhere) and contrasts its own anchors against every process's columns. Each process
+backpropagates its additive share of the global loss (see :mod:`fastprompt.train.steps`); the all-gather's
+backward sums the gradients of the gathered vectors back to their owners, and
+:meth:`DistributedContext.all_reduce_gradients` sums the parameter gradients once per step. Together they give
+exactly the gradients of the one-process loss on the global batch.
+
+No ``DistributedDataParallel``: its reducer expects every parameter's gradient from the wrapped forward, while
+here the head gets its gradient on the loss side, token terms run their own forwards through the encoder, and
+the gradient cache backpropagates through many forwards per step. One explicit all-reduce of the flattened
+gradients per optimisation step is what DDP would do at the end, without those constraints.
 """
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
@@ -35,40 +43,53 @@ class DistributedContext:
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def wrap(self, module: torch.nn.Module) -> torch.nn.Module:
-        """DDP over the trainable parameters (the frozen backbone is not synchronised: it has no gradients)."""
+    def gather_batch(self, x: torch.Tensor) -> torch.Tensor:
+        """(n_views, B_local, ...) of every process -> (n_views, B_global, ...), process-major within each view,
+        with gradient (the backward sums every process's gradient into the owner's rows)."""
         if not self.enabled:
-            return module
-        from torch.nn.parallel import DistributedDataParallel as DDP
+            return x
+        from torch.distributed.nn.functional import all_gather
 
-        ids = [self.device.index] if self.device.type == "cuda" else None
-        return DDP(module, device_ids=ids)
+        sizes = [torch.zeros(1, dtype=torch.long, device=x.device) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([x.shape[1]], device=x.device))
+        if len({int(s) for s in sizes}) != 1:
+            raise ValueError(f"every process needs the same local batch size to gather the batch, got "
+                             f"{[int(s) for s in sizes]}")
+        return torch.cat(all_gather(x.contiguous()), dim=1)
 
-    def no_sync(self, wrapped: torch.nn.Module):
-        """Context factory that defers DDP's all-reduce (used for all micro-batches but the last)."""
-        if self.enabled and hasattr(wrapped, "no_sync"):
-            return wrapped.no_sync
-        return contextlib.nullcontext
-
-    def mean(self, value: torch.Tensor) -> torch.Tensor:
-        """Average a (detached) scalar over processes, for logging."""
-        if not self.enabled:
-            return value
+    def sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum a (detached) tensor over processes."""
         value = value.detach().clone()
-        dist.all_reduce(value, op=dist.ReduceOp.SUM)
-        return value / self.world_size
+        if self.enabled:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM)
+        return value
+
+    def all_reduce_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
+        """Sum the parameters' gradients over processes: one flattened all-reduce per dtype (a parameter
+        without a gradient contributes zeros, and gets the sum)."""
+        if not self.enabled:
+            return
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in params:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for group in by_dtype.values():
+            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
+            dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+            for p, chunk in zip(group, flat.split([p.numel() for p in group])):
+                p.grad = chunk.view_as(p).clone()
+
+    def broadcast_from_main(self, tensors: Iterable[torch.Tensor]) -> None:
+        """Copy the main process's values of these tensors (parameters, buffers) to every process."""
+        if self.enabled:
+            for t in tensors:
+                dist.broadcast(t.data, src=0)
 
     def barrier(self):
         if self.enabled:
             dist.barrier()
 
     def shutdown(self) -> None:
-        """Destroy the process group this context created (a no-op otherwise).
-
-        Drop every DDP wrapper first: a DDP reducer that outlives the group frees it from Python with the
-        GIL held, while a gloo worker thread may need the GIL to release its last work's tensors: a
-        deadlock at exit (pytorch/pytorch#56297). Destroyed here, the group is freed with the GIL released.
-        """
+        """Destroy the process group this context created (a no-op otherwise)."""
         if self.owns_group and dist.is_initialized():
             dist.barrier()
             dist.destroy_process_group()
@@ -95,36 +116,3 @@ def init_distributed(device: str | None = None) -> DistributedContext:
     if dist.is_initialized():
         rank, world = dist.get_rank(), dist.get_world_size()
     return DistributedContext(rank=rank, world_size=world, local_rank=local, device=dev, owns_group=owns)
-
-
-def gather_views(z1: torch.Tensor, z2: torch.Tensor, z3: torch.Tensor | None, ctx: DistributedContext):
-    """(local anchors, all-gathered positives, all-gathered hard negatives, positive_offset)."""
-    if not ctx.enabled:
-        return z1, z2, z3, 0
-    from torch.distributed.nn.functional import all_gather
-
-    sizes = [torch.zeros(1, dtype=torch.long, device=z1.device) for _ in range(ctx.world_size)]
-    dist.all_gather(sizes, torch.tensor([z1.shape[0]], device=z1.device))
-    if len({int(s) for s in sizes}) != 1:
-        raise ValueError(f"every process needs the same local batch size to gather negatives, got "
-                         f"{[int(s) for s in sizes]}")
-    g2 = torch.cat(all_gather(z2.contiguous()))
-    g3 = torch.cat(all_gather(z3.contiguous())) if z3 is not None else None
-    return z1, g2, g3, ctx.rank * z1.shape[0]
-
-
-class GlobalBatchObjective:
-    """Wraps an objective so the columns span every process's embeddings."""
-
-    def __init__(self, objective, ctx: DistributedContext):
-        self.objective, self.ctx = objective, ctx
-
-    def __call__(self, embeddings: torch.Tensor):
-        """``embeddings``: (n_views, local_batch, dim)."""
-        if not self.ctx.enabled:
-            return self.objective(embeddings)
-        from fastprompt.objectives import split_views
-
-        z1, z2, z3 = split_views(embeddings)
-        z1, g2, g3, offset = gather_views(z1, z2, z3, self.ctx)
-        return self.objective.from_views(z1, g2, g3, positive_offset=offset)

@@ -11,12 +11,16 @@ One step over a global batch of ``rows = n_views * batch_size`` sequences:
 The prompt gradients are then exactly those of the full-batch loss for the dropout masks drawn, while at most
 one micro-batch's activations are alive at a time. Micro-batches are formed over rows sorted by length and
 trim their own padding, so short sentences do not pay for long ones.
+
+:func:`grad_cache_step` is the whole recipe for a loss of embeddings only; the trainer's
+:class:`~fastprompt.train.steps.CachedStep` reuses passes 1 and 3 (:func:`embed_without_graph`,
+:func:`backprop_cached`) around a second pass that also runs the pooler head and token-level terms.
 """
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -25,6 +29,7 @@ import torch
 class MicroBatch:
     rows: torch.Tensor  # indices into the global batch's rows
     inputs: dict[str, torch.Tensor]  # padding trimmed to the longest row of this micro-batch
+    extras: dict[str, torch.Tensor] = field(default_factory=dict)  # the rows' token-aligned extras, trimmed alike
 
 
 def plan_micro_batches(attention_mask: torch.Tensor, micro_batch_size: int | None = None,
@@ -53,14 +58,17 @@ def plan_micro_batches(attention_mask: torch.Tensor, micro_batch_size: int | Non
     return groups
 
 
-def make_micro_batches(inputs: dict[str, torch.Tensor], groups: list[torch.Tensor]) -> list[MicroBatch]:
+def make_micro_batches(inputs: dict[str, torch.Tensor], groups: list[torch.Tensor],
+                       extras: dict[str, torch.Tensor] | None = None) -> list[MicroBatch]:
+    """The rows of each group, with the padding columns no row of the group uses trimmed away."""
     mask = inputs["attention_mask"]
     out = []
     for rows in groups:
         rows_dev = rows.to(mask.device)
         width = max(int(mask[rows_dev].sum(1).max()), 1)
         # Padding sits on the right (dynamic right-padding), so the first `width` columns hold every real token.
-        out.append(MicroBatch(rows, {k: v[rows_dev, :width] for k, v in inputs.items() if v is not None}))
+        out.append(MicroBatch(rows, {k: v[rows_dev, :width] for k, v in inputs.items() if v is not None},
+                              {k: v[rows_dev, :width] for k, v in (extras or {}).items()}))
     return out
 
 
@@ -78,6 +86,52 @@ class RandState:
             torch.cuda.set_rng_state(self.cuda, self.device)
 
 
+class Replay:
+    """The RNG states of a gradient cache's first pass: one per micro-batch, and the state after the pass."""
+
+    def __init__(self, states: list[RandState], after: RandState):
+        self.states, self.after = states, after
+
+    def finish(self) -> None:
+        """Continue the RNG as if the step had run once (call after the last replayed forward)."""
+        self.after.restore()
+
+
+def embed_without_graph(encode: Callable[..., torch.Tensor], micro: list[MicroBatch], rows: int,
+                        autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
+                        ) -> tuple[torch.Tensor, Replay]:
+    """Pass 1: (rows, dim) fp32 embeddings in the original row order, and the RNG states to replay."""
+    device = micro[0].inputs["input_ids"].device
+    states, chunks = [], []
+    with torch.no_grad():
+        for mb in micro:
+            states.append(RandState(device))
+            with autocast():
+                chunks.append(encode(**mb.inputs).float())
+    replay = Replay(states, RandState(device))
+    reps = torch.empty(rows, chunks[0].shape[1], dtype=torch.float32, device=chunks[0].device)
+    for mb, emb in zip(micro, chunks):
+        reps[mb.rows.to(reps.device)] = emb
+    return reps, replay
+
+
+def backprop_cached(encode: Callable[..., torch.Tensor], micro: list[MicroBatch], replay: Replay,
+                    grads: torch.Tensor,
+                    autocast: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext,
+                    no_sync: Callable[[], contextlib.AbstractContextManager] | None = None) -> None:
+    """Pass 3: re-embed each micro-batch with a graph, replaying its RNG state, and backpropagate
+    ``dot(embedding, cached gradient)``; then continue the RNG as after pass 1."""
+    for i, (mb, state) in enumerate(zip(micro, replay.states)):
+        state.restore()
+        last = i == len(micro) - 1
+        ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
+        with ctx:
+            with autocast():
+                emb = encode(**mb.inputs).float()
+            emb.backward(grads[mb.rows.to(grads.device)])
+    replay.finish()
+
+
 @dataclass
 class CachedStepResult:
     loss: torch.Tensor  # detached scalar
@@ -92,50 +146,26 @@ def grad_cache_step(encode: Callable[..., torch.Tensor], inputs: dict[str, torch
                     no_sync: Callable[[], contextlib.AbstractContextManager] | None = None) -> CachedStepResult:
     """One gradient-cached forward/backward over all rows of ``inputs``; gradients accumulate into ``.grad``.
 
-    encode: ``encode(input_ids=..., attention_mask=...[, token_type_ids=...]) -> (rows, dim)`` (the encoder,
-        or its DDP wrapper).
+    The classic GradCache for a loss of embeddings only (the trainer's :class:`~fastprompt.train.steps.CachedStep`
+    adds the pooler head and token-level terms on top of the same two passes).
+
+    encode: ``encode(input_ids=..., attention_mask=...[, token_type_ids=...]) -> (rows, dim)`` (an encoder,
+        or a DistributedDataParallel wrapper of one).
     loss_fn: maps the (rows, dim) fp32 embeddings, in the original row order, to a scalar loss tensor or to an
         object with a ``.loss`` attribute (e.g. :class:`fastprompt.objectives.ObjectiveOutput`).
     loss_scale: applied to the loss before its backward (a GradScaler's ``scale``).
-    no_sync: context manager that suspends DDP's gradient all-reduce; used for every micro-batch backward but
-        the last, so gradients are synchronised once per step.
+    no_sync: context manager that suspends a DDP wrapper's gradient all-reduce; used for every micro-batch
+        backward but the last, so gradients are synchronised once per step.
     """
-    device = inputs["input_ids"].device
     groups = plan_micro_batches(inputs["attention_mask"], micro_batch_size, max_tokens)
     micro = make_micro_batches(inputs, groups)
-    rows = inputs["input_ids"].shape[0]
-
-    # 1) embeddings without a graph
-    states, chunks = [], []
-    with torch.no_grad():
-        for mb in micro:
-            states.append(RandState(device))
-            with autocast():
-                chunks.append(encode(**mb.inputs).float())
-    after_first_pass = RandState(device)
-    reps = torch.empty(rows, chunks[0].shape[1], dtype=torch.float32, device=chunks[0].device)
-    for mb, emb in zip(micro, chunks):
-        reps[mb.rows.to(reps.device)] = emb
-    del chunks
+    reps, replay = embed_without_graph(encode, micro, inputs["input_ids"].shape[0], autocast)
     reps.requires_grad_(True)
 
-    # 2) loss and its gradient w.r.t. the embeddings only
-    output = loss_fn(reps)
+    output = loss_fn(reps)  # 2) the loss and its gradient w.r.t. the embeddings only
     loss = output if torch.is_tensor(output) else output.loss
     if not torch.isfinite(loss):
         return CachedStepResult(loss.detach(), output, backpropagated=False)
     (loss_scale(loss) if loss_scale is not None else loss).backward()
-    grads = reps.grad
-
-    # 3) re-embed with a graph, replaying each micro-batch's RNG state, and backpropagate dot(emb, grad)
-    for i, (mb, state) in enumerate(zip(micro, states)):
-        state.restore()
-        last = i == len(micro) - 1
-        ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
-        with ctx:
-            with autocast():
-                emb = encode(**mb.inputs).float()
-            emb.backward(grads[mb.rows.to(grads.device)])
-    after_first_pass.restore()  # the RNG continues as if the step had run once
+    backprop_cached(encode, micro, replay, reps.grad, autocast, no_sync)
     return CachedStepResult(loss.detach(), output, backpropagated=True)
-

@@ -8,26 +8,35 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 
-CSV_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm", "pos_cos", "hard_neg_cos", "acc", "loss_cl", "loss_eh",
-               "skipped", "tokens_per_s", "stsb_dev", "elapsed_s")
+#: Columns of every run; a method's statistics (``Method.log_columns()``) go between the two groups.
+LEADING_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm")
+TRAILING_COLUMNS = ("skipped", "tokens_per_s", "stsb_dev", "elapsed_s")
+
+
+def csv_columns(method_columns: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The header of train_log.csv for a method that logs ``method_columns``."""
+    return LEADING_COLUMNS + tuple(method_columns) + TRAILING_COLUMNS
 
 
 class MetricsLog:
     """``<output_dir>/train_log.csv`` (one row per ``log_every`` steps and per evaluation) + TensorBoard.
 
     Rows are flushed as they are written, so a killed run keeps everything up to its last step. On resume
-    the rows after the checkpoint's step are dropped: those steps are trained again.
+    the rows after the checkpoint's step are dropped: those steps are trained again. ``columns``: the header
+    (default: :func:`csv_columns` of no method statistics); keys of a row outside it are not written.
     """
 
-    def __init__(self, output_dir: str | Path, *, resume_step: int | None, tensorboard: bool):
+    def __init__(self, output_dir: str | Path, *, resume_step: int | None, tensorboard: bool,
+                 columns: tuple[str, ...] | None = None):
         self.path = Path(output_dir) / "train_log.csv"
+        self.columns = tuple(columns) if columns is not None else csv_columns()
         if resume_step is None or not self.path.is_file():
             with open(self.path, "w", newline="", encoding="utf-8") as f:
-                csv.writer(f).writerow(CSV_COLUMNS)
+                csv.writer(f).writerow(self.columns)
         else:
             self._truncate_after(resume_step)
         self._file = open(self.path, "a", newline="", encoding="utf-8")
-        self._csv = csv.DictWriter(self._file, CSV_COLUMNS, extrasaction="ignore")
+        self._csv = csv.DictWriter(self._file, self.columns, extrasaction="ignore")
         self.tb = None
         if tensorboard:
             try:
@@ -41,7 +50,7 @@ class MetricsLog:
         with open(self.path, newline="", encoding="utf-8") as f:
             rows = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step]
         with open(self.path, "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, CSV_COLUMNS, extrasaction="ignore")
+            w = csv.DictWriter(f, self.columns, extrasaction="ignore")
             w.writeheader()
             w.writerows(rows)
 

@@ -1,31 +1,27 @@
-"""The training loop: deep prompts on a frozen encoder, trained with an in-batch contrastive objective.
+"""The training loop: deep prompts on a frozen encoder, trained with a method (an objective + token terms).
 
-One optimisation step is four separable stages so the large-batch machinery can replace the middle two::
+:meth:`Trainer.setup` builds the run from its config (:mod:`fastprompt.train.build`) and restores ``last/``
+when resuming (:mod:`fastprompt.train.checkpoints`). One optimisation step::
 
-    seed_step(step)            # torch RNG := f(seed, step): dropout of a step is replayable
-    emb = embed(batch)         # (n_views, B, hidden) pooled embeddings, with graph
-    out = compute_loss(emb)    # objective on embeddings only (no model inside)
-    backward(out.loss)         # then optimizer_step(): unscale, clip, step, schedule
+    seed = seed_step(step)                 # torch RNG := f(seed, step, rank): a step's dropout is replayable
+    batch = collate(rows) + term extras    # this process's shard of the global batch
+    losses = training_step(batch, seed)    # PlainStep or CachedStep (fastprompt.train.steps), chosen at setup
+    all_reduce_gradients(params)           # several processes: the sum of every process's share
+    optimizer_step()                       # unscale, clip, step (skipped when non-finite); then the schedule
 
-With ``micro_batch_size`` / ``max_tokens_per_micro_batch`` the middle stages run as a gradient-cache step
-(:mod:`fastprompt.train.grad_cache`); under ``torchrun`` every process trains on its shard of each global
-batch with negatives gathered from all processes (:mod:`fastprompt.train.distributed`).
-
-Checkpoints: ``<output_dir>/last/`` (prompt + optimizer/scheduler/scaler/RNG/data position, written every
-``save_steps`` and on SIGINT/SIGTERM) and ``<output_dir>/best/`` (prompt of the best STS-B dev score). Both
-are prompt checkpoints loadable with :meth:`PromptEncoder.load`, written into a temporary folder and renamed
-into place. ``train()`` returns the summary also written to ``<output_dir>/summary.json``.
+Under ``torchrun`` every process trains on its shard of each global batch (:mod:`fastprompt.train.distributed`).
+Checkpoints: ``<output_dir>/last/`` (written every ``save_steps`` and on SIGINT/SIGTERM; resuming from it
+continues bit for bit) and ``<output_dir>/best/`` (the prompt of the best STS-B dev score). ``train()`` returns
+the summary also written to ``<output_dir>/summary.json``. Structure: ``docs/training.md``; objectives:
+``docs/objectives.md``.
 """
 from __future__ import annotations
 
-import contextlib
-import gc
 import logging
 import math
-import shutil
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,23 +30,20 @@ import numpy as np
 import torch
 from tqdm.auto import tqdm
 
-from fastprompt.data import Batch, Collator, TrainExamples, UniqueBatchSampler, load_train_file, sentence_keys
-from fastprompt.io import atomic_directory, recover_directory, write_json_atomic
-from fastprompt.objectives import ObjectiveOutput, build_objective
+from fastprompt.data import Batch, TrainExamples
+from fastprompt.objectives.base import TokenTerm
+from fastprompt.train import build
+from fastprompt.train.checkpoints import RunDirectory
 from fastprompt.train.config import TrainConfig, load_config, save_config
-from fastprompt.train.distributed import GlobalBatchObjective, init_distributed
-from fastprompt.train.grad_cache import grad_cache_step
-from fastprompt.train.logs import MetricsLog, add_file_handler, remove_file_handler
+from fastprompt.train.distributed import init_distributed
+from fastprompt.train.logs import MetricsLog, add_file_handler, csv_columns, remove_file_handler
 from fastprompt.train.signals import GracefulInterrupt
-from fastprompt.train.state import has_training_state, load_training_state, save_training_state
+from fastprompt.train.state import load_training_state
+from fastprompt.train.steps import LossSide, StepLosses, extras_generators, step_seed
 
 logger = logging.getLogger(__name__)
 
-_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# Keys whose change makes a checkpoint in output_dir belong to another run (resuming would mix two runs).
-_RUN_IDENTITY_KEYS = ("model", "pooler", "mlp", "prompt_length", "prefix_projection", "projection_hidden_size",
-                      "shared_across_layers", "input_layer_only", "cls_prompt", "objective", "train_file",
-                      "batch_size", "seed", "max_length")
+__all__ = ["StepOutput", "Trainer", "TrainerState", "TrainingDiverged", "step_seed"]
 
 
 class TrainingDiverged(RuntimeError):
@@ -82,22 +75,6 @@ class StepOutput:
     seconds: float = 0.0
 
 
-def step_seed(seed: int, step: int) -> int:
-    """The torch seed of one optimisation step (a pure function, so any step's dropout can be replayed)."""
-    return int(np.random.SeedSequence([int(seed), int(step)]).generate_state(1, dtype=np.uint64)[0] >> 1)
-
-
-def linear_schedule(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
-    """Linear warmup from 0 to 1 over ``warmup_steps``, then linear decay to 0 at ``total_steps``."""
-
-    def factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / (warmup_steps + 1)
-        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
-
-    return factor
-
-
 class _NullLog:
     """Metrics sink of the non-main processes (only the main process writes logs)."""
 
@@ -112,141 +89,85 @@ class Trainer:
     """``Trainer(config).train()`` trains deep prompts; see the module docstring for the step structure.
 
     Args:
-        config: a :class:`TrainConfig`, a dict of its keys, or a YAML path.
+        config: a :class:`TrainConfig`, a dict of its flat keys, or a YAML path.
         encoder: an already-built :class:`~fastprompt.model.PromptEncoder` to train (default: built from the
             config; on resume its prompt is reloaded from ``last``).
         examples: training rows (default: read from ``config.train_file``).
+        terms: token-level objective terms (:class:`~fastprompt.objectives.TokenTerm`) added to the config's
+            sentence-level objective.
         callbacks: functions ``fn(trainer, step_output)`` called after every step (for monitoring/tests).
     """
 
     def __init__(self, config: TrainConfig | dict | str | Path, *, encoder=None,
-                 examples: TrainExamples | None = None,
+                 examples: TrainExamples | None = None, terms: Sequence[TokenTerm] = (),
                  callbacks: list[Callable[["Trainer", StepOutput], None]] | None = None):
         if isinstance(config, (str, Path)):
             config = load_config(config)
         elif isinstance(config, dict):
             config = TrainConfig.from_dict(config)
         self.config = config.validate()
-        self.output_dir = Path(config.output_dir)
+        self.run_dir = RunDirectory(config.run.output_dir)
+        self.output_dir = self.run_dir.root
         self.encoder = encoder
         self.examples = examples
+        self.terms = list(terms)
         self.callbacks = list(callbacks or [])
         self.state = TrainerState()
         self.interrupt: GracefulInterrupt | None = None
         self._setup_done = False
 
-    # ------------------------------------------------------------------ paths
     @property
     def last_dir(self) -> Path:
-        return self.output_dir / "last"
+        return self.run_dir.last
 
     @property
     def best_dir(self) -> Path:
-        return self.output_dir / "best"
+        return self.run_dir.best
 
     @property
     def log_path(self) -> Path:
-        return self.output_dir / "train_log.csv"
+        return self.run_dir.log_csv
 
     @property
     def summary_path(self) -> Path:
-        return self.output_dir / "summary.json"
+        return self.run_dir.summary
+
+    @property
+    def objective(self):
+        """The method's sentence-level objective."""
+        return self.method.sentence
 
     # ------------------------------------------------------------------ setup
-    def _device(self) -> torch.device:
-        dev = self.config.device
-        if dev == "auto":
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        if dev.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"device={dev!r} but CUDA is not available; use device=cpu or auto")
-        return torch.device(dev)
-
-    def _resume_dir(self) -> Path | None:
-        """``last`` when this run continues a previous one, None for a fresh start (validating output_dir)."""
-        cfg = self.config
-        last = recover_directory(self.last_dir)
-        has_last = last.is_dir() and has_training_state(last)
-        if has_last and cfg.resume:
-            return last
-        if has_last or (self.best_dir.exists() and not cfg.resume):
-            if not cfg.overwrite_output_dir:
-                raise ValueError(
-                    f"{self.output_dir} already holds a training run; set resume=true to continue it, "
-                    "overwrite_output_dir=true to start over, or choose another output_dir")
-            for d in (self.last_dir, self.best_dir):
-                shutil.rmtree(d, ignore_errors=True)
-            for f in (self.log_path, self.summary_path):
-                f.unlink(missing_ok=True)
-        return None
-
     def setup(self) -> None:
-        """Load data, model, objective, optimizer and schedule; restore ``last`` when resuming."""
+        """Load data, model, method, optimizer and schedule; restore ``last`` when resuming."""
         if self._setup_done:
             return
         cfg = self.config
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._log_handler = add_file_handler(self.output_dir / "train.log")
-        if cfg.num_threads:
-            torch.set_num_threads(cfg.num_threads)
-        self.dist = init_distributed(self.config.device if self.config.device != "auto" else None)
-        self.device = self.dist.device if self.dist.enabled else self._device()
-        if self.dist.enabled and cfg.batch_size % self.dist.world_size:
-            raise ValueError(f"batch_size={cfg.batch_size} (the global batch) must be divisible by the "
-                             f"{self.dist.world_size} processes")
-        resume_dir = self._resume_dir()
+        self._log_handler = add_file_handler(self.run_dir.log_text)
+        if cfg.run.num_threads:
+            torch.set_num_threads(cfg.run.num_threads)
+        self.dist = init_distributed(cfg.run.device if cfg.run.device != "auto" else None)
+        self.device = self.dist.device if self.dist.enabled else build.resolve_device(cfg.run.device)
+        resume_dir = self.run_dir.resume_point(resume=cfg.run.resume, overwrite=cfg.run.overwrite_output_dir)
         if resume_dir is not None:
-            self._check_same_run(resume_dir)
+            self.run_dir.check_same_run(resume_dir, cfg.to_dict())
 
         if self.examples is None:
-            self.examples = load_train_file(cfg.train_file, fmt=cfg.train_format,
-                                            on_decode_error=cfg.on_decode_error)
-        ex = self.examples
-        logger.info("training data: %d rows of %s from %s", len(ex), "/".join(ex.columns), ex.source or "memory")
-        # Every process plans the same global batches and trains on its own equal shard of each.
-        self.sampler = UniqueBatchSampler(sentence_keys(ex.rows), cfg.batch_size, seed=cfg.seed,
-                                          drop_last=cfg.drop_last or self.dist.enabled)
-        if self.sampler.num_batches(0) == 0:
-            raise ValueError(f"{len(ex)} training rows make no batch of batch_size={cfg.batch_size} "
-                             f"(drop_last={cfg.drop_last}); use a smaller batch_size or more data")
+            self.examples = build.load_examples(cfg)
+        self.sampler = build.build_sampler(cfg, self.examples, self.dist)
+        self.total_steps = build.count_total_steps(cfg, self.sampler)
 
-        torch.manual_seed(cfg.seed)  # prompt initialisation
-        if self.encoder is None:
-            self.encoder = self._build_encoder(resume_dir)
-        elif resume_dir is not None:
-            from fastprompt.model.checkpoint import load_checkpoint_weights, read_checkpoint_config
-
-            load_checkpoint_weights(self.encoder, resume_dir, read_checkpoint_config(resume_dir))
-        self.encoder.to(self.device).train()
-        if cfg.gradient_checkpointing:
-            self.encoder.gradient_checkpointing_enable()
-        self.model = self.dist.wrap(self.encoder)  # DDP under torchrun, the encoder itself otherwise
-        self.params = [p for p in self.encoder.trainable_parameters()]
-        if not self.params:
-            raise ValueError("the encoder has no trainable parameters (no prompt and no pooler head)")
-        logger.info("trainable parameters: %d (%.3f%% of %d)", sum(p.numel() for p in self.params),
-                    100.0 * sum(p.numel() for p in self.params) / sum(p.numel() for p in self.encoder.parameters()),
-                    sum(p.numel() for p in self.encoder.parameters()))
-        self.collator = Collator(self.encoder.tokenize, cfg.max_length)
-        obj_params = {k: v for k, v in cfg.to_dict().items() if v is not None}
-        obj_params["backend"] = cfg.loss_backend
-        self.objective = build_objective(cfg.objective, **obj_params)
-        self.global_objective = GlobalBatchObjective(self.objective, self.dist)
-
-        self.total_steps = self._total_steps()
-        warmup = cfg.warmup_steps or int(math.ceil(cfg.warmup_ratio * self.total_steps))
-        self.optimizer = torch.optim.AdamW(self.params, lr=cfg.learning_rate, betas=(cfg.adam_beta1, cfg.adam_beta2),
-                                           eps=cfg.adam_epsilon, weight_decay=cfg.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, linear_schedule(warmup, self.total_steps))
-        self.scaler = (torch.amp.GradScaler(self.device.type) if cfg.precision == "fp16" else None)
-        self.autocast_dtype = _AUTOCAST_DTYPES.get(cfg.precision)
-
-        self.dev_data = None
-        if cfg.sts_dir is not None:
-            from fastprompt.eval.sts import load_sts_tasks
-
-            self.dev_data = load_sts_tasks(cfg.sts_dir, ["stsb"], stsb_split="dev")
-        else:
-            logger.warning("no sts_dir: no STS-B dev evaluation, best/ will hold the final prompt")
+        torch.manual_seed(cfg.run.seed)  # prompt initialisation
+        self._build_model(resume_dir)
+        self.collator = build.build_collator(cfg, self.encoder, self.examples, self.method)
+        opt = build.build_optimization(cfg, self.params, self.total_steps, self.device)
+        self.optimizer, self.scheduler, self.scaler = opt.optimizer, opt.scheduler, opt.scaler
+        self.autocast = build.autocast_factory(cfg, self.device)
+        loss_side = LossSide(self.method, self.encoder, self.dist, autocast=self.autocast,
+                             loss_scale=self.scaler.scale if self.scaler is not None else None)
+        self.step = build.build_step(cfg, loss_side)
+        self.dev_data = build.load_dev_data(cfg)
 
         if resume_dir is not None:
             saved = load_training_state(resume_dir, optimizer=self.optimizer, scheduler=self.scheduler,
@@ -255,101 +176,68 @@ class Trainer:
             logger.info("resumed from %s at step %d (epoch %d, batch %d)", resume_dir, self.state.global_step,
                         self.state.epoch, self.state.batch_in_epoch)
         if self.dist.is_main:
-            save_config(cfg, self.output_dir / "config.yaml")
-        self.metrics = _NullLog() if not self.dist.is_main else MetricsLog(self.output_dir, resume_step=self.state.global_step if resume_dir else None,
-                                  tensorboard=cfg.tensorboard)
+            save_config(cfg, self.run_dir.config_yaml)
+            self.metrics = MetricsLog(self.output_dir, resume_step=self.state.global_step if resume_dir else None,
+                                      tensorboard=cfg.run.tensorboard,
+                                      columns=csv_columns(self.method.log_columns()))
+        else:
+            self.metrics = _NullLog()
         self._setup_done = True
 
-    def _build_encoder(self, resume_dir: Path | None):
-        from fastprompt.model import PromptEncoder
+    def _build_model(self, resume_dir: Path | None) -> None:
+        """The encoder and the method on the device, their trainable parameters the same on every process."""
+        if self.encoder is None:
+            self.encoder = build.build_encoder(self.config, resume_dir)
+        elif resume_dir is not None:
+            from fastprompt.model.checkpoint import load_checkpoint_weights, read_checkpoint_config
 
-        cfg = self.config
+            load_checkpoint_weights(self.encoder, resume_dir, read_checkpoint_config(resume_dir))
+        self.encoder.to(self.device).train()
+        if self.config.large_batch.gradient_checkpointing:
+            self.encoder.gradient_checkpointing_enable()
+        self.method = build.build_method(self.config, self.encoder, self.terms).to(self.device).train()
         if resume_dir is not None:
-            return PromptEncoder.from_pretrained(cfg.model, prompt=resume_dir, attn_backend=cfg.attn_backend,
-                                                 prefix_mode=cfg.prefix_mode)
-        return PromptEncoder.from_pretrained(cfg.model, prompt_config=cfg.prompt_config_dict(), pooler=cfg.pooler,
-                                             mlp=cfg.mlp, attn_backend=cfg.attn_backend, prefix_mode=cfg.prefix_mode)
-
-    def _check_same_run(self, resume_dir: Path) -> None:
-        from fastprompt.train.state import read_training_state
-
-        _, meta = read_training_state(resume_dir)
-        before = meta["trainer"].get("config", {})
-        now = self.config.to_dict()
-        changed = [k for k in _RUN_IDENTITY_KEYS if k in before and before[k] != now[k]]
-        if changed:
-            diffs = ", ".join(f"{k}: {before[k]!r} -> {now[k]!r}" for k in changed)
-            raise ValueError(f"{resume_dir} was written by a run with a different configuration ({diffs}); "
-                             "use another output_dir, or resume=false overwrite_output_dir=true to start over")
-        other = [k for k in now if k in before and before[k] != now[k] and k not in ("resume", "overwrite_output_dir")]
-        if other:
-            logger.warning("resuming with changed settings: %s", ", ".join(f"{k}={now[k]!r}" for k in other))
-
-    def _total_steps(self) -> int:
-        cfg = self.config
-        if cfg.max_steps > 0:
-            return cfg.max_steps
-        full, frac = int(cfg.epochs), cfg.epochs - int(cfg.epochs)
-        total = sum(self.sampler.num_batches(e) for e in range(full))
-        if frac > 0:
-            total += int(frac * self.sampler.num_batches(full))
-        if total == 0:
-            raise ValueError(f"epochs={cfg.epochs} of {self.sampler.num_batches(0)} batches is less than one step")
-        return total
+            RunDirectory.load_method(self.method, resume_dir)
+        self.params = self.encoder.trainable_parameters() + [p for p in self.method.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the encoder has no trainable parameters (no prompt and no pooler head)")
+        # Frozen term parameters are loaded from the same source on every process: only the rest is broadcast.
+        self.dist.broadcast_from_main([*self.encoder.prompt_state_dict().values(),
+                                       *self.method.resume_state().values()])
+        total = sum(p.numel() for p in self.encoder.parameters())
+        trained = sum(p.numel() for p in self.params)
+        logger.info("trainable parameters: %d (%.3f%% of %d)", trained, 100.0 * trained / total, total)
 
     # ------------------------------------------------------------------ one step
-    def seed_step(self, step: int) -> None:
-        seed = step_seed(self.config.seed, step)
+    def seed_step(self, step: int) -> int:
+        """Seed torch's generator for ``step`` (each process its own stream); returns the seed."""
+        seed = step_seed(self.config.run.seed, step)
         if self.dist.enabled:  # each process draws its own dropout masks
             seed = step_seed(seed, self.dist.rank)
         torch.manual_seed(seed)
+        return seed
 
-    def autocast(self):
-        if self.autocast_dtype is None:
-            return contextlib.nullcontext()
-        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+    def make_batch(self, rows: list[int], seed: int) -> Batch:
+        """This process's shard of a global batch, collated with the token terms' extras, on the device."""
+        batch = self.collator([self.examples.rows[i] for i in self._local_rows(rows)])
+        return self.method.add_extras(batch, extras_generators(self.method, seed)).to(self.device)
 
-    def embed(self, batch: Batch) -> torch.Tensor:
-        """Pooled embeddings of every view, (n_views, B, hidden), with graph."""
-        with self.autocast():
-            emb = self.model(**batch.model_inputs())
-        return emb.view(batch.n_views, batch.batch_size, -1)
+    def training_step(self, batch: Batch, seed: int) -> StepLosses:
+        """Forward, loss and backward of one batch; leaves this process's gradients in ``.grad`` (not applied).
 
-    def compute_loss(self, embeddings: torch.Tensor) -> ObjectiveOutput:
-        """The objective on (n_views, local batch, hidden) embeddings; columns span all processes."""
-        return self.global_objective(embeddings.float())
-
-    def backward(self, loss: torch.Tensor) -> None:
-        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
-
-    def training_step(self, batch: Batch) -> ObjectiveOutput:
-        """Forward, loss and backward of one batch; leaves gradients in ``.grad`` (not applied).
-
-        A non-finite loss is returned without a backward pass.
-        """
-        cfg = self.config
-        if cfg.gradient_cache:
-            res = grad_cache_step(
-                self.model, batch.model_inputs(),
-                lambda reps: self.compute_loss(reps.view(batch.n_views, batch.batch_size, -1)),
-                micro_batch_size=cfg.micro_batch_size or None, max_tokens=cfg.max_tokens_per_micro_batch or None,
-                loss_scale=self.scaler.scale if self.scaler is not None else None, autocast=self.autocast,
-                no_sync=self.dist.no_sync(self.model))
-            return res.output
-        out = self.compute_loss(self.embed(batch))
-        if torch.isfinite(out.loss):
-            self.backward(out.loss)
-        return out
+        A non-finite sentence loss is returned without a backward pass."""
+        return self.step(batch, self.state.global_step, seed)
 
     def optimizer_step(self) -> tuple[float | None, bool]:
         """Unscale, clip, step. Returns (gradient norm, applied); a non-finite gradient skips the update."""
-        cfg = self.config
+        cfg = self.config.optim
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if cfg.max_grad_norm > 0:
             norm = float(torch.nn.utils.clip_grad_norm_(self.params, cfg.max_grad_norm))
         else:
-            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params if p.grad is not None])))
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params
+                                                               if p.grad is not None])))
         if self.scaler is not None:
             # the scaler skips the update itself on inf/nan (a normal event while it calibrates its scale)
             scale = self.scaler.get_scale()
@@ -361,13 +249,15 @@ class Trainer:
         self.optimizer.step()
         return norm, True
 
-    def _run_step(self, batch: Batch) -> StepOutput:
-        self.seed_step(self.state.global_step)
+    def _run_step(self, rows: list[int]) -> StepOutput:
+        seed = self.seed_step(self.state.global_step)
+        batch = self.make_batch(rows, seed)
         self.optimizer.zero_grad(set_to_none=True)
-        out = self.training_step(batch)
-        loss = float(self.dist.mean(out.loss.detach()))  # the global-batch loss, the same on every process
+        out = self.training_step(batch, seed)
+        loss = out.loss  # the global-batch loss, the same on every process
         grad_norm, applied = None, False
         if math.isfinite(loss):
+            self.dist.all_reduce_gradients(self.params)
             grad_norm, applied = self.optimizer_step()
         nonfinite = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)
                                                and self.scaler is None)
@@ -379,10 +269,17 @@ class Trainer:
             logger.warning("step %d: non-finite %s (%s); skipped the update (%d in a row, limit %d)",
                            self.state.global_step + 1, "loss" if not math.isfinite(loss) else "gradient",
                            loss if not math.isfinite(loss) else grad_norm, self.state.nonfinite_streak,
-                           self.config.max_nonfinite_steps)
+                           self.config.run.max_nonfinite_steps)
         else:
             self.state.nonfinite_streak = 0
         return StepOutput(loss, out.stats, grad_norm, skipped=not applied, tokens=batch.num_tokens)
+
+    def _local_rows(self, rows: list[int]) -> list[int]:
+        """This process's shard of a global batch (all of it in a single process)."""
+        if not self.dist.enabled:
+            return rows
+        n = len(rows) // self.dist.world_size
+        return rows[self.dist.rank * n:(self.dist.rank + 1) * n]
 
     # ------------------------------------------------------------------ evaluation and checkpoints
     def evaluate_dev(self) -> float | None:
@@ -392,41 +289,34 @@ class Trainer:
         from fastprompt.eval.sts import score_sts
 
         with self.autocast():
-            result = score_sts(self.encoder, self.dev_data, batch_size=self.config.eval_batch_size,
+            result = score_sts(self.encoder, self.dev_data, batch_size=self.config.evaluation.eval_batch_size,
                                show_progress_bar=False)
         self.encoder.train()
         return float(result["stsb"])
 
-    def _local_rows(self, rows: list[int]) -> list[int]:
-        """This process's shard of a global batch (all of it in a single process)."""
-        if not self.dist.enabled:
-            return rows
-        n = len(rows) // self.dist.world_size
-        return rows[self.dist.rank * n:(self.dist.rank + 1) * n]
+    def evaluate_test(self, checkpoint: str | Path) -> dict[str, float]:
+        """The seven-task STS test table of a prompt checkpoint, evaluated in this encoder (whose own weights
+        are back in place afterwards)."""
+        from fastprompt.eval.sts import evaluate_sts
 
-    def _trainer_state_dict(self) -> dict[str, Any]:
-        return {"state": self.state.__dict__.copy(), "config": self.config.to_dict(),
-                "total_steps": self.total_steps}
+        with self.encoder.using_weights(checkpoint), self.autocast():
+            return evaluate_sts(self.encoder, self.config.evaluation.sts_dir,
+                                batch_size=self.config.evaluation.eval_batch_size)
 
     def save_last(self) -> Path:
         """Write ``last/``: prompt checkpoint + everything needed to resume exactly (main process only)."""
         self._last_saved_step = self.state.global_step
-        if not self.dist.is_main:
-            return self.last_dir
-        with atomic_directory(self.last_dir) as tmp:
-            self.encoder.save(tmp)
-            save_training_state(tmp, optimizer=self.optimizer, scheduler=self.scheduler, scaler=self.scaler,
-                                trainer=self._trainer_state_dict())
-        self._last_saved_step = self.state.global_step
+        if self.dist.is_main:
+            self.run_dir.save_last(self.encoder, self.method, optimizer=self.optimizer, scheduler=self.scheduler,
+                                   scaler=self.scaler, trainer={"state": self.state.__dict__.copy(),
+                                                                "config": self.config.to_dict(),
+                                                                "total_steps": self.total_steps})
         return self.last_dir
 
     def save_best(self, score: float | None) -> Path:
-        if not self.dist.is_main:
-            return self.best_dir
-        with atomic_directory(self.best_dir) as tmp:
-            self.encoder.save(tmp)
-            write_json_atomic(tmp / "train_info.json", {"step": self.state.global_step, "stsb_dev": score,
-                                                        "config": self.config.to_dict()})
+        if self.dist.is_main:
+            self.run_dir.save_best(self.encoder, {"step": self.state.global_step, "stsb_dev": score,
+                                                  "config": self.config.to_dict()})
         return self.best_dir
 
     def _evaluate_and_select(self, bar) -> float | None:
@@ -463,21 +353,19 @@ class Trainer:
         cfg, st = self.config, self.state
         status = "completed"
         self._last_saved_step = st.global_step if st.global_step else None
-        save_every = cfg.save_steps or cfg.eval_steps
-        show = cfg.progress_bar if cfg.progress_bar is not None else sys.stderr.isatty()
+        save_every = cfg.run.save_steps or cfg.evaluation.eval_steps
+        show = cfg.run.progress_bar if cfg.run.progress_bar is not None else sys.stderr.isatty()
         bar = tqdm(total=self.total_steps, initial=st.global_step, desc="train", disable=not show,
                    dynamic_ncols=True)
         window: list[StepOutput] = []
         try:
             with GracefulInterrupt() as self.interrupt:
-                if cfg.eval_at_start and st.global_step == 0:
+                if cfg.evaluation.eval_at_start and st.global_step == 0:
                     self._evaluate_and_select(bar)
                 while st.global_step < self.total_steps and status == "completed":
                     for b_idx, rows in self.sampler.iter_from(st.epoch, st.batch_in_epoch):
                         t0 = time.perf_counter()
-                        rows = self._local_rows(rows)
-                        batch = self.collator([self.examples.rows[i] for i in rows]).to(self.device)
-                        out = self._run_step(batch)
+                        out = self._run_step(rows)
                         st.global_step += 1
                         st.batch_in_epoch = b_idx + 1
                         out.seconds = time.perf_counter() - t0
@@ -486,14 +374,14 @@ class Trainer:
                         bar.update(1)
                         for cb in self.callbacks:
                             cb(self, out)
-                        if st.global_step % cfg.log_every == 0 or st.global_step == self.total_steps:
+                        if st.global_step % cfg.run.log_every == 0 or st.global_step == self.total_steps:
                             self._log_window(window)
                             bar.set_postfix_str(self._postfix(np.mean([w.loss for w in window]), None),
                                                 refresh=False)
                             window = []
-                        if st.nonfinite_streak >= cfg.max_nonfinite_steps:
+                        if st.nonfinite_streak >= cfg.run.max_nonfinite_steps:
                             status = "diverged"
-                        elif st.global_step % cfg.eval_steps == 0 or st.global_step == self.total_steps:
+                        elif st.global_step % cfg.evaluation.eval_steps == 0 or st.global_step == self.total_steps:
                             self._evaluate_and_select(bar)
                         if st.global_step % save_every == 0 and status == "completed":
                             self.save_last()
@@ -528,9 +416,10 @@ class Trainer:
     def _log_window(self, window: list[StepOutput]) -> None:
         st = self.state
         finite = [w for w in window if math.isfinite(w.loss)]
+        seconds = max(1e-9, sum(w.seconds for w in window))
         row: dict[str, Any] = {"step": st.global_step, "epoch": st.epoch, "lr": self.scheduler.get_last_lr()[0],
                                "skipped": sum(w.skipped for w in window), "elapsed_s": st.train_seconds,
-                               "tokens_per_s": sum(w.tokens for w in window) / max(1e-9, sum(w.seconds for w in window))}
+                               "tokens_per_s": sum(w.tokens for w in window) / seconds}
         if finite:
             row["loss"] = float(np.mean([w.loss for w in finite]))
             norms = [w.grad_norm for w in finite if w.grad_norm is not None and math.isfinite(w.grad_norm)]
@@ -546,8 +435,8 @@ class Trainer:
         if self.dev_data is None and status == "completed":
             self.save_best(None)  # no dev set: the final prompt is the one we have
         test = None
-        if (status == "completed" and cfg.sts_dir is not None and cfg.final_eval and self.dist.is_main
-                and self.best_dir.is_dir()):
+        if (status == "completed" and cfg.evaluation.sts_dir is not None and cfg.evaluation.final_eval
+                and self.dist.is_main and self.best_dir.is_dir()):
             test = self.evaluate_test(self.best_dir)
         summary = {
             "status": status,
@@ -567,39 +456,16 @@ class Trainer:
             "config": cfg.to_dict(),
         }
         if self.dist.is_main:
-            write_json_atomic(self.summary_path, summary)
+            self.run_dir.write_summary(summary)
         self.dist.barrier()
-        self._release_distributed()
+        self.dist.shutdown()  # the encoder stays usable, e.g. for evaluation
         self._close_logs()
         logger.info("training %s at step %d/%d; best: %s; last: %s; log: %s; summary: %s", status, st.global_step,
                     self.total_steps, summary["best_checkpoint"], self.last_dir, self.log_path, self.summary_path)
         return summary
-
-    def _release_distributed(self) -> None:
-        """Drop the DDP wrapper, then the process group init_distributed created (in that order: see
-        DistributedContext.shutdown). The encoder stays usable, e.g. for evaluation."""
-        if self.model is not self.encoder:
-            self.model = self.encoder
-            gc.collect()
-        self.dist.shutdown()
 
     def _close_logs(self) -> None:
         if self._setup_done:
             self.metrics.close()
             remove_file_handler(self._log_handler)
             self._setup_done = False
-
-    def evaluate_test(self, checkpoint: str | Path) -> dict[str, float]:
-        """The seven-task STS test table of a prompt checkpoint (loaded into a copy of the current prompt)."""
-        from fastprompt.eval.sts import evaluate_sts
-        from fastprompt.model.checkpoint import load_checkpoint_weights, read_checkpoint_config
-
-        current = {k: v.detach().clone() for k, v in self.encoder.prompt_state_dict().items()}
-        load_checkpoint_weights(self.encoder, checkpoint, read_checkpoint_config(checkpoint))
-        try:
-            with self.autocast():
-                results = evaluate_sts(self.encoder, self.config.sts_dir, batch_size=self.config.eval_batch_size)
-        finally:
-            self.encoder.load_state_dict(current, strict=False)
-            self.encoder.train()
-        return results

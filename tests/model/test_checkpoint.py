@@ -106,3 +106,25 @@ def test_foreign_corrupt_and_missing_checkpoints(tiny_bert_dir, tmp_path):
     (tmp_path / "d" / CONFIG_NAME).write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="do not match"):
         PromptEncoder.load(tmp_path / "d")
+
+
+def test_using_weights_swaps_a_checkpoint_in_and_puts_the_live_weights_back(tiny_bert_dir, tmp_path):
+    """The trainer's test evaluation of best/: the live parameter objects (held by the optimizer) keep their
+    identity, get the checkpoint's values inside the block, and their own values (and mode) after it."""
+    saved = _trained_like(tiny_bert_dir)
+    saved.save(tmp_path / "best")
+    live = _trained_like(tiny_bert_dir).train()
+    with torch.no_grad():
+        for p in live.trainable_parameters():
+            p.add_(1.0)  # trained on past the checkpoint
+    before = {k: v.clone() for k, v in live.prompt_state_dict().items()}
+    params = [id(p) for p in live.trainable_parameters()]
+    with live.using_weights(tmp_path / "best") as enc:
+        assert enc is live
+        for k, v in saved.prompt_state_dict().items():
+            assert torch.equal(live.prompt_state_dict()[k], v), k
+        live.eval()
+        np.testing.assert_array_equal(live.encode(SENTENCES), saved.encode(SENTENCES))
+    assert live.training and [id(p) for p in live.trainable_parameters()] == params
+    for k, v in before.items():
+        assert torch.equal(live.prompt_state_dict()[k], v), k

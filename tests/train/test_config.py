@@ -64,7 +64,7 @@ def test_prompt_config_fields_match_the_model():
 def test_shipped_configs_are_valid(path):
     raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     cfg = load_config(path)
-    assert set(raw) <= set(cfg.to_dict())
+    assert set(raw) - {"base"} <= set(cfg.to_dict())
     assert cfg.output_dir and cfg.train_file
 
 
@@ -74,3 +74,119 @@ def test_there_are_paper_and_minilm_configs():
     for setting in ("unsup", "sup"):
         for model in ("bert-base", "bert-large", "roberta-base", "roberta-large"):
             assert f"promcse-{setting}-{model}.yaml" in names and f"dcpcse-{setting}-{model}.yaml" in names
+
+
+# --------------------------------------------------------------------------- composed sections
+
+
+def test_sections_own_the_keys_and_flat_keys_still_work():
+    from fastprompt.model import PromptConfig
+    from fastprompt.objectives.config import ObjectiveConfig
+    from fastprompt.train.config import KEYS, SECTIONS
+
+    cfg = TrainConfig(learning_rate=1e-3, prompt_length=8, prompt_init="uniform", objective="promcse_eh")
+    assert isinstance(cfg.prompt, PromptConfig) and isinstance(cfg.loss, ObjectiveConfig)
+    assert cfg.optim.learning_rate == cfg.learning_rate == 1e-3
+    assert cfg.prompt.prompt_length == 8 and cfg.prompt.init == cfg.prompt_init == "uniform"
+    assert cfg.loss.name == cfg.objective == "promcse_eh" and cfg.loss.resolved_hinge_weight == 10.0
+    cfg.batch_size = 32  # a flat write lands in its section
+    assert cfg.optim.batch_size == 32 and cfg.to_dict()["batch_size"] == 32
+    with pytest.raises(AttributeError, match="unknown config key 'batchsize'"):
+        cfg.batchsize = 3
+    # every flat key belongs to one section, and no key is named like a section
+    assert len(KEYS) == len(cfg.to_dict()) and not set(KEYS) & set(SECTIONS)
+    # a whole section can be passed, flat keys override it
+    cfg = TrainConfig(prompt=PromptConfig(5, prefix_projection=True), prompt_length=6)
+    assert cfg.prompt.prompt_length == 6 and cfg.prompt.prefix_projection
+    with pytest.raises(TypeError, match="section 'prompt' must be a PromptConfig"):
+        TrainConfig(prompt={"prompt_length": 5})
+
+
+def test_to_dict_is_flat_and_round_trips_old_flat_dicts():
+    import json
+
+    pinned = json.loads((Path(__file__).with_name("recipe_values.json")).read_text(encoding="utf-8"))
+    old = pinned["promcse-sup-bert-base.yaml"]  # a flat dict as checkpoints and summaries store them
+    cfg = TrainConfig.from_dict(old)
+    assert cfg.to_dict() == old and TrainConfig.from_dict(cfg.to_dict()) == cfg
+    assert all(not isinstance(v, dict) for v in cfg.to_dict().values())
+
+
+def test_one_rule_per_key_whether_set_through_the_config_or_the_model():
+    from fastprompt.model import PromptConfig
+
+    for make in (lambda: TrainConfig(init_std=0), lambda: PromptConfig(init_std=0)):
+        with pytest.raises(ValueError, match="init_std must be > 0"):
+            make()
+    for make in (lambda: TrainConfig(prompt_init="zeros"), lambda: PromptConfig(init="zeros")):
+        with pytest.raises(ValueError, match="prompt_init must be one of normal, uniform, vocab"):
+            make()
+    with pytest.raises(ValueError, match="promcse_eh needs hinge_weight > 0"):
+        TrainConfig(objective="promcse_eh", hinge_weight=0)
+
+
+@pytest.mark.parametrize("key", ["attn_backend", "loss_backend"])
+def test_backend_typos_fail_at_config_time_with_the_choices(key):
+    with pytest.raises(ValueError, match=f"{key} must be one of auto, triton, cpu, reference; got 'trition'"):
+        load_config(None, [f"{key}=trition"])
+
+
+def test_a_bad_config_fails_before_torch_is_imported(tmp_path):
+    """`fastprompt train --config bad.yaml` validates with the standard library + PyYAML only."""
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("batch_size: 1\n", encoding="utf-8")
+    code = ("import sys; from fastprompt.cli import main; rc = main(['train', '--config', sys.argv[1]]); "
+            "assert 'torch' not in sys.modules, 'torch was imported'; sys.exit(rc)")
+    proc = subprocess.run([sys.executable, "-c", code, str(bad)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "batch_size must be >= 2" in proc.stderr
+
+
+# --------------------------------------------------------------------------- base: recipes
+
+
+def _write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_base_chains_resolve_relative_to_each_recipe(tmp_path):
+    (tmp_path / "bases").mkdir()
+    _write(tmp_path / "bases" / "root.yaml", "model: m\nlearning_rate: 1e-2\nbatch_size: 16\nmax_length: 24\n")
+    _write(tmp_path / "bases" / "mid.yaml", "base: root.yaml\nbatch_size: 32\n")
+    leaf = _write(tmp_path / "leaf.yaml", "base: bases/mid.yaml\nlearning_rate: 5e-3\n")
+    cfg = load_config(leaf, ["max_length=20"])
+    assert (cfg.model, cfg.learning_rate, cfg.batch_size, cfg.max_length) == ("m", 5e-3, 32, 20)
+
+
+def test_base_errors(tmp_path):
+    a = _write(tmp_path / "a.yaml", "base: b.yaml\n")
+    _write(tmp_path / "b.yaml", "base: a.yaml\n")
+    with pytest.raises(ValueError, match="cycle: .*a.yaml -> .*b.yaml -> .*a.yaml"):
+        load_config(a)
+    missing = _write(tmp_path / "m.yaml", "base: nope.yaml\n")
+    with pytest.raises(FileNotFoundError, match="base config of .*m.yaml not found: .*nope.yaml"):
+        load_config(missing)
+    with pytest.raises(ValueError, match="base must be the path of another YAML recipe"):
+        load_config(_write(tmp_path / "n.yaml", "base: [a.yaml]\n"))
+    with pytest.raises(ValueError, match="--set base=... is not supported"):
+        parse_overrides(["base=a.yaml"])
+    _write(tmp_path / "d.yaml", "model: x\n")
+    with pytest.raises(ValueError, match="unknown config key 'lerning_rate' in .*c.yaml"):
+        load_config(_write(tmp_path / "c.yaml", "base: d.yaml\nlerning_rate: 1\n"))
+
+
+def test_paper_recipes_are_a_base_plus_a_few_lines():
+    paper = [p for p in CONFIGS if p.name.startswith(("dcpcse-", "promcse-"))]
+    assert len(paper) == 16
+    for path in paper:
+        keys = [k for k in yaml.safe_load(path.read_text(encoding="utf-8")) if k != "base"]
+        assert "base" in yaml.safe_load(path.read_text(encoding="utf-8")), path.name
+        assert len(keys) <= 5, f"{path.name} sets {keys}"
+    bases = sorted((CONFIGS[0].parent / "base").glob("*.yaml"))
+    assert len(bases) >= 3
+    for base in bases:  # each base is a valid recipe on its own
+        load_config(base)

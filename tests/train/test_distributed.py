@@ -1,5 +1,13 @@
-"""Two gloo processes on CPU give the same loss and prompt gradients as one process on the global batch."""
+"""Two gloo processes on CPU give the same losses and gradients as one process on the global batch.
+
+Each process runs the trainer's step strategy on its shard of the global batch, then the one gradient
+all-reduce of a step; its gradients must equal those of a single process on the whole batch. Dropout is off
+(processes draw from different RNG streams by design), so the comparison is exact up to float rounding
+(see the tolerances next to each comparison).
+"""
+import json
 import os
+import shutil
 import socket
 import time
 
@@ -8,62 +16,118 @@ import torch
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from fastprompt.data import Batch
 from fastprompt.model import PromptConfig, PromptEncoder
-from fastprompt.objectives import SimCSE
-from fastprompt.train.distributed import DistributedContext, GlobalBatchObjective
-from fastprompt.train.grad_cache import grad_cache_step
+from fastprompt.objectives import Method, SimCSE, WeightSchedule
+from fastprompt.train.distributed import DistributedContext
+from fastprompt.train.steps import CachedStep, LossSide, PlainStep, extras_generators
+
+from .token_term import ReconstructionTerm
 
 PAIRS = [("a man plays the guitar .", "a man plays music"), ("the dog runs", "a dog is running"),
          ("two people sit at a table", "people sit"), ("it is red", "the car is red"),
          ("a woman eats food", "someone is eating"), ("the cat sits", "a cat"),
          ("one big ball", "a small ball"), ("water in the park", "the park has water")]
 NEGS = ["the cat runs", "nobody plays", "a table", "blue", "a man sits", "the dog eats", "two cars", "food"]
+SEED, STEP = 7, 3
 
 
-def _encoder(model_dir):
+@pytest.fixture(scope="module")
+def no_dropout_bert(tiny_bert_dir, tmp_path_factory):
+    """The tiny BERT with dropout off, so that train mode (the BatchNorm head's batch statistics) is
+    deterministic."""
+    path = tmp_path_factory.mktemp("bert-no-dropout")
+    for f in tiny_bert_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def _setup(model_dir, with_term):
+    """Encoder + method; with_term: D2CSE's BatchNorm-MLP head in training mode and the test token term."""
     torch.manual_seed(0)
-    enc = PromptEncoder.from_pretrained(model_dir, prompt_config=PromptConfig(3, init_std=0.3))
-    return enc.eval()  # dropout off: processes draw from different RNG streams
-
-
-def _views(enc, rows):
-    """Tokenise (anchor, positive, hard negative) rows view-major, padded together."""
-    texts = [r[v] for v in range(3) for r in rows]
-    return enc.tokenize(texts)
-
-
-def _objective():
-    return SimCSE(temperature=0.05, hard_negative_weight=0.5, hinge_weight=1.0, backend="reference")
-
-
-def _train_step(rank, world, model_dir, out_dir, cached):
-    ctx = DistributedContext(rank=rank, world_size=world)
-    enc = _encoder(model_dir)
-    ddp = ctx.wrap(enc)
-    n = len(PAIRS) // world
-    rows = [(a, p, h) for (a, p), h in zip(PAIRS, NEGS)][rank * n:(rank + 1) * n]
-    tok = _views(enc, rows)
-    objective = GlobalBatchObjective(_objective(), ctx)
-    loss_fn = lambda reps: objective(reps.view(3, n, -1))  # noqa: E731
-    if cached:
-        res = grad_cache_step(ddp, tok, loss_fn, micro_batch_size=2, no_sync=ctx.no_sync(ddp))
-        loss = res.loss
+    if with_term:
+        enc = PromptEncoder.from_pretrained(model_dir, prompt_config=PromptConfig(3, init_std=0.3), pooler="bn_mlp",
+                                            mlp="train").train()
+        # Without dropout, a random tiny BERT's [CLS] state barely depends on the sentence (std ~3e-3 over
+        # rows: its attention output is small next to the residual), and BatchNorm would amplify float noise
+        # by ~1/3e-3. A 10x stronger attention output makes [CLS] vary like a real encoder's (std ~0.2).
+        with torch.no_grad():
+            for layer in enc.backbone.encoder.layer:
+                layer.attention.self.value.weight.mul_(10)
+                layer.attention.output.dense.weight.mul_(10)
+        terms = [ReconstructionTerm(enc.hidden_size, enc.tokenizer.mask_token_id, WeightSchedule(0.7))]
     else:
-        loss = loss_fn(ddp(**tok)).loss
-        loss.backward()
-    save_file({"loss": ctx.mean(loss).reshape(1), "grad": enc.prompt.prefix.grad.contiguous()},
-              os.path.join(out_dir, f"rank{rank}.safetensors"))
+        enc = PromptEncoder.from_pretrained(model_dir, prompt_config=PromptConfig(3, init_std=0.3)).eval()
+        terms = []
+    method = Method(SimCSE(temperature=0.05, hard_negative_weight=0.5, hinge_weight=1.0, backend="reference"), terms)
+    return enc, method
 
 
-def _worker(rank, world, model_dir, port, out_dir, cached):
+def _global_batch(enc, method):
+    """(anchor, positive, hard negative) rows view-major, padded together, with the term's extras."""
+    texts = [r[v] for v in range(3) for r in [(a, p, h) for (a, p), h in zip(PAIRS, NEGS)]]
+    tok = enc.tokenize(texts)
+    batch = Batch(tok["input_ids"], tok["attention_mask"], tok.get("token_type_ids"), n_views=3,
+                  batch_size=len(PAIRS))
+    return method.add_extras(batch, extras_generators(method, SEED))
+
+
+def _shard(batch, rank, world):
+    """Process ``rank``'s rows of every view (what its collator would produce, padded to the global width)."""
+    b = batch.batch_size // world
+    idx = torch.cat([torch.arange(v * batch.batch_size + rank * b, v * batch.batch_size + (rank + 1) * b)
+                     for v in range(batch.n_views)])
+    tt = batch.token_type_ids[idx] if batch.token_type_ids is not None else None
+    return Batch(batch.input_ids[idx], batch.attention_mask[idx], tt, batch.n_views, b, batch.view_names,
+                 {k: v[idx] for k, v in batch.extras.items()})
+
+
+def _state(enc, method, loss):
+    params = {**dict(enc.named_parameters()), **{f"method.{k}": v for k, v in method.named_parameters()}}
+    out = {f"grad.{n}": p.grad.contiguous() for n, p in params.items() if p.grad is not None}
+    out.update({f"buffer.{n}": b.clone() for n, b in enc.pooler.named_buffers()})
+    out["loss"] = torch.tensor([loss])
+    return out
+
+
+def _step(ctx, enc, method, batch, cached):
+    side = LossSide(method, enc, ctx)
+    step = CachedStep(side, micro_batch_size=2, max_tokens=None) if cached else PlainStep(side)
+    out = step(batch, STEP, SEED)
+    ctx.all_reduce_gradients([*enc.trainable_parameters(), *method.parameters()])
+    return out
+
+
+def _worker(rank, world, model_dirs, port, out_dir):
+    """Every variant in one process group (spawning costs more than the steps): plain and gradient-cached
+    steps, without and with the token term + BatchNorm head."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        # the DDP wrapper dies with _train_step's frame, before the group: a reducer that outlives the
-        # group can deadlock the process at exit (see DistributedContext.shutdown)
-        _train_step(rank, world, model_dir, out_dir, cached)
+        torch.set_num_threads(1)
+        ctx = DistributedContext(rank=rank, world_size=world)
+        for with_term, model_dir in zip((False, True), model_dirs):
+            for cached in (False, True):
+                enc, method = _setup(model_dir, with_term)
+                out = _step(ctx, enc, method, _shard(_global_batch(enc, method), rank, world), cached)
+                save_file(_state(enc, method, out.loss), os.path.join(out_dir, _name(with_term, cached, rank)))
     finally:
         torch.distributed.destroy_process_group()
+
+
+def _name(with_term, cached, rank):
+    return f"{'term' if with_term else 'simcse'}-{'cached' if cached else 'plain'}-rank{rank}.safetensors"
+
+
+@pytest.fixture(scope="module")
+def gloo_runs(tiny_bert_dir, no_dropout_bert, tmp_path_factory):
+    """The two processes' losses, gradients and head buffers of every variant."""
+    out = tmp_path_factory.mktemp("gloo")
+    _spawn(_worker, (2, (str(tiny_bert_dir), str(no_dropout_bert)), _free_port(), str(out)))
+    return out
 
 
 def _spawn(fn, args, nprocs=2, timeout=300):
@@ -84,16 +148,44 @@ def _free_port():
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["plain", "grad-cache"])
-def test_two_gloo_processes_match_one_process(tiny_bert_dir, tmp_path, cached):
-    enc = _encoder(tiny_bert_dir)
-    tok = _views(enc, [(a, p, h) for (a, p), h in zip(PAIRS, NEGS)])
-    loss = _objective()(enc(**tok).view(3, len(PAIRS), -1)).loss
+def test_two_gloo_processes_match_one_process(tiny_bert_dir, gloo_runs, cached):
+    """Plain SimCSE with hard negatives, no head: the reference is the objective on one forward."""
+    enc, method = _setup(tiny_bert_dir, with_term=False)
+    batch = _global_batch(enc, method)
+    loss = method.sentence(enc(**batch.model_inputs()).view(3, len(PAIRS), -1)).loss
     loss.backward()
-    _spawn(_worker, (2, str(tiny_bert_dir), _free_port(), str(tmp_path), cached))
     for rank in range(2):
-        got = load_file(str(tmp_path / f"rank{rank}.safetensors"))
+        got = load_file(str(gloo_runs / _name(False, cached, rank)))
         torch.testing.assert_close(got["loss"][0], loss.detach(), atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got["grad"], enc.prompt.prefix.grad, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got["grad.prompt.prefix"], enc.prompt.prefix.grad, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["plain", "grad-cache"])
+def test_two_processes_match_one_with_token_term_and_batchnorm_head(no_dropout_bert, gloo_runs, cached):
+    """The loss-side head sees the whole global batch (BatchNorm statistics and running statistics as one
+    process's), and the token term is normalised by the global target count."""
+    enc, method = _setup(no_dropout_bert, with_term=True)
+    ref_out = _step(DistributedContext(), enc, method, _global_batch(enc, method), cached=False)
+    ref = _state(enc, method, ref_out.loss)
+    assert {"grad.prompt.prefix", "grad.pooler.head.1.weight", "grad.method.terms.0.proj.weight",
+            "buffer.head.1.running_var"} <= set(ref)
+    assert ref_out.stats["loss_recon"] > 0 and all(ref[k].abs().sum() > 0 for k in ref if k.startswith("grad."))
+    for rank in range(2):
+        got = load_file(str(gloo_runs / _name(True, cached, rank)))
+        assert set(got) == set(ref)
+        for k in ref:
+            if k == "grad.pooler.head.0.bias":
+                # The bias right before BatchNorm has an exactly zero gradient (BatchNorm subtracts the batch
+                # mean): both sides hold float noise there, and nothing more.
+                assert got[k].abs().max() < 1e-4 and ref[k].abs().max() < 1e-4
+                continue
+            # Relative to the tensor's largest entry: the runs differ only in float rounding (12- vs 24-row
+            # forwards, the order of the gradient sums), ~1e-7 relative, amplified a few times by BatchNorm's
+            # 1/std and by cancelling sums; a routing mistake (head per process, term normalised per process,
+            # a missing all-reduce) is off by tens of percent.
+            scale = max(float(ref[k].abs().max()), 1e-3)
+            err = float((got[k] - ref[k]).abs().max())
+            assert err <= 1e-5 * scale, f"rank {rank} {k}: max error {err:.3g} vs largest entry {scale:.3g}"
 
 
 def _shutdown_worker(rank, world, port, out_dir):
@@ -103,9 +195,9 @@ def _shutdown_worker(rank, world, port, out_dir):
                       LOCAL_RANK=str(rank))
     ctx = init_distributed("cpu")
     assert ctx.owns_group and ctx.enabled and torch.distributed.is_initialized()
-    ddp = ctx.wrap(torch.nn.Linear(3, 1))
-    ddp(torch.randn(2, 3)).sum().backward()  # one gradient all-reduce in flight on gloo's threads
-    del ddp
+    layer = torch.nn.Linear(3, 1)
+    layer(torch.randn(2, 3)).sum().backward()
+    ctx.all_reduce_gradients(layer.parameters())  # collective work on gloo's threads just before the teardown
     ctx.shutdown()
     assert not torch.distributed.is_initialized() and not ctx.owns_group
     ctx.shutdown()  # a second call is a no-op

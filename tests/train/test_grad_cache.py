@@ -117,3 +117,20 @@ def test_non_finite_loss_writes_no_gradient(tiny_bert_dir):
     res = grad_cache_step(enc, tok, lambda reps: reps.sum() * float("nan"), micro_batch_size=4)
     assert not res.backpropagated and not torch.isfinite(res.loss)
     assert all(p.grad is None for p in enc.trainable_parameters())
+
+
+def test_no_sync_wraps_every_micro_batch_backward_but_the_last(tiny_bert_dir):
+    """For an encoder wrapped in DistributedDataParallel by the caller: one gradient sync per step."""
+    import contextlib
+
+    enc, tok, objective = _setup(tiny_bert_dir)
+    entered = []
+
+    @contextlib.contextmanager
+    def no_sync():
+        entered.append(len(entered))
+        yield
+
+    groups = plan_micro_batches(tok["attention_mask"], 4)
+    grad_cache_step(enc, tok, _loss_fn(objective, len(SENTENCES)), micro_batch_size=4, no_sync=no_sync)
+    assert len(groups) == 4 and len(entered) == 3

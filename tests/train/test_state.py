@@ -8,7 +8,7 @@ import torch
 
 from fastprompt.train.state import (META_FILE, TENSORS_FILE, capture_rng_state, load_training_state,
                                     restore_rng_state, save_training_state)
-from fastprompt.train.trainer import linear_schedule
+from fastprompt.train.build import linear_schedule
 
 
 def _setup(fp16=False):

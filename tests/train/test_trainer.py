@@ -199,18 +199,18 @@ def test_completed_run_resumes_to_nothing(base_config):
 
 
 def _nan_at(steps):
-    """Wrap compute_loss so the loss is NaN at the given (1-based) steps."""
+    """Wrap the method's sentence-level objective so the loss is NaN at the given (1-based) steps."""
 
     def install(trainer):
-        original = trainer.compute_loss
+        original = trainer.method.sentence
 
-        def compute_loss(emb):
-            out = original(emb)
+        def sentence(views):
+            out = original(views)
             if trainer.state.global_step + 1 in steps:
                 out.loss = out.loss * float("nan")
             return out
 
-        trainer.compute_loss = compute_loss
+        trainer.method.sentence = sentence
 
     return install
 
@@ -259,3 +259,54 @@ def test_bad_inputs_fail_clearly(base_config, tmp_path):
         Trainer(base_config(sts_dir=str(tmp_path / "nope"))).train()
     with pytest.raises(FileNotFoundError, match="training file not found"):
         Trainer(base_config(train_file=str(tmp_path / "nope.txt"))).train()
+
+
+# --------------------------------------------------------------------------- token-level terms
+
+
+def _recon_term(model_dir):
+    from transformers import AutoConfig, AutoTokenizer
+
+    from fastprompt.objectives import WeightSchedule
+
+    from .token_term import ReconstructionTerm
+
+    torch.manual_seed(5)
+    return ReconstructionTerm(AutoConfig.from_pretrained(model_dir).hidden_size,
+                              AutoTokenizer.from_pretrained(model_dir).mask_token_id, WeightSchedule(0.5, 0.9, 2))
+
+
+def test_token_term_is_trained_logged_and_resumed_bit_for_bit(base_config, tmp_path):
+    """A token term with its own weights, under the gradient cache and a BatchNorm head: CSV columns from the
+    configured terms, the weight schedule per step, and an interrupted run that resumes exactly."""
+    cfg = base_config(output_dir=str(tmp_path / "ref"), max_steps=6, log_every=1, save_steps=2, eval_steps=100,
+                      pooler="bn_mlp", mlp="train", prompt_dropout=0.1, micro_batch_size=5)
+    ref = Trainer(cfg, terms=[_recon_term(cfg["model"])])
+    ref.setup()
+    initial_proj = ref.method.terms[0].proj.weight.detach().clone()
+    ref.train()
+    rows = _log_rows(tmp_path / "ref")
+    assert {"loss_sentence", "loss_recon", "w_recon"} <= set(rows[0])
+    assert [float(r["w_recon"]) for r in rows] == pytest.approx([0.5 * 0.9 ** (s / 2) for s in range(6)], rel=1e-5)
+    for r in rows:
+        total = float(r["loss_sentence"]) + float(r["w_recon"]) * float(r["loss_recon"])
+        assert float(r["loss_recon"]) > 0 and float(r["loss"]) == pytest.approx(total, rel=1e-4)
+    trained = load_file(str(tmp_path / "ref" / "last" / "method.safetensors"))
+    assert set(trained) == {"terms.0.proj.weight", "terms.0.proj.bias"}
+    assert not torch.equal(trained["terms.0.proj.weight"], initial_proj)
+
+    run = dict(cfg, output_dir=str(tmp_path / "run"))
+
+    def interrupt_at_step_3(trainer, out):
+        if trainer.state.global_step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    assert Trainer(run, terms=[_recon_term(cfg["model"])], callbacks=[interrupt_at_step_3]).train()["status"] \
+        == "interrupted"
+    assert Trainer(run, terms=[_recon_term(cfg["model"])]).train()["global_step"] == 6
+    for name in ("prompt.safetensors", "method.safetensors", "training_state.safetensors"):
+        _assert_bit_identical(load_file(str(tmp_path / "run" / "last" / name)),
+                              load_file(str(tmp_path / "ref" / "last" / name)))
+    # a run without the term cannot resume from a checkpoint that has one, and vice versa
+    with pytest.raises(ValueError, match="other token terms|without the token terms"):
+        Trainer(dict(run, max_steps=7)).train()

@@ -1,0 +1,137 @@
+"""Documented, self-validating configuration fields, shared by every config dataclass.
+
+A config dataclass (``PromptConfig``, ``ObjectiveConfig``, the sections of ``TrainConfig``) declares each
+field with :func:`option`: its default, a one-line help text, and optionally its closed set of choices
+(from :mod:`fastprompt.choices`) and numeric bounds. :func:`validate_fields` then coerces values read from
+YAML or ``--set`` to the annotated type and checks choices and bounds, and the config reference
+(``docs/config.md``, ``fastprompt train --help-config``) is generated from the same metadata, so a key's
+rule and its documentation live in one place. Standard library only: configs validate before torch loads.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+import typing
+from typing import Any
+
+from fastprompt.choices import check_choice
+
+
+def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple[str, ...] | None = None,
+           ge: float | None = None, gt: float | None = None, lt: float | None = None,
+           key: str | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
+    """A dataclass field with its documentation and rules.
+
+    help: one line, shown in the config reference. choices: the allowed values. ge/gt/lt: numeric bounds
+    (``>= ge``, ``> gt``, ``< lt``; None values of optional fields are not checked). key: the flat
+    configuration key when it differs from the field name (``PromptConfig.init`` is ``prompt_init``).
+    """
+    if not help or "\n" in help:
+        raise ValueError("every config field needs a one-line help text")
+    metadata = {"help": help, "choices": choices, "ge": ge, "gt": gt, "lt": lt, "key": key}
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
+
+
+def flat_key(f: dataclasses.Field) -> str:
+    """The configuration key of a field (its name unless :func:`option` gave another)."""
+    return f.metadata.get("key") or f.name
+
+
+def validate_fields(obj) -> None:
+    """Coerce every field of the dataclass ``obj`` to its annotation, then check its choices and bounds.
+
+    Error messages name the field by its flat key (what users write), the bad value and what is allowed.
+    """
+    hints = typing.get_type_hints(type(obj))
+    for f in dataclasses.fields(obj):
+        name = flat_key(f)
+        value = coerce(name, getattr(obj, f.name), hints[f.name])
+        object.__setattr__(obj, f.name, value)
+        if value is None:
+            continue
+        meta = f.metadata
+        if meta.get("choices") is not None:
+            check_choice(name, value, meta["choices"])
+        check_bounds(name, value, ge=meta.get("ge"), gt=meta.get("gt"), lt=meta.get("lt"))
+
+
+def check_bounds(name: str, value, *, ge=None, gt=None, lt=None) -> None:
+    if ge is not None and lt is not None:
+        if not ge <= value < lt:
+            raise ValueError(f"{name} must be in [{ge:g}, {lt:g}), got {value}")
+    elif ge is not None and value < ge:
+        raise ValueError(f"{name} must be >= {ge:g}, got {value}")
+    elif lt is not None and value >= lt:
+        raise ValueError(f"{name} must be < {lt:g}, got {value}")
+    if gt is not None and value <= gt:
+        raise ValueError(f"{name} must be > {gt:g}, got {value}")
+
+
+def describe_rule(f: dataclasses.Field) -> str:
+    """The allowed values of a field in words, for the config reference ('' when any value of its type)."""
+    meta = f.metadata
+    if meta.get("choices"):
+        return " | ".join(meta["choices"])
+    ge, gt, lt = meta.get("ge"), meta.get("gt"), meta.get("lt")
+    parts = []
+    if ge is not None:
+        parts.append(f">= {ge:g}")
+    if gt is not None:
+        parts.append(f"> {gt:g}")
+    if lt is not None:
+        parts.append(f"< {lt:g}")
+    return ", ".join(parts)
+
+
+def type_name(tp) -> str:
+    """``int``, ``float | None``, ... of an annotation, for the config reference."""
+    args = typing.get_args(tp)
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return " | ".join(type_name(a) for a in args)
+    return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
+
+
+def coerce(name: str, value: Any, tp) -> Any:
+    """Check/convert one value against its annotation (YAML reads 3e-2 as a string, so numbers may be str)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        tp = next(a for a in args if a is not type(None))
+    if value is None:
+        raise ValueError(f"{name} must not be null")
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
+            return value.lower() in ("true", "yes", "1")
+        raise ValueError(f"{name} must be true or false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        if isinstance(value, int):
+            return value
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+        if not f.is_integer():
+            raise ValueError(f"{name} must be an integer, got {value!r}")
+        return int(f)
+    if tp is float:
+        if isinstance(value, bool):
+            raise ValueError(f"{name} must be a number, got {value!r}")
+        try:
+            f = float(value)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number, got {value!r}") from None
+        if not math.isfinite(f):
+            raise ValueError(f"{name} must be finite, got {value!r}")
+        return f
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ValueError(f"{name} must be a string, got {value!r}")
+        return str(value)
+    return value

@@ -1,0 +1,52 @@
+"""ObjectiveConfig: the training configuration's section for the sentence-level objective.
+
+Standard library only, so ``fastprompt train`` rejects a bad objective setting before torch loads. The
+objective classes (:mod:`fastprompt.objectives.simcse`, ...) are built from it by
+:func:`fastprompt.objectives.objective_from_config`. A token-level term (see :mod:`fastprompt.objectives.base`)
+adds its own section dataclass here, with flat keys prefixed by the term's name (``mlm_weight``, ...).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastprompt.choices import BACKENDS, OBJECTIVE_NAMES
+from fastprompt.fields import option, validate_fields
+
+#: hinge_weight when the config leaves it null: PromCSE's objective is L_CL + 10 L_EH, SimCSE's has none.
+DEFAULT_HINGE_WEIGHT = {"simcse": 0.0, "promcse_eh": 10.0}
+
+
+def check_hinge_weight(objective: str, hinge_weight: float) -> None:
+    """The one rule on hinge_weight: promcse_eh is defined by its hinge term."""
+    if objective == "promcse_eh" and hinge_weight <= 0:
+        raise ValueError(f"promcse_eh needs hinge_weight > 0 (PromCSE uses 10), got {hinge_weight}; "
+                         "use objective=simcse for InfoNCE alone")
+
+
+@dataclass
+class ObjectiveConfig:
+    """The sentence-level contrastive objective and the settings of its fused loss."""
+
+    name: str = option("simcse", "sentence-level objective: SimCSE's InfoNCE, or PromCSE's InfoNCE + energy-based "
+                       "hinge", choices=OBJECTIVE_NAMES, key="objective")
+    temperature: float = option(0.05, "temperature of the cosine-similarity softmax", gt=0.0)
+    hard_negative_weight: float = option(0.0, "added to each anchor's own hard-negative logit (log of SimCSE's "
+                                         "weight; 0 = weight 1)")
+    hinge_margin: float = option(0.2, "margin m of the energy-based hinge max(0, m + cos(h, hardest negative) - "
+                                 "cos(h, h+))", ge=0.0)
+    hinge_weight: float | None = option(None, "weight of the hinge term; null: the objective's default "
+                                        "(simcse 0, promcse_eh 10)", ge=0.0)
+    loss_backend: str = option("auto", "implementation of the fused contrastive_loss op", choices=BACKENDS)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> "ObjectiveConfig":
+        validate_fields(self)
+        check_hinge_weight(self.name, self.resolved_hinge_weight)
+        return self
+
+    @property
+    def resolved_hinge_weight(self) -> float:
+        """hinge_weight, or the objective's default when it is null."""
+        return DEFAULT_HINGE_WEIGHT[self.name] if self.hinge_weight is None else self.hinge_weight

@@ -1,0 +1,147 @@
+"""Building what a training run needs from its :class:`~fastprompt.train.config.TrainConfig`.
+
+Data (examples, batch sampler, collator), the encoder, the method (objective + token terms), the optimizer
+with its schedule and loss scaler, the step strategy, and the STS-B dev data. Each function reads only the
+config sections it needs, so the trainer's setup reads as a list of what a run is made of.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from fastprompt.data import Collator, TrainExamples, UniqueBatchSampler, load_train_file, sentence_keys
+from fastprompt.objectives.base import Method, TokenTerm
+from fastprompt.objectives.registry import objective_from_config
+from fastprompt.train.config import TrainConfig
+from fastprompt.train.distributed import DistributedContext
+from fastprompt.train.steps import CachedStep, LossSide, PlainStep
+
+logger = logging.getLogger(__name__)
+
+_AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but CUDA is not available; use device=cpu or auto")
+    return torch.device(device)
+
+
+def load_examples(cfg: TrainConfig) -> TrainExamples:
+    ex = load_train_file(cfg.data.train_file, fmt=cfg.data.train_format, on_decode_error=cfg.data.on_decode_error)
+    logger.info("training data: %d rows of %s from %s", len(ex), "/".join(ex.columns), ex.source or "memory")
+    return ex
+
+
+def build_sampler(cfg: TrainConfig, examples: TrainExamples, dist: DistributedContext) -> UniqueBatchSampler:
+    """Every process plans the same global batches (and trains on its own equal shard of each)."""
+    if dist.enabled and cfg.optim.batch_size % dist.world_size:
+        raise ValueError(f"batch_size={cfg.optim.batch_size} (the global batch) must be divisible by the "
+                         f"{dist.world_size} processes")
+    sampler = UniqueBatchSampler(sentence_keys(examples.rows), cfg.optim.batch_size, seed=cfg.run.seed,
+                                 drop_last=cfg.data.drop_last or dist.enabled)
+    if sampler.num_batches(0) == 0:
+        raise ValueError(f"{len(examples)} training rows make no batch of batch_size={cfg.optim.batch_size} "
+                         f"(drop_last={cfg.data.drop_last}); use a smaller batch_size or more data")
+    return sampler
+
+
+def build_encoder(cfg: TrainConfig, resume_dir: Path | None):
+    """A new prompt on the base model, or the prompt of ``resume_dir``."""
+    from fastprompt.model import PromptEncoder
+
+    enc = cfg.encoder
+    if resume_dir is not None:
+        return PromptEncoder.from_pretrained(enc.model, prompt=resume_dir, attn_backend=enc.attn_backend,
+                                             prefix_mode=enc.prefix_mode)
+    return PromptEncoder.from_pretrained(enc.model, prompt_config=dataclasses.replace(cfg.prompt), pooler=enc.pooler,
+                                         mlp=enc.mlp, attn_backend=enc.attn_backend, prefix_mode=enc.prefix_mode)
+
+
+def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> Method:
+    """The config's sentence-level objective with ``terms`` (a term enabled by config keys is built here too,
+    from its config section and the ``encoder`` it runs through: hidden size, tokenizer, heads)."""
+    return Method(objective_from_config(cfg.loss), terms)
+
+
+def build_collator(cfg: TrainConfig, encoder, examples: TrainExamples, method: Method) -> Collator:
+    pad = encoder.tokenizer.pad_token_id
+    return Collator(encoder.tokenize, cfg.data.max_length, columns=examples.columns,
+                    views=method.sentence.views_for(examples.columns), pad_token_id=pad if pad is not None else 0)
+
+
+def count_total_steps(cfg: TrainConfig, sampler: UniqueBatchSampler) -> int:
+    opt = cfg.optim
+    if opt.max_steps > 0:
+        return opt.max_steps
+    full, frac = int(opt.epochs), opt.epochs - int(opt.epochs)
+    total = sum(sampler.num_batches(e) for e in range(full))
+    if frac > 0:
+        total += int(frac * sampler.num_batches(full))
+    if total == 0:
+        raise ValueError(f"epochs={opt.epochs} of {sampler.num_batches(0)} batches is less than one step")
+    return total
+
+
+def linear_schedule(warmup_steps: int, total_steps: int) -> Callable[[int], float]:
+    """Linear warmup from 0 to 1 over ``warmup_steps``, then linear decay to 0 at ``total_steps``."""
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / (warmup_steps + 1)
+        return max(0.0, (total_steps - step) / max(1, total_steps - warmup_steps))
+
+    return factor
+
+
+@dataclass
+class Optimization:
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    scaler: torch.amp.GradScaler | None  # fp16 only
+
+
+def build_optimization(cfg: TrainConfig, params: list[torch.nn.Parameter], total_steps: int,
+                       device: torch.device) -> Optimization:
+    opt = cfg.optim
+    warmup = opt.warmup_steps or int(math.ceil(opt.warmup_ratio * total_steps))
+    optimizer = torch.optim.AdamW(params, lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2),
+                                  eps=opt.adam_epsilon, weight_decay=opt.weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(warmup, total_steps))
+    scaler = torch.amp.GradScaler(device.type) if cfg.run.precision == "fp16" else None
+    return Optimization(optimizer, scheduler, scaler)
+
+
+def autocast_factory(cfg: TrainConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
+    dtype = _AUTOCAST_DTYPES.get(cfg.run.precision)
+    if dtype is None:
+        return contextlib.nullcontext
+    return lambda: torch.autocast(device.type, dtype=dtype)
+
+
+def build_step(cfg: TrainConfig, loss_side: LossSide) -> PlainStep | CachedStep:
+    """The step strategy: the gradient cache when a micro-batch budget is set, else one graph per batch."""
+    lb = cfg.large_batch
+    if lb.enabled:
+        return CachedStep(loss_side, micro_batch_size=lb.micro_batch_size or None,
+                          max_tokens=lb.max_tokens_per_micro_batch or None)
+    return PlainStep(loss_side)
+
+
+def load_dev_data(cfg: TrainConfig):
+    """STS-B dev pairs for model selection, or None without ``sts_dir``."""
+    if cfg.evaluation.sts_dir is None:
+        logger.warning("no sts_dir: no STS-B dev evaluation, best/ will hold the final prompt")
+        return None
+    from fastprompt.eval.sts import load_sts_tasks
+
+    return load_sts_tasks(cfg.evaluation.sts_dir, ["stsb"], stsb_split="dev")

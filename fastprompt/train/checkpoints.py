@@ -1,0 +1,113 @@
+"""A run's folder: where its checkpoints, logs and summary live, and whether a new run may resume there.
+
+``<output_dir>/last/`` is the resume point: the prompt checkpoint, the token terms' weights
+(``method.safetensors``, when the method has any) and the training state (:mod:`fastprompt.train.state`).
+``<output_dir>/best/`` is the prompt checkpoint of the best STS-B dev score. Both are written into a
+temporary folder and renamed into place, so a killed run leaves either the old or the new checkpoint.
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+
+from fastprompt.io import atomic_directory, recover_directory, write_json_atomic
+from fastprompt.train.state import has_training_state, read_training_state, save_training_state
+
+logger = logging.getLogger(__name__)
+
+#: Flat config keys whose change makes a checkpoint in output_dir belong to another run (resuming would mix
+#: two runs). Other changed keys are allowed, with a warning.
+RUN_IDENTITY_KEYS = ("model", "pooler", "mlp", "prompt_length", "prefix_projection", "projection_hidden_size",
+                     "shared_across_layers", "input_layer_only", "cls_prompt", "objective", "train_file",
+                     "batch_size", "seed", "max_length")
+#: Keys that only say how to start, never what the run is.
+_START_KEYS = ("resume", "overwrite_output_dir")
+METHOD_FILE = "method.safetensors"
+
+
+class RunDirectory:
+    """Paths of a run's files, and the checkpoint writes and resume checks on them."""
+
+    def __init__(self, output_dir: str | Path):
+        self.root = Path(output_dir)
+        self.last = self.root / "last"
+        self.best = self.root / "best"
+        self.log_csv = self.root / "train_log.csv"
+        self.log_text = self.root / "train.log"
+        self.summary = self.root / "summary.json"
+        self.config_yaml = self.root / "config.yaml"
+
+    def resume_point(self, *, resume: bool, overwrite: bool) -> Path | None:
+        """``last`` when this run continues a previous one, None for a fresh start.
+
+        A previous run's files are deleted for a fresh start only with ``overwrite``; without it an existing
+        run is an error that says how to continue or start over.
+        """
+        last = recover_directory(self.last)
+        has_last = last.is_dir() and has_training_state(last)
+        if has_last and resume:
+            return last
+        if has_last or (self.best.exists() and not resume):
+            if not overwrite:
+                raise ValueError(
+                    f"{self.root} already holds a training run; set resume=true to continue it, "
+                    "overwrite_output_dir=true to start over, or choose another output_dir")
+            for d in (self.last, self.best):
+                shutil.rmtree(d, ignore_errors=True)
+            for f in (self.log_csv, self.summary):
+                f.unlink(missing_ok=True)
+        return None
+
+    @staticmethod
+    def check_same_run(resume_dir: Path, config: dict[str, Any]) -> None:
+        """Refuse a checkpoint written with another run identity (flat config dicts, old ones included)."""
+        _, meta = read_training_state(resume_dir)
+        before = meta["trainer"].get("config", {})
+        changed = [k for k in RUN_IDENTITY_KEYS if k in before and before[k] != config.get(k)]
+        if changed:
+            diffs = ", ".join(f"{k}: {before[k]!r} -> {config.get(k)!r}" for k in changed)
+            raise ValueError(f"{resume_dir} was written by a run with a different configuration ({diffs}); "
+                             "use another output_dir, or resume=false overwrite_output_dir=true to start over")
+        other = [k for k in config if k in before and before[k] != config[k] and k not in _START_KEYS]
+        if other:
+            logger.warning("resuming with changed settings: %s", ", ".join(f"{k}={config[k]!r}" for k in other))
+
+    def save_last(self, encoder, method, *, optimizer, scheduler, scaler, trainer: dict[str, Any]) -> Path:
+        """Write ``last/``: everything needed to continue the run exactly."""
+        with atomic_directory(self.last) as tmp:
+            encoder.save(tmp)
+            state = {k: v.detach().contiguous().cpu() for k, v in method.resume_state().items()}
+            if state:
+                save_file(state, str(tmp / METHOD_FILE))
+            save_training_state(tmp, optimizer=optimizer, scheduler=scheduler, scaler=scaler, trainer=trainer)
+        return self.last
+
+    @staticmethod
+    def load_method(method, resume_dir: Path) -> None:
+        """Restore the token terms' weights saved in ``resume_dir`` (nothing to do for a method without any)."""
+        expected = method.resume_state()
+        path = resume_dir / METHOD_FILE
+        if not expected and not path.is_file():
+            return
+        if not path.is_file():
+            raise ValueError(f"{resume_dir} has no {METHOD_FILE}: it was written by a run without the token terms "
+                             f"{[t.name for t in method.terms]}; use another output_dir to train with them")
+        saved = load_file(str(path))
+        if set(saved) != set(expected):
+            raise ValueError(f"{path} holds weights {sorted(saved)}, the method has {sorted(expected)}: "
+                             "it was written by a run with other token terms")
+        method.load_state_dict(saved, strict=False)  # the frozen parameters are not saved (resume_state)
+
+    def save_best(self, encoder, info: dict[str, Any]) -> Path:
+        """Write ``best/``: the prompt checkpoint and ``train_info.json`` (step, score, config)."""
+        with atomic_directory(self.best) as tmp:
+            encoder.save(tmp)
+            write_json_atomic(tmp / "train_info.json", info)
+        return self.best
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        write_json_atomic(self.summary, summary)

@@ -1,0 +1,28 @@
+"""Every recipe in configs/ resolves to the values pinned in recipe_values.json.
+
+The snapshot was written from the flat recipes before they were rewritten as ``base:`` chains, so the
+rewrite (and any later change to a base file or a default) cannot silently change a paper setting. A key
+added to TrainConfig later is not in the snapshot and is not checked here; every pinned key is.
+"""
+import json
+from pathlib import Path
+
+import pytest
+
+from fastprompt.train import load_config
+
+CONFIG_DIR = Path(__file__).resolve().parents[2] / "configs"
+PINNED = json.loads((Path(__file__).with_name("recipe_values.json")).read_text(encoding="utf-8"))
+
+
+def test_every_recipe_is_pinned():
+    assert sorted(p.name for p in CONFIG_DIR.glob("*.yaml")) == sorted(PINNED)
+
+
+@pytest.mark.parametrize("name", sorted(PINNED))
+def test_recipe_resolves_to_its_pinned_values(name):
+    resolved = load_config(CONFIG_DIR / name).to_dict()
+    expected = PINNED[name]
+    assert set(expected) <= set(resolved), f"keys no longer resolved: {sorted(set(expected) - set(resolved))}"
+    diffs = {k: (expected[k], resolved[k]) for k in expected if resolved[k] != expected[k]}
+    assert not diffs, f"{name}: (pinned, now) = {diffs}"
