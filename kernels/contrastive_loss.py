@@ -1,7 +1,7 @@
 """Triton kernels of the fused cosine InfoNCE + energy-based hinge loss (``fastprompt.ops.contrastive_loss``).
 
 Nothing here knows autograd: :func:`forward` returns per-row losses and statistics, :func:`backward`
-the input gradients; ``fastprompt/ops/contrastive_loss.py`` wraps them in a torch.library op.
+the input gradients; ``fastprompt/ops/contrastive.py`` wraps them in a torch.library op.
 
 The N x M cosine matrix is never stored. Columns are two segments, z2 then z3 (no concatenation copy);
 the row normalisation is fused in as a scaling of each raw tile product by the inverse row norms

@@ -1,6 +1,6 @@
-"""fastprompt.ops.contrastive_loss: the reference against the papers' formulas, the C++ CPU kernel against
-the reference (loss, statistics and every gradient), the torch.library registration, the errors."""
-import importlib
+"""fastprompt.ops.contrastive_loss (fastprompt/ops/contrastive.py): the reference against the papers' formulas,
+the C++ CPU kernel against the reference (loss, statistics and every gradient), the torch.library registration,
+the errors."""
 import logging
 
 import pytest
@@ -8,10 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from fastprompt.ops import _cpp, contrastive_loss
+from fastprompt.ops import contrastive as cl_mod
 from fastprompt.ops.reference import contrastive_loss_reference
-
-# the module (fastprompt.ops.contrastive_loss is shadowed by the function of the same name)
-cl_mod = importlib.import_module("fastprompt.ops.contrastive_loss")
 
 needs_cpp = pytest.mark.skipif(not _cpp.available(), reason="fastprompt._C (the C++ extension) is not built")
 

@@ -5,7 +5,6 @@ CI compiles the representative subset of ``aot_specs()`` (the register-heaviest 
 fp16 and fp32); the slow test (and ``python -m fastprompt.kernels.aot fastprompt.kernels.contrastive_loss
 --cc 80 90 --full``) compiles every specialisation the launchers can produce.
 """
-import importlib
 
 import pytest
 import torch
@@ -13,8 +12,8 @@ import torch
 pytest.importorskip("triton")
 
 from fastprompt.kernels import aot  # noqa: E402
+from fastprompt.kernels import contrastive_loss as tk  # noqa: E402
 
-tk = importlib.import_module("fastprompt.kernels.contrastive_loss")
 MODULE = "fastprompt.kernels.contrastive_loss"
 FLAGS = ("NSEG", "TRACK_HARD", "SYMMETRIC", "SEG")
 

@@ -1,5 +1,6 @@
-"""fastprompt.ops.prefix_attention: the Triton kernels (under the interpreter) and the CPU path against the
-plain-PyTorch reference on the explicit concatenation; dropout contract; custom-op registration.
+"""fastprompt.ops.prefix_attention (fastprompt/ops/attention.py): the Triton kernels (under the interpreter) and
+the CPU path against the plain-PyTorch reference on the explicit concatenation; dropout contract; custom-op
+registration.
 
 Grids are kept tiny: every Triton program instance costs ~20 ms in the interpreter.
 """
@@ -7,7 +8,7 @@ import pytest
 import torch
 
 from fastprompt.ops import prefix_attention
-from fastprompt.ops.prefix_attention import draw_seed, resolve_backend
+from fastprompt.ops.attention import draw_seed, resolve_backend
 from fastprompt.ops.reference import prefix_attention_reference
 
 fwd_op = torch.ops.fastprompt.prefix_attention_fwd
