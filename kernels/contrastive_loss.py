@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from fastprompt.kernels._common import check_interpreted, interpreting
 from fastprompt.kernels.aot import KernelSpec
 
 COSINE_EPS = 1e-8  # must match fastprompt.ops.reference.COSINE_EPS
@@ -242,12 +243,7 @@ def _bwd_cols_kernel(Z1, R1, C, RC, DB, LSE, CCE, CHG, CDIAG, HIDX, LSE_SYM, CSY
 # host side
 
 
-# TRITON_INTERPRET=1 at import turns every @triton.jit function into an interpreter object
-_INTERPRETED = type(_fwd_kernel).__name__ == "InterpretedFunction"
-
-
-def interpreting() -> bool:
-    return _INTERPRETED
+check_interpreted(_fwd_kernel, _bwd_rows_kernel, _bwd_cols_kernel)
 
 
 _LAUNCH_KEYS = ("num_warps", "num_stages", "maxnreg")

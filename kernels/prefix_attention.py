@@ -30,14 +30,14 @@ log-sum-exp ``-inf``; their backward contributes nothing.
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .aot import KernelSpec
+from fastprompt.kernels._common import check_interpreted, interpreting
+from fastprompt.kernels.aot import KernelSpec
 
 # ------------------------------------------------------------------------------------------------
 # device helpers
@@ -345,10 +345,6 @@ MAX_HEAD_DIM = 128
 KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_prefix")
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
 @dataclass(frozen=True)
 class Config:
     """Tile sizes and launch options of one kernel. BLOCK_M: query rows, BLOCK_N: token key rows,
@@ -609,6 +605,7 @@ def aot_specs(full: bool = False) -> list[KernelSpec]:
 
 _KERNEL_FNS = {"fwd": _fwd_kernel, "bwd_dq": _bwd_dq_kernel, "bwd_dkdv": _bwd_dkdv_kernel,
                "bwd_prefix": _bwd_prefix_kernel}
+check_interpreted(*_KERNEL_FNS.values())
 _RUNTIME_TYPES = {"sm_scale": "fp32", "dropout_p": "fp32", "PIDX": "*i64", "ORDER": "*i32", "SEG": "*i32",
                   "MASK": "*u8", "LSE": "*fp32", "DELTA": "*fp32", "DPK": "*fp32", "DPV": "*fp32"}
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 
-POSITION_MODES = ("standard", "shifted")
-INIT_MODES = ("normal", "uniform", "vocab")
+from fastprompt.choices import INIT_MODES, POSITION_MODES, check_choice
+
+__all__ = ["PromptConfig", "INIT_MODES", "POSITION_MODES"]
 
 
 @dataclass
@@ -49,12 +50,10 @@ class PromptConfig:
             raise ValueError("shared_across_layers and input_layer_only are mutually exclusive")
         if not 0.0 <= self.prompt_dropout < 1.0:
             raise ValueError(f"prompt_dropout must be in [0, 1), got {self.prompt_dropout}")
-        if self.init not in INIT_MODES:
-            raise ValueError(f"init must be one of {INIT_MODES}, got {self.init!r}")
+        check_choice("init", self.init, INIT_MODES)
         if self.init_std <= 0:
             raise ValueError(f"init_std must be positive, got {self.init_std}")
-        if self.position_mode not in POSITION_MODES:
-            raise ValueError(f"position_mode must be one of {POSITION_MODES}, got {self.position_mode!r}")
+        check_choice("position_mode", self.position_mode, POSITION_MODES)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)

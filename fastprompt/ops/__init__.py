@@ -1,6 +1,6 @@
 """Fused ops, one module per op: ``contrastive.py`` (:func:`contrastive_loss`) and ``attention.py``
 (:func:`prefix_attention`), each a torch.library op with its device dispatch; ``reference.py`` holds the
-plain-PyTorch ground truth.
+plain-PyTorch ground truth. Which backend runs is one rule for both: :func:`fastprompt.backends.resolve_backend`.
 
 The modules are named after what they hold, not after their functions, so that ``fastprompt.ops.contrastive_loss``
 is always the function (``from fastprompt.ops import contrastive_loss, prefix_attention``).

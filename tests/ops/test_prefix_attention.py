@@ -7,8 +7,8 @@ Grids are kept tiny: every Triton program instance costs ~20 ms in the interpret
 import pytest
 import torch
 
-from fastprompt.ops import prefix_attention
-from fastprompt.ops.attention import draw_seed, resolve_backend
+from fastprompt.backends import resolve_backend
+from fastprompt.ops import draw_seed, prefix_attention
 from fastprompt.ops.reference import prefix_attention_reference
 
 fwd_op = torch.ops.fastprompt.prefix_attention_fwd
@@ -123,7 +123,7 @@ def test_no_prefix_and_no_visible_key_gives_zeros(backend):
 
 def test_auto_cpu_and_defaults():
     q, k, v, pk, pv, mask, _ = make_inputs(2, 2, 12, 4, 32)
-    assert resolve_backend("auto", q) == "cpu"
+    assert resolve_backend("prefix_attention", q, "auto") == "cpu"
     out = prefix_attention(q, k, v, pk, pv, mask)  # scale defaults to D ** -0.5
     ref = prefix_attention_reference(q, k, v, pk, pv, mask)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
