@@ -16,7 +16,7 @@ kernels are one ``torch.library`` custom op
 (``fastprompt::contrastive_loss_fwd`` + ``_bwd``, with fake implementations), so ``torch.compile`` sees a
 single opaque node.
 
-Definitions (documented in the README, "Contrastive loss"): cosines ``s_ij``; logits
+Definitions (documented in docs/ops/contrastive_loss.md): cosines ``s_ij``; logits
 ``l_ij = s_ij / temperature``, plus ``hard_negative_weight`` on the anchor's own hard negative (column
 ``M2 + p(i)``, i.e. ``z3[p(i)]``; the other z3 rows are plain negatives, as in SimCSE); ``ce_i = lse_i - l_i,p(i)``;
 with ``symmetric`` the row loss is ``(ce_i + ce_sym_i) / 2``, ``ce_sym_i`` being the cross-entropy of the
