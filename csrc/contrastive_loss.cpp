@@ -31,10 +31,11 @@
 #include <tuple>
 #include <vector>
 
+#include "constants.h"
+
 namespace fastprompt {
 namespace {
 
-constexpr double kCosEps = 1e-8;  // same norm floor as the reference (F.normalize eps)
 constexpr int64_t kRowBlock = 128;
 constexpr int64_t kColTile = 256;
 constexpr int64_t kStripeElems = int64_t(1) << 22;  // per-thread stripe budget of the fused pass (16 MiB fp32)

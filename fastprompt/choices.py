@@ -3,12 +3,17 @@
 Standard library only, so the command line can offer these as ``choices=`` for ``--help`` without
 importing torch, and the configuration can reject a typo before any model or data is loaded. Every other
 module (ops, model, config, CLI) imports its allowed values from here instead of spelling them out.
+
+Which backend a fused op runs is decided by one rule, :func:`resolve_backend` (re-exported here from
+:mod:`fastprompt.backends`, with its two errors).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-#: Implementations of the fused ops (``contrastive_loss``, ``prefix_attention``).
+from fastprompt.backends import BackendUnavailableError, UnsupportedInputError, resolve_backend  # noqa: F401
+
+#: Implementations of the fused ops (``contrastive_loss``, ``prefix_attention``); see :func:`resolve_backend`.
 BACKENDS = ("auto", "triton", "cpu", "reference")
 #: How the last hidden states become one sentence vector.
 POOLERS = ("cls", "cls_before_pooler", "mean", "mask", "bn_mlp")

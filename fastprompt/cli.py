@@ -18,6 +18,7 @@ import os
 import sys
 from pathlib import Path
 
+from fastprompt.choices import BACKENDS, DTYPES, POOLERS  # standard library only, like fastprompt.io
 from fastprompt.io import read_utf8_lines  # standard library only: keeps `fastprompt -h` light
 
 logger = logging.getLogger(__name__)
@@ -29,14 +30,11 @@ SUBCOMMANDS: list[str] = [
     "fastprompt.cli:add_encode_parser",
 ]
 
-# Mirrors fastprompt.model.POOLERS without importing torch for --help (a test keeps them equal).
-POOLER_CHOICES = ("cls", "cls_before_pooler", "mean", "mask", "bn_mlp")
-DTYPE_CHOICES = ("float32", "float16", "bfloat16")
-
 
 # ------------------------------------------------------------------------------ shared model options
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model/--prompt/--pooler/--max-length/--device/--dtype/--batch-size, read by :func:`load_encoder`."""
+    """--model/--prompt/--pooler/--max-length/--device/--dtype/--attn-backend/--batch-size, read by
+    :func:`load_encoder`."""
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="NAME_OR_PATH",
                    help="base encoder: a local Hugging Face folder, an installed model package "
@@ -44,7 +42,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt", metavar="CHECKPOINT_DIR",
                    help="prompt checkpoint written by PromptEncoder.save / fastprompt train; "
                         "without it the frozen model runs without any prefix")
-    g.add_argument("--pooler", choices=POOLER_CHOICES,
+    g.add_argument("--pooler", choices=POOLERS,
                    help="sentence vector: [CLS] state (cls), [CLS] without head (cls_before_pooler), mean over "
                         "tokens (mean), [MASK] state of the template (mask), BatchNorm-MLP head (bn_mlp); "
                         "default: the checkpoint's, else cls")
@@ -53,7 +51,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "sentence-transformers uses 256 for all-MiniLM-L6-v2)")
     g.add_argument("--batch-size", type=_positive_int, default=64, metavar="N", help="sentences per batch (64)")
     g.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available)")
-    g.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="backbone weights dtype (float32)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32", help="backbone weights dtype (float32)")
+    g.add_argument("--attn-backend", choices=BACKENDS, default="auto",
+                   help="prefix-attention backend: auto (Triton on CUDA, else the aten composite), triton, cpu, "
+                        "reference (default auto)")
 
 
 def load_encoder(args: argparse.Namespace):
@@ -64,7 +65,8 @@ def load_encoder(args: argparse.Namespace):
 
     if not args.model and not args.prompt:
         raise ValueError("give --model NAME_OR_PATH, --prompt CHECKPOINT_DIR, or both")
-    kwargs = {"pooler": args.pooler, "max_length": args.max_length, "torch_dtype": getattr(torch, args.dtype)}
+    kwargs = {"pooler": args.pooler, "max_length": args.max_length, "torch_dtype": getattr(torch, args.dtype),
+              "attn_backend": args.attn_backend}
     if args.model:
         encoder = PromptEncoder.from_pretrained(args.model, prompt=args.prompt, **kwargs)
     else:

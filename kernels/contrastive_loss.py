@@ -1,7 +1,7 @@
 """Triton kernels of the fused cosine InfoNCE + energy-based hinge loss (``fastprompt.ops.contrastive_loss``).
 
 Nothing here knows autograd: :func:`forward` returns per-row losses and statistics, :func:`backward`
-the input gradients; ``fastprompt/ops/contrastive_loss.py`` wraps them in a torch.library op.
+the input gradients; ``fastprompt/ops/contrastive.py`` wraps them in a torch.library op.
 
 The N x M cosine matrix is never stored. Columns are two segments, z2 then z3 (no concatenation copy);
 the row normalisation is fused in as a scaling of each raw tile product by the inverse row norms
@@ -23,7 +23,7 @@ inverse norms in fp32 first, so zero rows stay zero).
 
 ``UPCAST`` converts every loaded tile to fp32 (the CPU interpreter computes bf16 on the raw bits, so the
 host sets it when interpreting); ``DOT_PREC`` is tl.dot's ``input_precision`` for fp32 inputs ("ieee"
-unless ``torch.backends.cuda.matmul.allow_tf32``).
+unless torch allows TF32: the policy of both ops, ``kernels/_common.py``).
 """
 from __future__ import annotations
 
@@ -33,26 +33,30 @@ import torch
 import triton
 import triton.language as tl
 
+from fastprompt.kernels._common import (COSINE_EPS, TRITON_TYPE, LaunchConfig, check_device, check_interpreted,
+                                        dot_precision, interpreting)
 from fastprompt.kernels.aot import KernelSpec
 
-COSINE_EPS = 1e-8  # must match fastprompt.ops.reference.COSINE_EPS
-
-_TRITON_TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 _INT_MAX = tl.constexpr(2147483647)
+
+
+@triton.jit
+def _row_ptrs(X, r0, stride, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Pointers to the first BLOCK_K columns of rows r0..r0+BLOCK_R of X. The block's base is offset in int64
+    (N·d may exceed 2^31); offsets inside the block are int32."""
+    return (X + tl.cast(r0, tl.int64) * stride + (tl.arange(0, BLOCK_R) * stride)[:, None]
+            + tl.arange(0, BLOCK_K)[None, :])
 
 
 @triton.jit
 def _dot_tile(A, B, a0, b0, amask, bmask, d, stride_a, stride_b,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Raw products A[a0:a0+BLOCK_M] . B[b0:b0+BLOCK_N]^T over the whole d, fp32 accumulation.
-
-    The block's base pointer is offset in int64 (N·d may exceed 2^31); offsets inside the block are int32.
-    """
+    """Raw products A[a0:a0+BLOCK_M] . B[b0:b0+BLOCK_N]^T over the whole d, fp32 accumulation."""
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ks = tl.arange(0, BLOCK_K)
-    a_ptrs = A + tl.cast(a0, tl.int64) * stride_a + (tl.arange(0, BLOCK_M) * stride_a)[:, None] + ks[None, :]
-    b_ptrs = B + tl.cast(b0, tl.int64) * stride_b + (tl.arange(0, BLOCK_N) * stride_b)[:, None] + ks[None, :]
+    a_ptrs = _row_ptrs(A, a0, stride_a, BLOCK_M, BLOCK_K)
+    b_ptrs = _row_ptrs(B, b0, stride_b, BLOCK_N, BLOCK_K)
     for k0 in range(0, d, BLOCK_K):
         kmask = (k0 + ks) < d
         a = tl.load(a_ptrs, mask=amask[:, None] & kmask[None, :], other=0.0)
@@ -67,15 +71,74 @@ def _dot_tile(A, B, a0, b0, amask, bmask, d, stride_a, stride_b,
 
 
 @triton.jit
+def _segment(SEG: tl.constexpr, C0, RC0, stride_c0, C1, RC1, stride_c1, bias1):
+    """Column segment SEG: (columns, their inverse norms, row stride, bias on each row's own column): z2
+    without a bias, then z3 with the hard-negative bias."""
+    if SEG == 0:
+        return C0, RC0, stride_c0, 0.0
+    else:
+        return C1, RC1, stride_c1, bias1
+
+
+@triton.jit
+def _cos_tile(X, C, RC, r0, c0, rx, rmask, m_seg, d, stride_x, stride_c,
+              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+              UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Cosines of rows r0.. (inverse norms rx) with the columns c0.. of one segment: (cols, in-bounds mask,
+    the columns' inverse norms, the (BLOCK_M x BLOCK_N) cosine tile)."""
+    cols = c0 + tl.arange(0, BLOCK_N)
+    cmask = cols < m_seg
+    acc = _dot_tile(X, C, r0, c0, rmask, cmask, d, stride_x, stride_c, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
+    rc = tl.load(RC + cols, mask=cmask, other=0.0)
+    return cols, cmask, rc, acc * rx[:, None] * rc[None, :]
+
+
+@triton.jit
+def _block(R, start, n, BLOCK: tl.constexpr):
+    """Rows (or columns) start..start+BLOCK: their indices, which are < n, and their inverse norms R."""
+    idx = start + tl.arange(0, BLOCK)
+    mask = idx < n
+    return idx, mask, tl.load(R + idx, mask=mask, other=0.0)
+
+
+@triton.jit
+def _zeroed_accumulator(ACC, start, mask, stride, d, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Zero this program's fp32 accumulator rows start..start+BLOCK_R of ACC (rows where ``mask``) over the
+    whole d, then a CTA barrier; returns their pointers (from :func:`_row_ptrs`)."""
+    ptrs = _row_ptrs(ACC, start, stride, BLOCK_R, BLOCK_K)
+    ks = tl.arange(0, BLOCK_K)
+    for k0 in range(0, d, BLOCK_K):
+        tl.store(ptrs + k0, tl.zeros((BLOCK_R, BLOCK_K), tl.float32), mask=mask[:, None] & (k0 + ks < d)[None, :])
+    tl.debug_barrier()
+    return ptrs
+
+
+@triton.jit
+def _accumulate_unit(acc_ptrs, amask, w, v_ptrs, vmask, rv, d, BLOCK_K: tl.constexpr,
+                     UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """acc += w @ unit(v) in d-chunks, in the fp32 accumulator rows at ``acc_ptrs``. The unit vectors are the
+    raw rows scaled by their inverse norms ``rv`` in fp32, then cast back to the input dtype (so zero rows
+    stay zero) for the tensor-core product."""
+    ks = tl.arange(0, BLOCK_K)
+    for k0 in range(0, d, BLOCK_K):
+        kmask = (k0 + ks) < d
+        v = tl.load(v_ptrs + k0, mask=vmask[:, None] & kmask[None, :], other=0.0)
+        v = (v.to(tl.float32) * rv[:, None]).to(v_ptrs.dtype.element_ty)  # unit vectors
+        if UPCAST:
+            v = v.to(tl.float32)
+        omask = amask[:, None] & kmask[None, :]
+        old = tl.load(acc_ptrs + k0, mask=omask, other=0.0)
+        tl.store(acc_ptrs + k0, tl.dot(w.to(v.dtype), v, old, input_precision=DOT_PREC), mask=omask)
+
+
+@triton.jit
 def _fwd_kernel(X, RX, C0, RC0, C1, RC1, LSE, POS, HARD, HIDX,
                 n_rows, m_seg, d, stride_x, stride_c0, stride_c1, pos_offset, inv_tau, bias1,
                 NSEG: tl.constexpr, TRACK_HARD: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
     r0 = tl.program_id(0) * BLOCK_M
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < n_rows
-    rx = tl.load(RX + rows, mask=rmask, other=0.0)
+    rows, rmask, rx = _block(RX, r0, n_rows, BLOCK_M)
     pos_col = rows + pos_offset
     m = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     s = tl.zeros((BLOCK_M,), tl.float32)
@@ -83,23 +146,10 @@ def _fwd_kernel(X, RX, C0, RC0, C1, RC1, LSE, POS, HARD, HIDX,
     best = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     best_idx = tl.zeros((BLOCK_M,), tl.int32)
     for seg in tl.static_range(NSEG):
-        if seg == 0:
-            C = C0
-            RC = RC0
-            stride_c = stride_c0
-            bias = 0.0
-        else:
-            C = C1
-            RC = RC1
-            stride_c = stride_c1
-            bias = bias1
+        C, RC, stride_c, bias = _segment(seg, C0, RC0, stride_c0, C1, RC1, stride_c1, bias1)
         for c0 in range(0, m_seg, BLOCK_N):
-            cols = c0 + tl.arange(0, BLOCK_N)
-            cmask = cols < m_seg
-            acc = _dot_tile(X, C, r0, c0, rmask, cmask, d, stride_x, stride_c,
-                            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
-            rc = tl.load(RC + cols, mask=cmask, other=0.0)
-            cos = acc * rx[:, None] * rc[None, :]
+            cols, cmask, rc, cos = _cos_tile(X, C, RC, r0, c0, rx, rmask, m_seg, d, stride_x, stride_c,
+                                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
             gcol = cols + seg * m_seg
             is_pos = gcol[None, :] == pos_col[:, None]
             pos_cos += tl.sum(tl.where(is_pos, cos, 0.0), axis=1)
@@ -157,45 +207,18 @@ def _bwd_rows_kernel(Z1, R1, C0, RC0, C1, RC1, DA, LSE, CCE, CHG, CDIAG, HIDX, L
                      UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
     """DA[rows] = sum_j dS_ij * unit(c_j), accumulated in fp32 in DA (this program's rows only)."""
     r0 = tl.program_id(0) * BLOCK_M
-    rows = r0 + tl.arange(0, BLOCK_M)
-    rmask = rows < n_rows
-    rx = tl.load(R1 + rows, mask=rmask, other=0.0)
-    ks = tl.arange(0, BLOCK_K)
-    da_base = DA + tl.cast(r0, tl.int64) * stride_da + (tl.arange(0, BLOCK_M) * stride_da)[:, None] + ks[None, :]
-    for k0 in range(0, d, BLOCK_K):
-        tl.store(da_base + k0, tl.zeros((BLOCK_M, BLOCK_K), tl.float32), mask=rmask[:, None] & (k0 + ks < d)[None, :])
-    tl.debug_barrier()
+    rows, rmask, rx = _block(R1, r0, n_rows, BLOCK_M)
+    da_base = _zeroed_accumulator(DA, r0, rmask, stride_da, d, BLOCK_M, BLOCK_K)
     for seg in tl.static_range(NSEG):
-        if seg == 0:
-            C = C0
-            RC = RC0
-            stride_c = stride_c0
-            bias = 0.0
-        else:
-            C = C1
-            RC = RC1
-            stride_c = stride_c1
-            bias = bias1
+        C, RC, stride_c, bias = _segment(seg, C0, RC0, stride_c0, C1, RC1, stride_c1, bias1)
         for c0 in range(0, m_seg, BLOCK_N):
-            cols = c0 + tl.arange(0, BLOCK_N)
-            cmask = cols < m_seg
-            acc = _dot_tile(Z1, C, r0, c0, rmask, cmask, d, stride_z1, stride_c,
-                            BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
-            rc = tl.load(RC + cols, mask=cmask, other=0.0)
-            cos = acc * rx[:, None] * rc[None, :]
+            cols, cmask, rc, cos = _cos_tile(Z1, C, RC, r0, c0, rx, rmask, m_seg, d, stride_z1, stride_c,
+                                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
             ds = _ds_tile(cos, rows, rmask, cols, cmask, cols + seg * m_seg, LSE, CCE, CHG, CDIAG, HIDX,
                           LSE_SYM, CSYM, n_rows, pos_offset, inv_tau, bias, seg, SYMMETRIC)
             w = (ds * grad_scale).to(C.dtype.element_ty)
-            c_ptrs = C + tl.cast(c0, tl.int64) * stride_c + (tl.arange(0, BLOCK_N) * stride_c)[:, None] + ks[None, :]
-            for k0 in range(0, d, BLOCK_K):
-                kmask = (k0 + ks) < d
-                c = tl.load(c_ptrs + k0, mask=cmask[:, None] & kmask[None, :], other=0.0)
-                c = (c.to(tl.float32) * rc[:, None]).to(C.dtype.element_ty)  # unit vectors
-                if UPCAST:
-                    c = c.to(tl.float32)
-                omask = rmask[:, None] & kmask[None, :]
-                old = tl.load(da_base + k0, mask=omask, other=0.0)
-                tl.store(da_base + k0, tl.dot(w.to(c.dtype), c, old, input_precision=DOT_PREC), mask=omask)
+            _accumulate_unit(da_base, rmask, w, _row_ptrs(C, c0, stride_c, BLOCK_N, BLOCK_K), cmask, rc, d, BLOCK_K,
+                             UPCAST, DOT_PREC)
             tl.debug_barrier()  # the next tile re-reads what other threads of this program stored
 
 
@@ -207,34 +230,18 @@ def _bwd_cols_kernel(Z1, R1, C, RC, DB, LSE, CCE, CHG, CDIAG, HIDX, LSE_SYM, CSY
                      UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
     """DB[cols] = sum_i dS_ij * unit(z1_i) for one segment's column block (this program's columns only)."""
     c0 = tl.program_id(0) * BLOCK_N
-    cols = c0 + tl.arange(0, BLOCK_N)
-    cmask = cols < m_seg
-    rc = tl.load(RC + cols, mask=cmask, other=0.0)
-    ks = tl.arange(0, BLOCK_K)
-    db_base = DB + tl.cast(c0, tl.int64) * stride_db + (tl.arange(0, BLOCK_N) * stride_db)[:, None] + ks[None, :]
-    for k0 in range(0, d, BLOCK_K):
-        tl.store(db_base + k0, tl.zeros((BLOCK_N, BLOCK_K), tl.float32), mask=cmask[:, None] & (k0 + ks < d)[None, :])
-    tl.debug_barrier()
+    cols, cmask, rc = _block(RC, c0, m_seg, BLOCK_N)
+    db_base = _zeroed_accumulator(DB, c0, cmask, stride_db, d, BLOCK_N, BLOCK_K)
     for r0 in range(0, n_rows, BLOCK_M):
-        rows = r0 + tl.arange(0, BLOCK_M)
-        rmask = rows < n_rows
-        rx = tl.load(R1 + rows, mask=rmask, other=0.0)
+        rows, rmask, rx = _block(R1, r0, n_rows, BLOCK_M)
         acc = _dot_tile(Z1, C, r0, c0, rmask, cmask, d, stride_z1, stride_c,
                         BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
         cos = acc * rx[:, None] * rc[None, :]
         ds = _ds_tile(cos, rows, rmask, cols, cmask, cols + SEG * m_seg, LSE, CCE, CHG, CDIAG, HIDX,
                       LSE_SYM, CSYM, n_rows, pos_offset, inv_tau, bias, SEG, SYMMETRIC)
         w = tl.trans((ds * grad_scale).to(Z1.dtype.element_ty))  # (cols, rows)
-        z_ptrs = Z1 + tl.cast(r0, tl.int64) * stride_z1 + (tl.arange(0, BLOCK_M) * stride_z1)[:, None] + ks[None, :]
-        for k0 in range(0, d, BLOCK_K):
-            kmask = (k0 + ks) < d
-            z = tl.load(z_ptrs + k0, mask=rmask[:, None] & kmask[None, :], other=0.0)
-            z = (z.to(tl.float32) * rx[:, None]).to(Z1.dtype.element_ty)  # unit vectors
-            if UPCAST:
-                z = z.to(tl.float32)
-            omask = cmask[:, None] & kmask[None, :]
-            old = tl.load(db_base + k0, mask=omask, other=0.0)
-            tl.store(db_base + k0, tl.dot(w.to(z.dtype), z, old, input_precision=DOT_PREC), mask=omask)
+        _accumulate_unit(db_base, cmask, w, _row_ptrs(Z1, r0, stride_z1, BLOCK_M, BLOCK_K), rmask, rx, d, BLOCK_K,
+                         UPCAST, DOT_PREC)
         tl.debug_barrier()
 
 
@@ -242,54 +249,39 @@ def _bwd_cols_kernel(Z1, R1, C, RC, DB, LSE, CCE, CHG, CDIAG, HIDX, LSE_SYM, CSY
 # host side
 
 
-# TRITON_INTERPRET=1 at import turns every @triton.jit function into an interpreter object
-_INTERPRETED = type(_fwd_kernel).__name__ == "InterpretedFunction"
+check_interpreted(_fwd_kernel, _bwd_rows_kernel, _bwd_cols_kernel)
 
 
-def interpreting() -> bool:
-    return _INTERPRETED
-
-
-_LAUNCH_KEYS = ("num_warps", "num_stages", "maxnreg")
-
-
-def config(dtype: torch.dtype, interpret: bool) -> dict:
+def config(dtype: torch.dtype, interpret: bool) -> LaunchConfig:
     """Tile sizes (constexprs) and launch options. Interpreter: small tiles (each program instance costs
     ~20 ms)."""
     if interpret:
-        return dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=4, num_stages=1)
+        return LaunchConfig(dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32), num_warps=4, num_stages=1, maxnreg=None)
     # chosen so that every specialisation compiles without spills on sm_80 and sm_90
     # (tests/ops/test_contrastive_loss_aot.py). maxnreg: without a bound ptxas may pick an occupancy-driven
     # register count and spill a few values. fp32 takes smaller tiles and K steps: its "ieee" dot runs on
     # the FMA units with whole operand rows in registers.
     if dtype == torch.float32:
-        return dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16, num_warps=4, num_stages=2, maxnreg=255)
-    return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, num_warps=8, num_stages=2, maxnreg=255)
+        return LaunchConfig(dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16), num_warps=4, num_stages=2, maxnreg=255)
+    return LaunchConfig(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32), num_warps=8, num_stages=2, maxnreg=255)
 
 
-def _split(cfg: dict) -> tuple[dict, dict]:
-    """(constexprs, launch options) of a :func:`config` dict."""
-    return ({k: v for k, v in cfg.items() if k not in _LAUNCH_KEYS},
-            {k: v for k, v in cfg.items() if k in _LAUNCH_KEYS})
+def _launch(z1, blocks: dict | None) -> tuple[dict, dict]:
+    """(constexprs, launch options) for inputs like ``z1``; ``blocks`` overrides tile sizes."""
+    check_device(z1)
+    cfg = config(z1.dtype, interpreting()).with_tiles(**(blocks or {}))
+    # UPCAST for fp32 is a no-op conversion; under the interpreter it also upcasts half tiles (bf16 is wrong there)
+    flags = dict(UPCAST=interpreting() or z1.dtype == torch.float32, DOT_PREC=dot_precision(z1.dtype))
+    return dict(cfg.tiles, **flags), cfg.options()
 
 
-def _common(z1, interpret):
-    upcast = interpret or z1.dtype == torch.float32
-    if z1.dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 and not interpret:
-        prec = "tf32"
-    else:
-        prec = "ieee"
-    return dict(UPCAST=upcast, DOT_PREC=prec)
-
-
-def _check_device(z1):
-    interp = interpreting()
-    if z1.device.type == "cpu" and not interp:
-        raise RuntimeError("the Triton kernels run on CPU tensors only under the interpreter: set "
-                           "TRITON_INTERPRET=1 before fastprompt.kernels.contrastive_loss is imported")
-    if z1.device.type == "cuda" and interp:
-        raise RuntimeError("TRITON_INTERPRET=1 is set: the Triton kernels were built for the CPU interpreter")
-    return interp
+def _operands(z1, z2, z3):
+    """Contiguous z1, z2, z3, the second column segment (z3, or z2 again when there is none: the kernels take
+    two segment pointers) and the inverse row norms r1, r2, r3 (r3 = r2 without z3)."""
+    z1, z2 = z1.contiguous(), z2.contiguous()
+    z3 = None if z3 is None else z3.contiguous()
+    r1, r2 = inv_norms(z1), inv_norms(z2)
+    return z1, z2, z3, (z3 if z3 is not None else z2), r1, r2, (inv_norms(z3) if z3 is not None else r2)
 
 
 def inv_norms(z: torch.Tensor) -> torch.Tensor:
@@ -303,16 +295,10 @@ def forward(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge_w
     ``track_hard`` (only allowed when hinge_weight == 0) hard_sim / hard_idx stay NaN / -1."""
     if hinge_weight != 0.0 and not track_hard:
         raise ValueError("the hinge needs the hardest negative: track_hard must be True when hinge_weight != 0")
-    interp = _check_device(z1)
-    z1, z2 = z1.contiguous(), z2.contiguous()
-    z3 = None if z3 is None else z3.contiguous()
+    flags, launch = _launch(z1, blocks)
+    z1, z2, z3, c1, r1, r2, r3 = _operands(z1, z2, z3)
     n, d = z1.shape
     m2 = z2.shape[0]
-    cfg, launch = _split(dict(config(z1.dtype, interp), **(blocks or {})))
-    flags = dict(cfg, **_common(z1, interp))
-    r1, r2 = inv_norms(z1), inv_norms(z2)
-    r3 = inv_norms(z3) if z3 is not None else r2
-    c1 = z3 if z3 is not None else z2
     f32 = dict(device=z1.device, dtype=torch.float32)
     # poisoned: a row the kernel does not write stays NaN
     lse, pos = torch.full((n,), float("nan"), **f32), torch.full((n,), float("nan"), **f32)
@@ -348,16 +334,10 @@ def _normalize_backward(da: torch.Tensor, z: torch.Tensor, r: torch.Tensor) -> t
 def backward(grad, z1, z2, z3, lse, lse_sym, pos_sim, hard_sim, hard_idx, temperature, hard_negative_weight,
              hinge_margin, hinge_weight, symmetric, positive_offset, blocks: dict | None = None):
     """(dz1, dz2, dz3 or None) for the per-row upstream gradient ``grad``."""
-    interp = _check_device(z1)
-    z1, z2 = z1.contiguous(), z2.contiguous()
-    z3 = None if z3 is None else z3.contiguous()
+    flags, launch = _launch(z1, blocks)
+    z1, z2, z3, c1, r1, r2, r3 = _operands(z1, z2, z3)
     n, d = z1.shape
     m2 = z2.shape[0]
-    cfg, launch = _split(dict(config(z1.dtype, interp), **(blocks or {})))
-    flags = dict(cfg, **_common(z1, interp))
-    r1, r2 = inv_norms(z1), inv_norms(z2)
-    r3 = inv_norms(z3) if z3 is not None else r2
-    c1 = z3 if z3 is not None else z2
     inv_tau = 1.0 / temperature
     g = grad.float().contiguous()
     # per-row coefficients of dS (see _ds_tile)
@@ -432,7 +412,7 @@ def aot_specs(full: bool = False) -> list[KernelSpec]:
     segment, hardest tracking, symmetric, 16-divisible strides: vectorised loads) for fp16 (bf16
     compiles to the same tiles) and fp32-ieee.
     """
-    dtypes = [(torch.float16, "ieee"), (torch.bfloat16, "ieee"), (torch.float32, "ieee"), (torch.float32, "tf32")]
+    dtypes = [(dt, "ieee") for dt in TRITON_TYPE] + [(torch.float32, "tf32")]
     if not full:
         dtypes = [(torch.float16, "ieee"), (torch.float32, "ieee")]
     flags = [(2, True), (2, False), (1, True), (1, False)] if full else [(2, True)]
@@ -443,9 +423,9 @@ def aot_specs(full: bool = False) -> list[KernelSpec]:
     ]
     specs = []
     for dt, prec in dtypes:
-        ty = _TRITON_TYPE[dt]
-        cfg, launch = _split(config(dt, interpret=False))
-        base = dict(cfg, UPCAST=dt == torch.float32, DOT_PREC=prec)
+        ty = TRITON_TYPE[dt]
+        cfg = config(dt, interpret=False)
+        base, launch = dict(cfg.tiles, UPCAST=dt == torch.float32, DOT_PREC=prec), cfg.options()
         for name, fn, signature, variants in kernels:
             for consts in variants:
                 for strided in ((True, False) if full else (True,)):

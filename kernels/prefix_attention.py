@@ -21,8 +21,9 @@ Dropout keeps probability ``(b, h, i, j)`` iff ``philox(seed; i*(P+S)+j, b*H+h, 
 function of (seed, position), so the backward regenerates the forward mask and the same seed replays it.
 
 ``UPCAST`` converts every loaded tile to fp32: the Triton CPU interpreter computes bf16 on the raw bits,
-so the host sets it when interpreting bf16. ``DOT_PREC`` is tl.dot's ``input_precision``: "ieee" (exact
-products, like the reference) for fp32 inputs; fp16/bf16 operands ignore it.
+so the host sets it when interpreting bf16. ``DOT_PREC`` is tl.dot's ``input_precision`` for fp32 inputs:
+"ieee" (exact products, like the reference) unless torch allows TF32 (the policy of both ops:
+``kernels/_common.py``).
 
 Rows without any visible key (possible only with P = 0 and an all-padding example) output zeros and get
 log-sum-exp ``-inf``; their backward contributes nothing.
@@ -30,14 +31,14 @@ log-sum-exp ``-inf``; their backward contributes nothing.
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
-from .aot import KernelSpec
+from fastprompt.kernels._common import (LN2, LOG2E, TRITON_TYPE, LaunchConfig, check_device, check_interpreted,
+                                        dot_precision, interpreting)
+from fastprompt.kernels.aot import KernelSpec
 
 # ------------------------------------------------------------------------------------------------
 # device helpers
@@ -55,16 +56,54 @@ def _keep(seed_lo, seed_hi, bh, rows, cols, n_cols, dropout_p):
 
 
 @triton.jit
+def _program_rows(H, S, D, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    """A program of the grid (cdiv(S, BLOCK_M), B*H): its bh = b*H + h, b, h, row offsets and the
+    row / head-dim bounds."""
+    bh = tl.program_id(1)
+    offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    return bh, bh // H, bh % H, offs_m, offs_d, offs_d < D, offs_m < S
+
+
+@triton.jit
+def _load_rows(X, offs, offs_d, mask, stride_row, UPCAST: tl.constexpr):
+    """(rows x BLOCK_D) tile of X at row offsets ``offs`` (unit last stride); zeros where masked."""
+    x = tl.load(X + offs[:, None] * stride_row + offs_d[None, :], mask=mask, other=0.0)
+    if UPCAST:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
+def _prefix_kv(PK, PV, PIDX, stride_pidx, stride_pkt, stride_pkh, stride_pvt, stride_pvh, b, h):
+    """Base pointers of example b's prompt (its ``prompt_index`` row) at head h."""
+    t = tl.load(PIDX + b * stride_pidx)
+    return PK + t * stride_pkt + h * stride_pkh, PV + t * stride_pvt + h * stride_pvh
+
+
+@triton.jit
+def _token_keys(MASK, stride_mb, b, start, S, BLOCK_N: tl.constexpr):
+    """Token key rows start..start+BLOCK_N of example b: offsets, in-bounds, and visible (not padding)."""
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < S
+    return offs_n, n_ok, n_ok & (tl.load(MASK + b * stride_mb + offs_n, mask=n_ok, other=0) != 0)
+
+
+@triton.jit
+def _kv_scores(q, kv_k, kv_v, offs_n, offs_d, d_ok, valid, stride_k, stride_v, qk_scale,
+               UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """One key/value tile (rows ``offs_n``, zeros where not ``valid``) and the base-2 scores q k^T * qk_scale."""
+    ld = valid[:, None] & d_ok[None, :]
+    k = _load_rows(kv_k, offs_n, offs_d, ld, stride_k, UPCAST)
+    v = _load_rows(kv_v, offs_n, offs_d, ld, stride_v, UPCAST)
+    return k, v, tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+
+
+@triton.jit
 def _fwd_tile(acc, m_i, l_i, q, kv_k, kv_v, offs_n, offs_d, d_ok, valid, cols, offs_m, stride_k, stride_v,
               qk_scale, n_cols, dropout_p, seed_lo, seed_hi, bh,
               DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
-    ld = valid[:, None] & d_ok[None, :]
-    k = tl.load(kv_k + offs_n[:, None] * stride_k + offs_d[None, :], mask=ld, other=0.0)
-    v = tl.load(kv_v + offs_n[:, None] * stride_v + offs_d[None, :], mask=ld, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    _, v, s = _kv_scores(q, kv_k, kv_v, offs_n, offs_d, d_ok, valid, stride_k, stride_v, qk_scale, UPCAST, DOT_PREC)
     s = tl.where(valid[None, :], s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # a row with nothing visible yet
@@ -75,11 +114,6 @@ def _fwd_tile(acc, m_i, l_i, q, kv_k, kv_v, offs_n, offs_d, d_ok, valid, cols, o
         p = tl.where(_keep(seed_lo, seed_hi, bh, offs_m[:, None], cols[None, :], n_cols, dropout_p), p, 0.0)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
     return acc, m_new, l_i
-
-
-@triton.jit
-def _prefix_row(PIDX, stride_pidx, b):
-    return tl.load(PIDX + b * stride_pidx)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -96,27 +130,16 @@ def _fwd_kernel(
     DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    m_ok = offs_m < S
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-                mask=m_ok[:, None] & d_ok[None, :], other=0.0)
-    if UPCAST:
-        q = q.to(tl.float32)
-    qk_scale = sm_scale * 1.4426950408889634
+    bh, b, h, offs_m, offs_d, d_ok, m_ok = _program_rows(H, S, D, BLOCK_M, BLOCK_D)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, m_ok[:, None] & d_ok[None, :], stride_qs,
+                   UPCAST)
+    qk_scale = sm_scale * LOG2E
     n_cols = P + S
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    t = _prefix_row(PIDX, stride_pidx, b)
-    pk = PK + t * stride_pkt + h * stride_pkh
-    pv = PV + t * stride_pvt + h * stride_pvh
+    pk, pv = _prefix_kv(PK, PV, PIDX, stride_pidx, stride_pkt, stride_pkh, stride_pvt, stride_pvh, b, h)
     for start in range(0, P, BLOCK_P):
         offs_n = start + tl.arange(0, BLOCK_P)
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, pk, pv, offs_n, offs_d, d_ok, offs_n < P, offs_n, offs_m,
@@ -125,9 +148,7 @@ def _fwd_kernel(
     kb = K + b * stride_kb + h * stride_kh
     vb = V + b * stride_vb + h * stride_vh
     for start in range(0, S, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < S
-        valid = n_ok & (tl.load(MASK + b * stride_mb + offs_n, mask=n_ok, other=0) != 0)
+        offs_n, _, valid = _token_keys(MASK, stride_mb, b, start, S, BLOCK_N)
         acc, m_i, l_i = _fwd_tile(acc, m_i, l_i, q, kb, vb, offs_n, offs_d, d_ok, valid, P + offs_n, offs_m,
                                   stride_ks, stride_vs, qk_scale, n_cols, dropout_p, seed_lo, seed_hi, bh,
                                   DROPOUT, UPCAST, DOT_PREC)
@@ -136,7 +157,7 @@ def _fwd_kernel(
     out = acc / l_safe[:, None]
     if DROPOUT:
         out = out * (1.0 / (1.0 - dropout_p))
-    lse = tl.where(l_i == 0.0, float("-inf"), m_i * 0.6931471805599453 + tl.log(l_safe))
+    lse = tl.where(l_i == 0.0, float("-inf"), m_i * LN2 + tl.log(l_safe))
     tl.store(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
              out.to(O.dtype.element_ty), mask=m_ok[:, None] & d_ok[None, :])
     tl.store(LSE + bh * S + offs_m, lse, mask=m_ok)
@@ -150,13 +171,7 @@ def _fwd_kernel(
 def _dq_tile(dq, q, do, lse2, delta, kv_k, kv_v, offs_n, offs_d, d_ok, valid, cols, offs_m, stride_k, stride_v,
              qk_scale, n_cols, dropout_p, seed_lo, seed_hi, bh,
              DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
-    ld = valid[:, None] & d_ok[None, :]
-    k = tl.load(kv_k + offs_n[:, None] * stride_k + offs_d[None, :], mask=ld, other=0.0)
-    v = tl.load(kv_v + offs_n[:, None] * stride_v + offs_d[None, :], mask=ld, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * qk_scale
+    k, v, s = _kv_scores(q, kv_k, kv_v, offs_n, offs_d, d_ok, valid, stride_k, stride_v, qk_scale, UPCAST, DOT_PREC)
     p = tl.where(valid[None, :], tl.exp2(s - lse2[:, None]), 0.0)
     dp = tl.dot(do, tl.trans(v), input_precision=DOT_PREC)
     if DROPOUT:
@@ -177,33 +192,23 @@ def _bwd_dq_kernel(
     DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < D
-    m_ok = offs_m < S
+    bh, b, h, offs_m, offs_d, d_ok, m_ok = _program_rows(H, S, D, BLOCK_M, BLOCK_D)
     md = m_ok[:, None] & d_ok[None, :]
-    q = tl.load(Q + b * stride_qb + h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :], mask=md, other=0.0)
-    do = tl.load(DO + b * stride_dob + h * stride_doh + offs_m[:, None] * stride_dos + offs_d[None, :],
-                 mask=md, other=0.0)
-    o = tl.load(O + b * stride_ob + h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :], mask=md, other=0.0)
+    q = _load_rows(Q + b * stride_qb + h * stride_qh, offs_m, offs_d, md, stride_qs, False)
+    do = _load_rows(DO + b * stride_dob + h * stride_doh, offs_m, offs_d, md, stride_dos, False)
+    o = _load_rows(O + b * stride_ob + h * stride_oh, offs_m, offs_d, md, stride_os, False)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     tl.store(DELTA + bh * S + offs_m, delta, mask=m_ok)
     if UPCAST:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
     lse = tl.load(LSE + bh * S + offs_m, mask=m_ok, other=float("-inf"))
-    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)  # empty rows: p = 0
-    qk_scale = sm_scale * 1.4426950408889634
+    lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)  # empty rows: p = 0
+    qk_scale = sm_scale * LOG2E
     n_cols = P + S
     dq = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
-    t = _prefix_row(PIDX, stride_pidx, b)
-    pk = PK + t * stride_pkt + h * stride_pkh
-    pv = PV + t * stride_pvt + h * stride_pvh
+    pk, pv = _prefix_kv(PK, PV, PIDX, stride_pidx, stride_pkt, stride_pkh, stride_pvt, stride_pvh, b, h)
     for start in range(0, P, BLOCK_P):
         offs_n = start + tl.arange(0, BLOCK_P)
         dq = _dq_tile(dq, q, do, lse2, delta, pk, pv, offs_n, offs_d, d_ok, offs_n < P, offs_n, offs_m,
@@ -212,9 +217,7 @@ def _bwd_dq_kernel(
     kb = K + b * stride_kb + h * stride_kh
     vb = V + b * stride_vb + h * stride_vh
     for start in range(0, S, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < S
-        valid = n_ok & (tl.load(MASK + b * stride_mb + offs_n, mask=n_ok, other=0) != 0)
+        offs_n, _, valid = _token_keys(MASK, stride_mb, b, start, S, BLOCK_N)
         dq = _dq_tile(dq, q, do, lse2, delta, kb, vb, offs_n, offs_d, d_ok, valid, P + offs_n, offs_m,
                       stride_ks, stride_vs, qk_scale, n_cols, dropout_p, seed_lo, seed_hi, bh,
                       DROPOUT, UPCAST, DOT_PREC)
@@ -234,13 +237,10 @@ def _kv_tile_grads(dk, dv, k, v, valid, cols, Q, DO, LSE, DELTA, b, h, bh, offs_
         offs_m = start_m + tl.arange(0, BLOCK_M)
         m_ok = offs_m < S
         md = m_ok[:, None] & d_ok[None, :]
-        q = tl.load(qb + offs_m[:, None] * stride_qs + offs_d[None, :], mask=md, other=0.0)
-        do = tl.load(dob + offs_m[:, None] * stride_dos + offs_d[None, :], mask=md, other=0.0)
-        if UPCAST:
-            q = q.to(tl.float32)
-            do = do.to(tl.float32)
+        q = _load_rows(qb, offs_m, offs_d, md, stride_qs, UPCAST)
+        do = _load_rows(dob, offs_m, offs_d, md, stride_dos, UPCAST)
         lse = tl.load(LSE + bh * S + offs_m, mask=m_ok, other=float("-inf"))
-        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * 1.4426950408889634)
+        lse2 = tl.where(lse == float("-inf"), float("inf"), lse * LOG2E)
         delta = tl.load(DELTA + bh * S + offs_m, mask=m_ok, other=0.0)
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PREC) * qk_scale  # (keys, queries)
         p_t = tl.where(valid[:, None], tl.exp2(s_t - lse2[None, :]), 0.0)
@@ -268,26 +268,20 @@ def _bwd_dkdv_kernel(
     DROPOUT: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n, n_ok, valid = _token_keys(MASK, stride_mb, b, tl.program_id(0) * BLOCK_N, S, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
-    n_ok = offs_n < S
-    valid = n_ok & (tl.load(MASK + b * stride_mb + offs_n, mask=n_ok, other=0) != 0)
     nd = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(K + b * stride_kb + h * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :], mask=nd, other=0.0)
-    v = tl.load(V + b * stride_vb + h * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :], mask=nd, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k = _load_rows(K + b * stride_kb + h * stride_kh, offs_n, offs_d, nd, stride_ks, UPCAST)
+    v = _load_rows(V + b * stride_vb + h * stride_vh, offs_n, offs_d, nd, stride_vs, UPCAST)
     dk = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_D], dtype=tl.float32)
     dk, dv = _kv_tile_grads(dk, dv, k, v, valid, P + offs_n, Q, DO, LSE, DELTA, b, h, bh, offs_d, d_ok,
                             stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos,
-                            S, sm_scale * 1.4426950408889634, P + S, dropout_p, seed_lo, seed_hi,
+                            S, sm_scale * LOG2E, P + S, dropout_p, seed_lo, seed_hi,
                             DROPOUT, UPCAST, DOT_PREC, BLOCK_M)
     tl.store(DK + b * stride_dkb + h * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
              (dk * sm_scale).to(DK.dtype.element_ty), mask=nd)
@@ -316,13 +310,8 @@ def _bwd_prefix_kernel(
     d_ok = offs_d < D
     n_ok = offs_n < P
     nd = n_ok[:, None] & d_ok[None, :]
-    k = tl.load(PK + t * stride_pkt + h * stride_pkh + offs_n[:, None] * stride_pkp + offs_d[None, :],
-                mask=nd, other=0.0)
-    v = tl.load(PV + t * stride_pvt + h * stride_pvh + offs_n[:, None] * stride_pvp + offs_d[None, :],
-                mask=nd, other=0.0)
-    if UPCAST:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k = _load_rows(PK + t * stride_pkt + h * stride_pkh, offs_n, offs_d, nd, stride_pkp, UPCAST)
+    v = _load_rows(PV + t * stride_pvt + h * stride_pvh, offs_n, offs_d, nd, stride_pvp, UPCAST)
     dk = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
     dv = tl.zeros([BLOCK_P, BLOCK_D], dtype=tl.float32)
     lo = tl.maximum(tl.load(SEG + t), g * batch_chunk)
@@ -331,7 +320,7 @@ def _bwd_prefix_kernel(
         b = tl.load(ORDER + j)
         dk, dv = _kv_tile_grads(dk, dv, k, v, n_ok, offs_n, Q, DO, LSE, DELTA, b, h, b * H + h, offs_d, d_ok,
                                 stride_qb, stride_qh, stride_qs, stride_dob, stride_doh, stride_dos,
-                                S, sm_scale * 1.4426950408889634, P + S, dropout_p, seed_lo, seed_hi,
+                                S, sm_scale * LOG2E, P + S, dropout_p, seed_lo, seed_hi,
                                 DROPOUT, UPCAST, DOT_PREC, BLOCK_M)
     out = (((g * T + t) * H + h) * P + offs_n[:, None]) * D + offs_d[None, :]  # (G, T, H, P, D) fp32
     tl.store(DPK + out, dk * sm_scale, mask=nd)
@@ -341,61 +330,46 @@ def _bwd_prefix_kernel(
 # ------------------------------------------------------------------------------------------------
 # configuration (shared by the launchers and the ahead-of-time check, so both see the same specialisations)
 
-MAX_HEAD_DIM = 128
 KERNELS = ("fwd", "bwd_dq", "bwd_dkdv", "bwd_prefix")
+# the tile constexprs each kernel takes (BLOCK_M: query rows, BLOCK_N: token key rows, BLOCK_P: prefix key
+# rows, BLOCK_D: the head dim padded to a power of two)
+_TILES = {"fwd": ("BLOCK_M", "BLOCK_N", "BLOCK_P", "BLOCK_D"),
+          "bwd_dq": ("BLOCK_M", "BLOCK_N", "BLOCK_P", "BLOCK_D"),
+          "bwd_dkdv": ("BLOCK_M", "BLOCK_N", "BLOCK_D"),
+          "bwd_prefix": ("BLOCK_M", "BLOCK_P", "BLOCK_D")}
 
 
-def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
-
-
-@dataclass(frozen=True)
-class Config:
-    """Tile sizes and launch options of one kernel. BLOCK_M: query rows, BLOCK_N: token key rows,
-    BLOCK_P: prefix key rows per tile, BLOCK_D: the head dim padded to a power of two."""
-
-    BLOCK_M: int
-    BLOCK_N: int
-    BLOCK_P: int
-    BLOCK_D: int
-    num_warps: int
-    num_stages: int = 2
-    # PTX .maxnreg. Without a bound ptxas may pick an occupancy-driven register count (e.g. 128 with 8 warps)
-    # and spill a few words; with it, it allocates up to the bound. None leaves ptxas its heuristic.
-    maxnreg: int | None = 255
-
-
-def config(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout: bool) -> Config:
-    """The tiles each kernel is launched with (chosen, with ``Config.maxnreg``, so that no specialisation
+def config(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout: bool) -> LaunchConfig:
+    """The tiles each kernel is launched with (chosen, with ``LaunchConfig.maxnreg``, so that no specialisation
     spills on sm_80/sm_90: see ``aot_specs`` and the AOT test). Short sequences (S <= 32, BERT-style
     sentences) get 32-row tiles."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     bd = max(32, triton.next_power_of_2(D))
     warps = 8 if bd == 128 else 4
+
+    def launch(M, N, Pt, num_warps, num_stages=2, maxnreg=255):
+        tiles = dict(BLOCK_M=M, BLOCK_N=N, BLOCK_P=Pt, BLOCK_D=bd)
+        return LaunchConfig({k: tiles[k] for k in _TILES[kernel]}, num_warps, num_stages, maxnreg)
+
     if dtype == torch.float32:
         # Exact fp32 dots run on FMA units with whole operand rows in registers: 16-row tiles keep every
         # fp32 kernel spill-free (32-row tiles spill at D = 128, and erratically at D = 64); ptxas spills
         # a few registers of the prefix-gradient kernel at D = 64 with dropout unless it is not pipelined.
         # ptxas is erratic here: at D = 128 the dropout kernels and dK/dV spill with a 255-register bound and
         # not without one; the others need the bound (measured per specialisation by the AOT check).
-        return Config(16, 16, 16, bd, 4, num_stages=1 if kernel == "bwd_prefix" else 2,
+        return launch(16, 16, 16, 4, num_stages=1 if kernel == "bwd_prefix" else 2,
                       maxnreg=None if (bd == 128 and (dropout or kernel == "bwd_dkdv")) else 255)
     big = 32 if S <= 32 else 64
     bp = 16 if P <= 16 else 32
     if kernel == "fwd":
         bn = 32 if dropout else big
-        return Config(big, bn, 16 if P <= 16 else bn, bd, 4)
+        return launch(big, bn, 16 if P <= 16 else bn, 4)
     if kernel == "bwd_dq":
-        return Config(big, 32, bp, bd, warps)
+        return launch(big, 32, bp, warps)
     if kernel == "bwd_dkdv":  # 64 key rows spill on sm_80 at D = 64 (mma.sync keeps dK and dV in registers)
-        return Config(32, 32, 16, bd, warps)
-    return Config(32, 32, bp, bd, warps)
-
-
-def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot input precision: exact fp32 products for fp32 inputs (like the reference); fp16/bf16 ignore it."""
-    return "ieee" if dtype == torch.float32 else "tf32"
+        return launch(32, 32, 16, warps)
+    return launch(32, 32, bp, warps)
 
 
 def _seed_words(seed: int) -> tuple[int, int]:
@@ -435,7 +409,10 @@ def _last_dim_unit(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _common(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index):
+def _operands(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index):
+    """The launchers' common arguments: unit last strides, (T, H, P, D) prefix views, the mask as bytes (all
+    ones with a zero stride when None) and the prompt index (0 with a zero stride when None)."""
+    check_device(q)
     q, k, v = (_last_dim_unit(x) for x in (q, k, v))
     pk, pv = _prefix_views(prefix_k), _prefix_views(prefix_v)
     B, H, S, D = q.shape
@@ -463,16 +440,11 @@ def _prompt_segments(prompt_index, B: int, T: int, device):
     return order, seg
 
 
-def _constexprs(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout: bool, upcast: bool):
+def _constexprs(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout: bool, upcast: bool,
+                dot_prec: str):
     """Compile-time arguments and launch options of ``kernel`` (shared with :func:`aot_specs`)."""
     cfg = config(kernel, S, P, D, dtype, dropout)
-    consts = dict(DROPOUT=dropout, UPCAST=upcast, DOT_PREC=dot_precision(dtype), BLOCK_M=cfg.BLOCK_M,
-                  BLOCK_N=cfg.BLOCK_N, BLOCK_P=cfg.BLOCK_P, BLOCK_D=cfg.BLOCK_D)
-    if kernel == "bwd_dkdv":
-        del consts["BLOCK_P"]
-    elif kernel == "bwd_prefix":
-        del consts["BLOCK_N"]
-    return consts, dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages, maxnreg=cfg.maxnreg)
+    return dict(DROPOUT=dropout, UPCAST=upcast, DOT_PREC=dot_prec, **cfg.tiles), cfg.options()
 
 
 def _upcast(dtype: torch.dtype) -> bool:
@@ -486,8 +458,8 @@ def forward(q, k, v, prefix_k, prefix_v, key_padding_mask=None, prompt_index=Non
     ``out`` has the memory layout of ``torch.empty(B, S, H, D).transpose(1, 2)``, so the caller's
     ``out.transpose(1, 2).reshape(B, S, H * D)`` is free.
     """
-    q, k, v, pk, pv, mask, stride_mb, pidx, stride_pidx = _common(q, k, v, prefix_k, prefix_v, key_padding_mask,
-                                                                   prompt_index)
+    q, k, v, pk, pv, mask, stride_mb, pidx, stride_pidx = _operands(q, k, v, prefix_k, prefix_v, key_padding_mask,
+                                                                     prompt_index)
     B, H, S, D = q.shape
     T, _, P, _ = pk.shape
     out = torch.empty((B, S, H, D), dtype=q.dtype, device=q.device).transpose(1, 2)
@@ -495,7 +467,7 @@ def forward(q, k, v, prefix_k, prefix_v, key_padding_mask=None, prompt_index=Non
     if interpreting():  # poison: every element must be written by the kernel
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
-    consts, opts = _constexprs("fwd", S, P, D, q.dtype, dropout_p > 0, _upcast(q.dtype))
+    consts, opts = _constexprs("fwd", S, P, D, q.dtype, dropout_p > 0, _upcast(q.dtype), dot_precision(q.dtype))
     lo, hi = _seed_words(seed)
     _fwd_kernel[(triton.cdiv(S, consts["BLOCK_M"]), B * H)](
         q, k, v, pk, pv, pidx, mask, out, lse,
@@ -514,12 +486,12 @@ def backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask=None,
     """Launch the three backward kernels. Returns ``(dq, dk, dv, dprefix_k, dprefix_v)``: dq/dk/dv with the
     strides of q/k/v (when those are dense), the prefix gradients with the prefix's shape and dtype, summed
     over the batch (per prompt with ``prompt_index``)."""
-    q, k, v, pk, pv, mask, stride_mb, pidx, stride_pidx = _common(q, k, v, prefix_k, prefix_v, key_padding_mask,
-                                                                   prompt_index)
+    q, k, v, pk, pv, mask, stride_mb, pidx, stride_pidx = _operands(q, k, v, prefix_k, prefix_v, key_padding_mask,
+                                                                     prompt_index)
     dout, out = _last_dim_unit(dout), _last_dim_unit(out)
     B, H, S, D = q.shape
     T, _, P, _ = pk.shape
-    dropout, upcast = dropout_p > 0, _upcast(q.dtype)
+    dropout, upcast, prec = dropout_p > 0, _upcast(q.dtype), dot_precision(q.dtype)
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
     delta = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     if interpreting():
@@ -528,7 +500,7 @@ def backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask=None,
     lo, hi = _seed_words(seed)
     spkt = pk.stride(0) if T > 1 else 0
     spvt = pv.stride(0) if T > 1 else 0
-    consts, opts = _constexprs("bwd_dq", S, P, D, q.dtype, dropout, upcast)
+    consts, opts = _constexprs("bwd_dq", S, P, D, q.dtype, dropout, upcast, prec)
     _bwd_dq_kernel[(triton.cdiv(S, consts["BLOCK_M"]), B * H)](
         q, k, v, pk, pv, pidx, mask, out, dout, lse, delta, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -538,7 +510,7 @@ def backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask=None,
         dout.stride(0), dout.stride(1), dout.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
         H, S, P, D, float(scale), float(dropout_p), lo, hi, **consts, **opts,
     )
-    consts, opts = _constexprs("bwd_dkdv", S, P, D, q.dtype, dropout, upcast)
+    consts, opts = _constexprs("bwd_dkdv", S, P, D, q.dtype, dropout, upcast, prec)
     _bwd_dkdv_kernel[(triton.cdiv(S, consts["BLOCK_N"]), B * H)](
         q, k, v, mask, dout, lse, delta, dk, dv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -547,7 +519,7 @@ def backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask=None,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         H, S, P, D, float(scale), float(dropout_p), lo, hi, **consts, **opts,
     )
-    consts, opts = _constexprs("bwd_prefix", S, P, D, q.dtype, dropout, upcast)
+    consts, opts = _constexprs("bwd_prefix", S, P, D, q.dtype, dropout, upcast, prec)
     n_pblocks = triton.cdiv(P, consts["BLOCK_P"])
     chunk = triton.cdiv(B, batch_chunks(B, max(1, T * H * n_pblocks), q.device))
     chunks = triton.cdiv(B, chunk)
@@ -571,7 +543,6 @@ def backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask=None,
 # ------------------------------------------------------------------------------------------------
 # ahead-of-time specialisations
 
-_TRITON_TYPE = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
 # One representative (S, P) per bucket of config(): S <= 32 or not, P <= 16 or not.
 _S_BUCKETS = (32, 64)
 _P_BUCKETS = (16, 64)
@@ -580,35 +551,38 @@ _P_BUCKETS = (16, 64)
 def aot_specs(full: bool = False) -> list[KernelSpec]:
     """The distinct specialisations the launchers compile on a GPU (``full``), or the CI subset.
 
-    ``full`` enumerates :func:`config` over its whole domain: 4 kernels x dtype (fp16, bf16, fp32) x
-    dropout on/off x BLOCK_D (32, 64, 128) x the S and P buckets, deduplicated (156 kernels). The CI subset
-    keeps what is most likely to fail: the largest tiles (S > 32, P > 16) with dropout on (the most live
-    registers) for fp16 at BLOCK_D 64 and 128 (bf16 gets the same tiles) and for fp32 at BLOCK_D 128,
-    plus the dropout-off BERT-base shape (S = 32, P = 16, D = 64) of the benchmark.
+    ``full`` enumerates :func:`config` over its whole domain: 4 kernels x dtype (fp16, bf16, fp32 with "ieee"
+    and "tf32" dots) x dropout on/off x BLOCK_D (32, 64, 128) x the S and P buckets, deduplicated (180
+    kernels). The CI subset keeps what is most likely to fail: the largest tiles (S > 32, P > 16) with
+    dropout on (the most live registers) for fp16 at BLOCK_D 64 and 128 (bf16 gets the same tiles) and for
+    fp32-ieee at BLOCK_D 128, plus the dropout-off BERT-base shape (S = 32, P = 16, D = 64) of the benchmark.
     """
+    precisions = [(dt, "ieee") for dt in TRITON_TYPE] + [(torch.float32, "tf32")]
     if full:
-        grid = [(dt, drop, d, S, P) for dt in _TRITON_TYPE for drop in (True, False) for d in (32, 64, 128)
+        grid = [(dt, prec, drop, d, S, P) for dt, prec in precisions for drop in (True, False) for d in (32, 64, 128)
                 for S in _S_BUCKETS for P in _P_BUCKETS]
     else:
-        grid = [(torch.float16, True, 64, 64, 64), (torch.float16, True, 128, 64, 64),
-                (torch.float32, True, 128, 64, 64), (torch.float16, False, 64, 32, 16)]
+        grid = [(torch.float16, "ieee", True, 64, 64, 64), (torch.float16, "ieee", True, 128, 64, 64),
+                (torch.float32, "ieee", True, 128, 64, 64), (torch.float16, "ieee", False, 64, 32, 16)]
     specs, seen = [], set()
-    for dt, drop, d, S, P in grid:
+    for dt, prec, drop, d, S, P in grid:
         for kernel in KERNELS:
-            consts, opts = _constexprs(kernel, S, P, d, dt, drop, upcast=False)
-            key = (kernel, _TRITON_TYPE[dt], tuple(sorted(consts.items())), tuple(sorted(opts.items())))
+            consts, opts = _constexprs(kernel, S, P, d, dt, drop, upcast=False, dot_prec=prec)
+            key = (kernel, TRITON_TYPE[dt], tuple(sorted(consts.items())), tuple(sorted(opts.items())))
             if key in seen:
                 continue
             seen.add(key)
             tiles = "_".join(f"{k[6:].lower()}{v}" for k, v in consts.items() if k.startswith("BLOCK_"))
-            name = f"{kernel}_{_TRITON_TYPE[dt]}_{tiles}{'_drop' if drop else ''}"
-            sig = _signature(kernel, _TRITON_TYPE[dt])
+            ty = TRITON_TYPE[dt] + ("_tf32" if prec == "tf32" else "")
+            name = f"{kernel}_{ty}_{tiles}{'_drop' if drop else ''}"
+            sig = _signature(kernel, TRITON_TYPE[dt])
             specs.append(KernelSpec(name, _KERNEL_FNS[kernel], sig, consts, divisible_by_16=_aligned(sig), **opts))
     return specs
 
 
 _KERNEL_FNS = {"fwd": _fwd_kernel, "bwd_dq": _bwd_dq_kernel, "bwd_dkdv": _bwd_dkdv_kernel,
                "bwd_prefix": _bwd_prefix_kernel}
+check_interpreted(*_KERNEL_FNS.values())
 _RUNTIME_TYPES = {"sm_scale": "fp32", "dropout_p": "fp32", "PIDX": "*i64", "ORDER": "*i32", "SEG": "*i32",
                   "MASK": "*u8", "LSE": "*fp32", "DELTA": "*fp32", "DPK": "*fp32", "DPV": "*fp32"}
 

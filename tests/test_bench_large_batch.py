@@ -5,6 +5,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_large_batch.py"
 
 
@@ -17,12 +19,16 @@ def test_large_batch_bench_writes_every_point(tiny_bert_dir, tmp_path):
                     "--precision", "fp32", "--prompt-length", "2", "--max-length", "12", "--out", str(out)],
                    check=True, capture_output=True, text=True, timeout=600)
     rows = list(csv.DictReader(out.open()))
-    assert [(r["mode"], int(r["global_batch"])) for r in rows] == [("cache", 8), ("cache", 16), ("plain", 8),
-                                                                  ("plain", 16)]
+    assert [(r["provider"], int(r["global_batch"])) for r in rows] == [("cache", 8), ("cache", 16), ("plain", 8),
+                                                                      ("plain", 16)]
     for r in rows:
-        assert r["status"] == "ok" and float(r["peak_rss_gb"]) > 0 and float(r["time_per_sentence_ms"]) > 0
-        assert int(r["steps"]) == 2 and float(r["loss"]) > 0
-    assert {r["micro_batch_size"] for r in rows if r["mode"] == "cache"} == {"4"}
-    summary = json.loads(out.with_suffix(".json").read_text())
-    assert summary["largest_batch_within_budget"] == {"cache": 16, "plain": 16}
-    assert "bench_large_batch.py" in summary["command"] and len(summary["rows"]) == 4
+        assert r["bench"] == "large_batch" and r["device"] == "cpu"
+        assert r["status"] == "ok" and float(r["process_peak_mb"]) > 0 and float(r["time_per_sentence_ms"]) > 0
+        assert int(r["steps"]) == 2 and float(r["loss"]) > 0 and int(r["tokens"]) > 0
+        per_sentence = float(r["time_per_sentence_ms"])
+        assert float(r["median_ms"]) == pytest.approx(per_sentence * int(r["global_batch"]), abs=0.1)  # rounding
+    assert {r["micro_batch_size"] for r in rows if r["provider"] == "cache"} == {"4"}
+    assert {r["time_vs_baseline"] for r in rows if r["provider"] == "cache"} == {"1.0"}
+    sidecar = json.loads(out.with_suffix(".json").read_text())
+    assert sidecar["summary"]["largest_batch_within_budget"] == {"cache": 16, "plain": 16}
+    assert "bench_large_batch.py" in sidecar["command"] and len(sidecar["rows"]) == 4

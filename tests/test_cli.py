@@ -48,12 +48,6 @@ def test_every_registered_subcommand_builds_and_has_a_runner():
         assert callable(p.get_default("func")), name
 
 
-def test_pooler_choices_match_the_model():
-    from fastprompt.model import POOLERS
-
-    assert cli.POOLER_CHOICES == POOLERS
-
-
 def test_module_entry_point_runs():
     out = subprocess.run([sys.executable, "-m", "fastprompt.cli", "--version"], capture_output=True, text=True,
                          timeout=120)

@@ -79,6 +79,28 @@ def test_encode_with_a_prompt_checkpoint(tmp_path, capsys, input_file, tiny_bert
     np.testing.assert_allclose(np.load(out), prompted.encode(LINES), atol=1e-5)
 
 
+def test_attn_backend_option_reaches_the_op(tmp_path, capsys, input_file, tiny_bert_dir, monkeypatch):
+    import torch
+
+    from fastprompt.model import PromptConfig, PromptEncoder
+    from fastprompt.ops import attention
+
+    torch.manual_seed(5)
+    prompted = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(prompt_length=4, init_std=1.0))
+    ckpt = prompted.save(tmp_path / "ckpt")
+    requested = []
+    real = attention.resolve_backend
+    monkeypatch.setattr(attention, "resolve_backend", lambda op, t, r: requested.append(r) or real(op, t, r))
+    out = tmp_path / "emb.npy"
+    rc, _, err = _run(capsys, "--prompt", ckpt, "--attn-backend", "reference", "--input", input_file, "--output", out)
+    assert rc == 0, err
+    assert requested and set(requested) == {"reference"}
+    np.testing.assert_allclose(np.load(out), prompted.eval().encode(LINES), atol=1e-5)
+    with pytest.raises(SystemExit) as exc:
+        _run(capsys, "--prompt", ckpt, "--attn-backend", "cuda", "--input", input_file, "--output", out)
+    assert exc.value.code == 2 and "invalid choice: 'cuda'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("case", ["empty-line", "missing-input", "bad-suffix", "not-utf8", "empty-file"])
 def test_encode_errors_are_clear(tmp_path, capsys, input_file, tiny_bert_dir, case):
     out = tmp_path / "emb.npy"

@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields
 from fastprompt.choices import INIT_MODES, POSITION_MODES
 from fastprompt.fields import option, validate_fields
 
+__all__ = ["PromptConfig", "INIT_MODES", "POSITION_MODES"]
+
 
 @dataclass
 class PromptConfig:

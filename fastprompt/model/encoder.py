@@ -15,7 +15,7 @@ from torch import nn
 from tqdm.auto import tqdm
 from transformers import AutoModel, AutoTokenizer
 
-from fastprompt.choices import MLP_MODES, PREFIX_MODES
+from fastprompt.choices import BACKENDS, MLP_MODES, POOLERS, PREFIX_MODES, check_choice
 
 from .attention import PrefixState, build_prefix_cache, register_attention
 from .config import PromptConfig
@@ -24,6 +24,7 @@ from .prefix import PrefixPrompt
 from .resolve import resolve_model_path
 
 logger = logging.getLogger(__name__)
+
 DEFAULT_TEMPLATE = 'This sentence : "[X]" means [MASK] .'  # PromptBERT's BERT template
 
 
@@ -44,8 +45,7 @@ class PromptEncoder(nn.Module):
                  template: str | None = None, attn_backend: str = "auto", prefix_mode: str = "attention",
                  base_model: str | None = None):
         super().__init__()
-        if prefix_mode not in PREFIX_MODES:
-            raise ValueError(f"prefix_mode must be one of {PREFIX_MODES}, got {prefix_mode!r}")
+        _check_options(pooler, mlp, attn_backend, prefix_mode)
         cfg = backbone.config
         for attr in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
             if not hasattr(cfg, attr):
@@ -109,6 +109,7 @@ class PromptEncoder(nn.Module):
             template = template or saved.get("template")
         elif isinstance(prompt_config, dict):
             prompt_config = PromptConfig.from_dict(prompt_config)
+        _check_options(pooler or "cls", mlp or "none", attn_backend, prefix_mode)  # before any weights load
         path = resolve_model_path(model_name_or_path)
         attn = register_attention() if prefix_mode == "attention" else "sdpa"
         try:
@@ -357,6 +358,14 @@ def _check_sentences(sentences):
     for i, s in enumerate(sentences):
         if not isinstance(s, str):
             raise TypeError(f"sentence {i} is a {type(s).__name__}, not a str: {s!r:.80}")
+
+
+def _check_options(pooler: str, mlp: str, attn_backend: str, prefix_mode: str) -> None:
+    """Reject a typo in a closed choice with the list of valid values (the sets live in fastprompt.choices)."""
+    check_choice("pooler", pooler, POOLERS)
+    check_choice("mlp", mlp, MLP_MODES)
+    check_choice("attn_backend", attn_backend, BACKENDS)
+    check_choice("prefix_mode", prefix_mode, PREFIX_MODES)
 
 
 __all__ = ["PromptEncoder", "MLP_MODES", "PREFIX_MODES", "DEFAULT_TEMPLATE"]

@@ -4,7 +4,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fastprompt.choices import MLP_MODES, POOLERS
+from fastprompt.choices import MLP_MODES, POOLERS, check_choice
+
+__all__ = ["Pooler", "POOLERS", "MLP_MODES"]
 
 
 class Pooler(nn.Module):
@@ -23,10 +25,8 @@ class Pooler(nn.Module):
 
     def __init__(self, pooler: str, hidden_size: int, mlp: str = "none"):
         super().__init__()
-        if pooler not in POOLERS:
-            raise ValueError(f"unknown pooler {pooler!r}; choose one of {POOLERS}")
-        if mlp not in MLP_MODES:
-            raise ValueError(f"unknown mlp mode {mlp!r}; choose one of {MLP_MODES}")
+        check_choice("pooler", pooler, POOLERS)
+        check_choice("mlp", mlp, MLP_MODES)
         if pooler == "cls_before_pooler" and mlp != "none":
             raise ValueError("pooler 'cls_before_pooler' never uses a head; use pooler 'cls' with an mlp mode")
         self.pooler, self.mlp = pooler, mlp

@@ -1,4 +1,11 @@
-"""Fused ops. One file per op: autograd.Function + torch.library op + device dispatch
-(Triton on CUDA, C++ on CPU, plain-PyTorch reference fallback). ``reference.py`` is the ground truth."""
-from .contrastive_loss import contrastive_loss  # noqa: E402,F401
-from .prefix_attention import prefix_attention  # noqa: E402,F401
+"""Fused ops, one module per op: ``contrastive.py`` (:func:`contrastive_loss`) and ``attention.py``
+(:func:`prefix_attention`), each a torch.library op with its device dispatch; ``reference.py`` holds the
+plain-PyTorch ground truth. Which backend runs is one rule for both: :func:`fastprompt.backends.resolve_backend`.
+
+The modules are named after what they hold, not after their functions, so that ``fastprompt.ops.contrastive_loss``
+is always the function (``from fastprompt.ops import contrastive_loss, prefix_attention``).
+"""
+from .attention import draw_seed, prefix_attention
+from .contrastive import ContrastiveStats, contrastive_loss
+
+__all__ = ["contrastive_loss", "ContrastiveStats", "prefix_attention", "draw_seed"]

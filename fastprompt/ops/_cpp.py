@@ -1,18 +1,15 @@
 """Loader of the optional C++ extension ``fastprompt._C`` (built from ``csrc/`` by setup.py or CMake).
 
 Importing ``fastprompt._C`` registers the CPU kernels as ``torch.ops.fastprompt.*``. When the extension
-was not built (no compiler, ``FASTPROMPT_NO_EXT=1``) the ops fall back to their PyTorch references; the
-first fallback logs one warning so a slow run is explained, later ones stay quiet.
+was not built (no compiler, ``FASTPROMPT_NO_EXT=1``) the ops fall back to their PyTorch references
+(:func:`fastprompt.backends.resolve_backend` logs the first fallback of each op, with :func:`missing_reason`).
 """
 from __future__ import annotations
 
 import importlib
-import logging
 import os
 
-logger = logging.getLogger(__name__)
-
-_state = {"tried": False, "module": None, "error": None, "warned": False}
+_state = {"tried": False, "module": None, "error": None}
 
 
 def load_library(path: str) -> None:
@@ -40,15 +37,9 @@ def available() -> bool:
     return extension() is not None
 
 
-def warn_fallback(op: str) -> None:
-    """Log, once per process, that ``op`` runs on the slow PyTorch reference because ``_C`` is missing."""
-    if _state["warned"]:
-        return
-    _state["warned"] = True
-    logger.warning(
-        "fastprompt._C (the C++ CPU kernels) is not available (%s); %s falls back to the plain-PyTorch "
-        "reference, which materialises O(N^2) memory. Build it with "
-        "`pip install --no-build-isolation --no-deps -e .` (needs a C++ compiler).",
-        _state["error"],
-        op,
-    )
+def missing_reason() -> str | None:
+    """Why the C++ kernels are not available (for the backend rule's messages), or None when they are."""
+    if available():
+        return None
+    return (f"fastprompt._C (the C++ CPU kernels) is not built ({_state['error']}); build it with "
+            "`pip install --no-build-isolation --no-deps -e .` (needs a C++ compiler)")

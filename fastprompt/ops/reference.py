@@ -6,7 +6,7 @@ and as the last-resort fallback backend. Autograd differentiates them.
 import torch  # noqa: F401
 
 
-# --- contrastive loss (issue 5) -------------------------------------------------------------------
+# --- contrastive loss ----------------------------------------------------------------------------
 
 #: Norm floor of the cosine similarity: a row z is normalised as z / max(||z||, COSINE_EPS).
 COSINE_EPS = 1e-8
@@ -75,7 +75,7 @@ def contrastive_loss_reference(
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if not return_stats:
         return loss
-    from fastprompt.ops.contrastive_loss import ContrastiveStats
+    from fastprompt.ops.contrastive import ContrastiveStats
 
     stats = ContrastiveStats(
         lse=lse.detach(),
@@ -87,7 +87,7 @@ def contrastive_loss_reference(
     return loss, stats
 
 
-# --- prefix attention (issue 4) -------------------------------------------------------------------
+# --- prefix attention ----------------------------------------------------------------------------
 
 
 def prefix_attention_dropout_mask(seed, shape, dropout_p, device):

@@ -153,6 +153,24 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
         PromptEncoder.from_pretrained("./relative/missing")
 
 
+@pytest.mark.parametrize("option,value,allowed", [
+    ("attn_backend", "bogus", "auto, triton, cpu, reference"),
+    ("pooler", "max", "cls, cls_before_pooler, mean, mask, bn_mlp"),
+    ("mlp", "sometimes", "none, train, always"),
+    ("prefix_mode", "kv", "attention, cache"),
+])
+def test_a_typo_in_a_choice_fails_before_any_weights_load(tmp_path, option, value, allowed):
+    """The model path does not exist: the choice is checked first, and the error lists every valid value."""
+    with pytest.raises(ValueError, match=f"{option} must be one of {allowed}; got '{value}'"):
+        PromptEncoder.from_pretrained(tmp_path / "not-loaded", **{option: value})
+
+
+def test_construction_checks_attn_backend(tiny_bert_dir):
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir)
+    with pytest.raises(ValueError, match="attn_backend must be one of"):
+        PromptEncoder(enc.backbone, enc.tokenizer, attn_backend="bogus")
+
+
 def test_mismatched_input_shapes(tiny_bert_dir):
     enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(2))
     ids = torch.ones(2, 5, dtype=torch.long)

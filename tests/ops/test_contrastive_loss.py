@@ -1,17 +1,16 @@
-"""fastprompt.ops.contrastive_loss: the reference against the papers' formulas, the C++ CPU kernel against
-the reference (loss, statistics and every gradient), the torch.library registration, the errors."""
-import importlib
+"""fastprompt.ops.contrastive_loss (fastprompt/ops/contrastive.py): the reference against the papers' formulas,
+the C++ CPU kernel against the reference (loss, statistics and every gradient), the torch.library registration,
+the errors."""
 import logging
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from fastprompt import backends
 from fastprompt.ops import _cpp, contrastive_loss
+from fastprompt.ops import contrastive as cl_mod
 from fastprompt.ops.reference import contrastive_loss_reference
-
-# the module (fastprompt.ops.contrastive_loss is shadowed by the function of the same name)
-cl_mod = importlib.import_module("fastprompt.ops.contrastive_loss")
 
 needs_cpp = pytest.mark.skipif(not _cpp.available(), reason="fastprompt._C (the C++ extension) is not built")
 
@@ -305,18 +304,19 @@ def test_torch_compile_sees_one_opaque_node():
 
 
 def test_auto_falls_back_to_reference_with_one_warning(monkeypatch, caplog):
-    monkeypatch.setattr(_cpp, "_state", {"tried": True, "module": None, "error": ImportError("not built"),
-                                         "warned": False})
+    monkeypatch.setattr(_cpp, "_state", {"tried": True, "module": None, "error": ImportError("not built")})
+    monkeypatch.setattr(backends, "_WARNED", set())
     zs = make_inputs(8, 8, 4, True)
-    with caplog.at_level(logging.WARNING, logger="fastprompt.ops._cpp"):
+    with caplog.at_level(logging.WARNING, logger="fastprompt.backends"):
         a = contrastive_loss(*zs, hinge_weight=1.0)
         b = contrastive_loss(*zs, hinge_weight=1.0)
     warnings = [r for r in caplog.records if "falls back" in r.getMessage()]
-    assert len(warnings) == 1 and "not built" in warnings[0].getMessage()
+    assert len(warnings) == 1
+    assert "contrastive_loss" in warnings[0].getMessage() and "not built" in warnings[0].getMessage()
     expected = contrastive_loss_reference(*zs, hinge_weight=1.0)
     torch.testing.assert_close(a, expected)
     torch.testing.assert_close(b, expected)
-    with pytest.raises(RuntimeError, match="fastprompt._C"):
+    with pytest.raises(backends.BackendUnavailableError, match="fastprompt._C"):
         contrastive_loss(*zs, backend="cpu")
 
 

@@ -5,7 +5,6 @@ CI compiles the representative subset of ``aot_specs()`` (the register-heaviest 
 fp16 and fp32); the slow test (and ``python -m fastprompt.kernels.aot fastprompt.kernels.contrastive_loss
 --cc 80 90 --full``) compiles every specialisation the launchers can produce.
 """
-import importlib
 
 import pytest
 import torch
@@ -13,8 +12,8 @@ import torch
 pytest.importorskip("triton")
 
 from fastprompt.kernels import aot  # noqa: E402
+from fastprompt.kernels import contrastive_loss as tk  # noqa: E402
 
-tk = importlib.import_module("fastprompt.kernels.contrastive_loss")
 MODULE = "fastprompt.kernels.contrastive_loss"
 FLAGS = ("NSEG", "TRACK_HARD", "SYMMETRIC", "SEG")
 
@@ -73,12 +72,12 @@ def test_spec_list_covers_every_launch_configuration(monkeypatch):
                 tk.backward(torch.ones(3), *zs, *out[1:], 0.1, 0.0, 0.2, hinge, symmetric, 0)
     assert len(launches) == 4 + 4 + 4  # fwd: segments x hardest (incl. the symmetric pass); rows, cols: 2 x 2
     for dtype, precs in ((torch.float16, ["ieee"]), (torch.bfloat16, ["ieee"]), (torch.float32, ["ieee", "tf32"])):
-        consts, opts = tk._split(tk.config(dtype, interpret=False))
-        blocks = tuple(sorted(consts.items()))
+        cfg = tk.config(dtype, interpret=False)
+        blocks = tuple(sorted(cfg.tiles.items()))
         for prec in precs:
             for name, flags in launches:
                 for strided in (True, False):
-                    key = (name, dtype == torch.float32, prec, flags, blocks, opts["num_warps"], opts["num_stages"],
-                           opts["maxnreg"], strided)
+                    key = (name, dtype == torch.float32, prec, flags, blocks, cfg.num_warps, cfg.num_stages,
+                           cfg.maxnreg, strided)
                     assert key in specs, key
     assert {s.name for s in tk.aot_specs()} <= {s.name for s in tk.aot_specs(full=True)}

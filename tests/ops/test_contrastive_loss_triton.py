@@ -2,17 +2,14 @@
 against the plain-PyTorch reference: loss, statistics and every gradient. Grids are kept tiny (the
 interpreter costs ~20 ms per program instance); the interpreter tiles are 16 x 16 (x 32 along d), so
 the shapes below cover partial row / column / d blocks, several column tiles and both column segments."""
-import importlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
 pytest.importorskip("triton")
 
+from fastprompt.kernels import contrastive_loss as tk  # noqa: E402
 from fastprompt.ops import contrastive_loss  # noqa: E402
-
-tk = importlib.import_module("fastprompt.kernels.contrastive_loss")
 
 pytestmark = pytest.mark.skipif(not tk.interpreting(), reason="needs TRITON_INTERPRET=1 at import (tests/conftest.py)")
 

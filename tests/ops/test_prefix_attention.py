@@ -1,13 +1,14 @@
-"""fastprompt.ops.prefix_attention: the Triton kernels (under the interpreter) and the CPU path against the
-plain-PyTorch reference on the explicit concatenation; dropout contract; custom-op registration.
+"""fastprompt.ops.prefix_attention (fastprompt/ops/attention.py): the Triton kernels (under the interpreter) and
+the CPU path against the plain-PyTorch reference on the explicit concatenation; dropout contract; custom-op
+registration.
 
 Grids are kept tiny: every Triton program instance costs ~20 ms in the interpreter.
 """
 import pytest
 import torch
 
-from fastprompt.ops import prefix_attention
-from fastprompt.ops.prefix_attention import draw_seed, resolve_backend
+from fastprompt.backends import resolve_backend
+from fastprompt.ops import draw_seed, prefix_attention
 from fastprompt.ops.reference import prefix_attention_reference
 
 fwd_op = torch.ops.fastprompt.prefix_attention_fwd
@@ -122,7 +123,7 @@ def test_no_prefix_and_no_visible_key_gives_zeros(backend):
 
 def test_auto_cpu_and_defaults():
     q, k, v, pk, pv, mask, _ = make_inputs(2, 2, 12, 4, 32)
-    assert resolve_backend("auto", q) == "cpu"
+    assert resolve_backend("prefix_attention", q, "auto") == "cpu"
     out = prefix_attention(q, k, v, pk, pv, mask)  # scale defaults to D ** -0.5
     ref = prefix_attention_reference(q, k, v, pk, pv, mask)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

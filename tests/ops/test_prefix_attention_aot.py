@@ -6,6 +6,7 @@ CI compiles the representative subset of ``aot_specs()`` (see its docstring: the
 and head dim, plus the benchmark's shape); the whole list is
 ``python -m fastprompt.kernels.aot fastprompt.kernels.prefix_attention --cc 80 90 --full``.
 """
+import itertools
 import os
 import subprocess
 import sys
@@ -36,15 +37,14 @@ def test_spec_list_covers_every_launch_configuration():
     full = {(kernel_of[id(s.fn)], s.signature["Q"], tuple(sorted(s.constexprs.items())), s.num_warps, s.num_stages,
              s.maxnreg) for s in kernels.aot_specs(full=True)}
     launched = set()
-    for dtype, ty in ((torch.float16, "*fp16"), (torch.bfloat16, "*bf16"), (torch.float32, "*fp32")):
-        for S in (1, 17, 32, 33, 128, 512):
-            for P in (0, 1, 16, 17, 64):
-                for D in (8, 32, 48, 64, 100, 128):
-                    for dropout in (False, True):
-                        for kernel in kernels.KERNELS:
-                            consts, opts = kernels._constexprs(kernel, S, P, D, dtype, dropout, upcast=False)
-                            launched.add((kernel, ty, tuple(sorted(consts.items())), opts["num_warps"],
-                                          opts["num_stages"], opts["maxnreg"]))
+    for dtype, ty, precs in ((torch.float16, "*fp16", ["ieee"]), (torch.bfloat16, "*bf16", ["ieee"]),
+                             (torch.float32, "*fp32", ["ieee", "tf32"])):  # tf32: torch allows TF32 matmuls
+        for S, P, D, dropout, prec in itertools.product((1, 17, 32, 33, 128, 512), (0, 1, 16, 17, 64),
+                                                        (8, 32, 48, 64, 100, 128), (False, True), precs):
+            for kernel in kernels.KERNELS:
+                consts, opts = kernels._constexprs(kernel, S, P, D, dtype, dropout, upcast=False, dot_prec=prec)
+                launched.add((kernel, ty, tuple(sorted(consts.items())), opts["num_warps"], opts["num_stages"],
+                              opts["maxnreg"]))
     assert launched == full
     names = {s.name for s in kernels.aot_specs(full=True)}
     assert {s.name for s in kernels.aot_specs()} <= names

@@ -9,12 +9,14 @@ gradient is needed and the reduction is mean/sum (not symmetric), the forward co
 too from the same tiles (for the unit upstream gradient; the backward only rescales them).
 
 Backends: ``"triton"`` (CUDA; on CPU tensors the Triton interpreter), ``"cpu"`` (the C++ kernel of
-``fastprompt._C``), ``"reference"`` (plain PyTorch, :func:`fastprompt.ops.reference.contrastive_loss_reference`)
-and ``"auto"``. The triton/cpu kernels are one ``torch.library`` custom op
+``fastprompt._C``, CPU tensors only), ``"reference"`` (plain PyTorch,
+:func:`fastprompt.ops.reference.contrastive_loss_reference`) and ``"auto"``, resolved by the rule shared by
+every op (:func:`fastprompt.backends.resolve_backend`; this op declares :data:`SUPPORT`). The triton/cpu
+kernels are one ``torch.library`` custom op
 (``fastprompt::contrastive_loss_fwd`` + ``_bwd``, with fake implementations), so ``torch.compile`` sees a
 single opaque node.
 
-Definitions (documented in the README, "Contrastive loss"): cosines ``s_ij``; logits
+Definitions (documented in docs/ops/contrastive_loss.md): cosines ``s_ij``; logits
 ``l_ij = s_ij / temperature``, plus ``hard_negative_weight`` on the anchor's own hard negative (column
 ``M2 + p(i)``, i.e. ``z3[p(i)]``; the other z3 rows are plain negatives, as in SimCSE); ``ce_i = lse_i - l_i,p(i)``;
 with ``symmetric`` the row loss is ``(ce_i + ce_sym_i) / 2``, ``ce_sym_i`` being the cross-entropy of the
@@ -32,14 +34,21 @@ from typing import NamedTuple, Optional
 import numpy as np
 import torch
 
+from fastprompt.backends import OpSupport, register_op, resolve_backend
+from fastprompt.choices import REDUCTIONS, check_choice
 from fastprompt.ops import _cpp
 from fastprompt.ops.reference import contrastive_loss_reference
 
-__all__ = ["contrastive_loss", "ContrastiveStats", "BACKENDS", "REDUCTIONS"]
+__all__ = ["contrastive_loss", "ContrastiveStats", "SUPPORT"]
 
-BACKENDS = ("auto", "triton", "cpu", "reference")
-REDUCTIONS = ("mean", "sum", "none")
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+#: What the backends take (the rule that chooses among them: :func:`fastprompt.backends.resolve_backend`).
+SUPPORT = register_op(OpSupport(
+    name="contrastive_loss",
+    triton_dtypes=(torch.float16, torch.bfloat16, torch.float32),
+    native="the C++ kernel of fastprompt._C",
+    native_devices=("cpu",),
+    native_missing=_cpp.missing_reason,
+))
 
 
 class ContrastiveStats(NamedTuple):
@@ -53,11 +62,11 @@ class ContrastiveStats(NamedTuple):
 
 
 # ------------------------------------------------------------------------------------------------
-# validation and backend choice
+# validation
 
 
 def _validate(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge_weight, symmetric,
-              reduction, positive_offset, backend, check_finite):
+              reduction, positive_offset, check_finite):
     names = (("z1", z1), ("z2", z2)) + ((("z3", z3),) if z3 is not None else ())
     for name, z in names:
         if not isinstance(z, torch.Tensor):
@@ -100,47 +109,11 @@ def _validate(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if hinge_weight < 0:
         raise ValueError(f"hinge_weight must be >= 0, got {hinge_weight}")
-    if reduction not in REDUCTIONS:
-        raise ValueError(f"reduction must be one of {REDUCTIONS}, got {reduction!r}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_choice("reduction", reduction, REDUCTIONS)
     if check_finite and not torch.compiler.is_compiling():
         for name, z in names:
             if not bool(torch.isfinite(z).all()):
                 raise ValueError(f"{name} contains NaN or Inf values")
-
-
-def _triton_available() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-def _resolve_backend(backend: str, z1: torch.Tensor) -> str:
-    if backend == "auto":
-        if z1.is_cuda:
-            return "triton" if _triton_available() and z1.dtype in _TRITON_DTYPES else "reference"
-        if z1.device.type == "cpu" and _cpp.available():
-            return "cpu"
-        if z1.device.type == "cpu":
-            _cpp.warn_fallback("contrastive_loss")
-        return "reference"
-    if backend == "cpu":
-        if z1.device.type != "cpu":
-            raise ValueError(f"backend='cpu' needs CPU tensors, got {z1.device}")
-        if not _cpp.available():
-            raise RuntimeError(f"backend='cpu' needs the C++ extension fastprompt._C, which failed to import: "
-                               f"{_cpp._state['error']}")
-    if backend == "triton":
-        if not _triton_available():
-            raise RuntimeError("backend='triton' needs the triton package (pip install triton)")
-        if z1.dtype not in _TRITON_DTYPES:
-            raise ValueError(f"backend='triton' supports float16/bfloat16/float32, got {z1.dtype}")
-        if z1.device.type not in ("cuda", "cpu"):
-            raise ValueError(f"backend='triton' runs on CUDA (or CPU through the interpreter), got {z1.device}")
-    return backend
 
 
 # ------------------------------------------------------------------------------------------------
@@ -314,7 +287,8 @@ def contrastive_loss(
             cosine and the hardest negative's column index).
         positive_offset: row of z2 holding the positive of z1[0].
         backend: "auto" (CUDA -> Triton, CPU -> C++ if built, else the reference with a one-time warning),
-            "triton" (CPU tensors run in the Triton interpreter), "cpu", "reference".
+            "triton" (CPU tensors run in the Triton interpreter), "cpu", "reference"; see
+            :func:`fastprompt.backends.resolve_backend`.
         check_finite: raise ValueError on NaN/Inf inputs (one pass over the inputs; skipped under
             torch.compile).
 
@@ -322,8 +296,8 @@ def contrastive_loss(
     Gradients flow to z1, z2 and z3.
     """
     _validate(z1, z2, z3, temperature, hard_negative_weight, hinge_margin, hinge_weight, symmetric, reduction,
-              positive_offset, backend, check_finite)
-    be = _resolve_backend(backend, z1)
+              positive_offset, check_finite)
+    be = resolve_backend(SUPPORT, z1, backend)
     kw = dict(temperature=float(temperature), hard_negative_weight=float(hard_negative_weight),
               hinge_margin=float(hinge_margin), hinge_weight=float(hinge_weight), symmetric=bool(symmetric),
               positive_offset=int(positive_offset))

@@ -18,7 +18,8 @@ Backends:
                  attention with the seeded mask when dropout is on; autograd differentiates it. It runs on
                  any device (the CUDA fallback for float64 or D > 128).
 ``"reference"``  :func:`fastprompt.ops.reference.prefix_attention_reference` (explicit concatenation, float32).
-``"auto"``       CUDA -> "triton" (when supported), otherwise "cpu".
+``"auto"``       CUDA -> "triton" (when supported), otherwise "cpu" (the rule shared by every op:
+                 :func:`fastprompt.backends.resolve_backend`; this op declares :data:`SUPPORT`).
 
 "triton" is one ``torch.library`` custom op (``fastprompt::prefix_attention_fwd`` / ``_bwd`` with fake
 implementations and a registered autograd formula), so ``torch.compile`` keeps it as a single opaque node;
@@ -35,18 +36,32 @@ sees the prefix, so a fully padded example simply attends to the prompt: finite 
 """
 from __future__ import annotations
 
-import importlib.util
 from typing import Optional
 
 import torch
 
+from fastprompt.backends import OpSupport, register_op, resolve_backend
 from fastprompt.ops.reference import prefix_attention_dropout_mask, prefix_attention_reference
 
-__all__ = ["prefix_attention", "BACKENDS", "resolve_backend", "draw_seed"]
+__all__ = ["prefix_attention", "draw_seed", "SUPPORT", "MAX_TRITON_HEAD_DIM"]
 
-BACKENDS = ("auto", "triton", "cpu", "reference")
-_TRITON_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-_MAX_TRITON_HEAD_DIM = 128
+#: Largest head dim of the Triton kernels (one (rows x D) tile per operand, D padded to a power of two).
+MAX_TRITON_HEAD_DIM = 128
+
+
+def _triton_limits(q: torch.Tensor) -> Optional[str]:
+    D = q.shape[-1]
+    return f"head dims up to {MAX_TRITON_HEAD_DIM}, got D = {D}" if D > MAX_TRITON_HEAD_DIM else None
+
+
+#: What the backends take (the rule that chooses among them: :func:`fastprompt.backends.resolve_backend`).
+SUPPORT = register_op(OpSupport(
+    name="prefix_attention",
+    triton_dtypes=(torch.float16, torch.bfloat16, torch.float32),
+    triton_limits=_triton_limits,
+    native="the aten composite (SDPA over an on-the-fly concatenation)",
+    native_devices=None,  # aten ops run on every device: the CUDA fallback for float64 or D > 128
+))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -83,7 +98,8 @@ def prefix_attention(
     The "triton" backend returns a transposed ``(B, S, H, D)`` buffer, so ``out.transpose(1, 2).reshape(B, S,
     H * D)`` needs no copy (the "cpu" composite returns what SDPA returns: the same layout for such q).
     """
-    _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p, backend)
+    _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p)
+    resolved = resolve_backend(SUPPORT, q, backend)  # before a seed is drawn: a bad backend consumes no RNG
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
     if prompt_index is not None:
         prompt_index = prompt_index.to(torch.long)
@@ -92,7 +108,6 @@ def prefix_attention(
     if dropout_p > 0 and seed is None:
         seed = draw_seed()
     seed = 0 if seed is None else int(seed)
-    resolved = resolve_backend(backend, q)
     if resolved != "triton" and prompt_index is not None:  # the Triton op checks inside (without a sync)
         _check_prompt_index(prompt_index, prefix_k.shape[0])
     if resolved == "reference":
@@ -110,33 +125,7 @@ def draw_seed() -> int:
     return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
 
 
-# Whether triton is installed (checked once, without importing it: resolve_backend runs inside torch.compile).
-_TRITON_INSTALLED = importlib.util.find_spec("triton") is not None
-
-
-def resolve_backend(backend: str, q: torch.Tensor) -> str:
-    """The concrete backend ("triton", "cpu" or "reference") that ``backend`` means for ``q``."""
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    triton_ok = q.dtype in _TRITON_DTYPES and q.shape[-1] <= _MAX_TRITON_HEAD_DIM
-    if backend == "auto":
-        return "triton" if (q.is_cuda and triton_ok and _TRITON_INSTALLED) else "cpu"
-    if backend == "triton":
-        if not triton_ok:
-            raise ValueError(f"backend='triton' supports {_TRITON_DTYPES} and head dims <= {_MAX_TRITON_HEAD_DIM}; "
-                             f"got {q.dtype} with D = {q.shape[-1]} (use backend='cpu' or 'auto')")
-        if not _TRITON_INSTALLED:
-            raise ValueError("backend='triton' needs the triton package (pip install triton)")
-        if not q.is_cuda:
-            from fastprompt.kernels.prefix_attention import interpreting
-
-            if not interpreting():
-                raise ValueError("backend='triton' on CPU tensors needs the Triton interpreter: set "
-                                 "TRITON_INTERPRET=1 before fastprompt.kernels is imported (or use backend='cpu')")
-    return backend
-
-
-def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p, backend):
+def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p):
     for name, x in (("q", q), ("k", k), ("v", v), ("prefix_k", prefix_k), ("prefix_v", prefix_v)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -183,8 +172,6 @@ def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropo
             raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}")
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
 
 
 def _check_prompt_index(prompt_index: Optional[torch.Tensor], T: int) -> None:
@@ -213,7 +200,7 @@ def _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropo
     """SDPA (the fused CPU flash-attention kernel forward and backward) over an on-the-fly concatenation
     without dropout; with dropout, eager attention whose mask comes from the seed. Autograd differentiates it.
 
-    Measured on CPU (bench/bench_prefix_attention.py and the notes in the README) this beats a custom op with
+    Measured on CPU (bench/bench_prefix_attention.py, docs/ops/prefix_attention.md) this beats a custom op with
     a hand-written backward: autograd keeps the concatenated keys/values and returns strided gradients
     without the copies a fixed output layout costs, and the dropout path keeps its probabilities."""
     B, H, S, D = q.shape

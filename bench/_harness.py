@@ -1,0 +1,284 @@
+"""The timing and memory harness every benchmark in bench/ uses (API and method: docs/benchmarks.md).
+
+Time: :func:`time_alternating` runs the providers of one point in turn, round after round, in one process
+(a fresh one, through :func:`run_fresh`), so a change of load on a shared machine hits them alike; it
+reports the median and the 20th/80th percentiles.
+
+Memory: :func:`run_fresh` with ``mode="memory"`` runs one provider in a fresh process and measures the peak
+memory of its step above what was live before it. CPU: the peak resident set size (``VmHWM``, reset
+through ``/proc/self/clear_refs`` just before the step) minus the resident size before it, with glibc told
+to serve every allocation of 64 KiB or more by ``mmap`` and to return it on ``free``, so that freed
+warm-up buffers cannot hide the step's allocations. CUDA: ``torch.cuda.max_memory_allocated`` after a
+reset. Both count everything the step allocates (library workspaces and the C++ kernels' buffers too).
+
+Results: one CSV schema (:data:`LEADING` columns, the bench's configuration columns, :data:`MEASURES`, then
+bench-specific extras) in :data:`RESULTS`, with a JSON sidecar that records the command and the machine.
+
+A bench script defines ``setup(provider, **config) -> step`` at module level (build the inputs, run one
+tiny step to load the libraries, return a zero-argument callable that runs one measured step; the step may
+return a dict of extra columns) and, under ``if __name__ == "__main__"`` (the child process imports the
+script), calls :func:`run_fresh` with its own path and that function's name.
+"""
+from __future__ import annotations
+
+import csv
+import importlib.util
+import json
+import os
+import platform
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Where every bench writes its results (git-ignored).
+RESULTS = ROOT / "bench" / "results"
+#: The first columns of every results CSV, then the bench's configuration columns, then :data:`MEASURES`.
+LEADING = ("bench", "device", "provider")
+#: Measured columns: time (ms), peak memory of the step above what was live before it (MiB), and the ratios
+#: against the bench's baseline provider at the same configuration (provider / baseline: < 1 is better).
+MEASURES = ("median_ms", "p20_ms", "p80_ms", "peak_mb", "baseline", "time_vs_baseline", "mem_vs_baseline")
+#: glibc settings of every memory process (see the module docstring).
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
+
+
+@dataclass
+class Timing:
+    """Summary of one provider's timed steps, in milliseconds."""
+
+    median_ms: float
+    p20_ms: float
+    p80_ms: float
+    repeats: int
+
+    @classmethod
+    def of(cls, times_ms: list[float]) -> "Timing":
+        if not times_ms:
+            raise ValueError("no timed steps")
+        q = statistics.quantiles(times_ms, n=5, method="inclusive") if len(times_ms) > 1 else [times_ms[0]] * 4
+        return cls(statistics.median(times_ms), q[0], q[3], len(times_ms))
+
+
+def device_sync(device: str) -> Callable[[], None]:
+    """A function that waits for the device's queued work (a no-op on the CPU)."""
+    if device.startswith("cuda"):
+        import torch
+
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def time_alternating(calls: dict[str, Callable[[], object]], *, warmup: int = 1, repeats: int = 10,
+                     sync: Callable[[], None] = lambda: None) -> dict[str, Timing]:
+    """Time every call: ``warmup`` untimed rounds, then ``repeats`` rounds that each run every provider once,
+    in turn. Returns each provider's :class:`Timing`."""
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    for _ in range(warmup):
+        for call in calls.values():
+            call()
+    sync()
+    times: dict[str, list[float]] = {name: [] for name in calls}
+    for _ in range(repeats):
+        for name, call in calls.items():
+            t0 = time.perf_counter()
+            call()
+            sync()
+            times[name].append((time.perf_counter() - t0) * 1e3)
+    return {name: Timing.of(ts) for name, ts in times.items()}
+
+
+# ------------------------------------------------------------------------------------------------ memory
+def _status_kb(field: str, pid: str = "self") -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/{pid}/status")
+
+
+def _reset_peak_rss() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current VmRSS
+        return True
+    except OSError:
+        return False
+
+
+def measure_steps(step: Callable[[], object], device: str, steps: int = 1) -> dict:
+    """Run ``step`` ``steps`` times in this process and measure its peak memory and the time of each run.
+
+    Returns ``peak_mb`` (peak above what was live before the first step), ``process_peak_mb`` (the peak
+    itself: resident memory of the whole process on CPU, all allocated tensors on CUDA), ``exact_peak``
+    (False when the CPU peak could not be reset, so it covers the process's whole life), ``times_ms`` and
+    ``extra`` (what the last step returned, when a dict).
+    """
+    sync = device_sync(device)
+    cuda = device.startswith("cuda")
+    sync()
+    if cuda:
+        import torch
+
+        torch.cuda.reset_peak_memory_stats()
+        base, exact = torch.cuda.memory_allocated(), True
+    else:
+        base, exact = _status_kb("VmRSS") * 1024, _reset_peak_rss()
+    times, out = [], None
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        out = step()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    peak = torch.cuda.max_memory_allocated() if cuda else _status_kb("VmHWM") * 1024
+    return {"peak_mb": (peak - base) / 2**20, "process_peak_mb": peak / 2**20, "exact_peak": exact,
+            "times_ms": times, "extra": out if isinstance(out, dict) else {}}
+
+
+# ------------------------------------------------------------------------------------------------ processes
+def run_fresh(script: str | Path, setup: str, config: dict, *, mode: str, providers: Iterable[str], device: str,
+              warmup: int = 1, repeats: int = 10, steps: int = 1, timeout: float = 3600.0,
+              kill_above_mb: float | None = None) -> dict:
+    """Run ``setup`` of ``script`` in a fresh Python process and measure there.
+
+    ``mode="memory"``: one provider; returns :func:`measure_steps`'s dict (``steps`` runs). ``mode="time"``:
+    every provider's step built in the same process and timed by :func:`time_alternating`; returns
+    ``{provider: Timing}``. With ``kill_above_mb``, the child is stopped once its resident memory exceeds it
+    and ``{"status": "killed above N MB", "process_peak_mb": ...}`` is returned (a point that does not fit
+    cannot take the machine down). A child that fails raises RuntimeError with the end of its stderr.
+    """
+    providers = list(providers)
+    if mode not in ("memory", "time"):
+        raise ValueError(f"mode must be memory or time, got {mode!r}")
+    if mode == "memory" and len(providers) != 1:
+        raise ValueError(f"a memory measurement runs one provider per process, got {providers}")
+    spec = dict(script=str(Path(script).resolve()), setup=setup, config=config, mode=mode, providers=providers,
+                device=device, warmup=warmup, repeats=repeats, steps=steps)
+    env = dict(os.environ, **(MALLOC_ENV if mode == "memory" else {}))
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), json.dumps(spec)], stdout=out,
+                                stderr=err, env=env, text=True)
+        start, peak_mb = time.monotonic(), 0.0
+        while proc.poll() is None:
+            if kill_above_mb is not None:
+                try:
+                    peak_mb = max(peak_mb, _status_kb("VmRSS", str(proc.pid)) / 1024)
+                except (OSError, RuntimeError):  # the child is exiting
+                    pass
+                if peak_mb > kill_above_mb:
+                    proc.kill()
+                    proc.wait()
+                    return {"status": f"killed above {kill_above_mb:.0f} MB", "process_peak_mb": peak_mb}
+            if time.monotonic() - start > timeout:
+                proc.kill()
+                proc.wait()
+                raise RuntimeError(f"{Path(script).name} {mode} {providers} {config}: over {timeout:.0f} s")
+            time.sleep(0.1)
+        out.seek(0)
+        err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if proc.returncode != 0:
+        raise RuntimeError(f"{Path(script).name} {mode} {providers} {config} failed (exit {proc.returncode}):\n"
+                           f"{stderr[-3000:]}")
+    result = json.loads(stdout.strip().splitlines()[-1])
+    if mode == "time":
+        return {name: Timing(**t) for name, t in result.items()}
+    return dict(result, status="ok")
+
+
+def _child(spec: dict) -> dict:
+    path = Path(spec["script"])
+    module_spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    setup = getattr(module, spec["setup"])
+    if spec["mode"] == "memory":
+        (provider,) = spec["providers"]
+        return measure_steps(setup(provider, **spec["config"]), spec["device"], spec["steps"])
+    calls = {p: setup(p, **spec["config"]) for p in spec["providers"]}
+    timings = time_alternating(calls, warmup=spec["warmup"], repeats=spec["repeats"],
+                               sync=device_sync(spec["device"]))
+    return {name: asdict(t) for name, t in timings.items()}
+
+
+# ------------------------------------------------------------------------------------------------ results
+def add_ratios(rows: list[dict], baseline: str, config_keys: Iterable[str]) -> list[dict]:
+    """Set ``baseline``, ``time_vs_baseline`` and ``mem_vs_baseline`` of every row against the row of provider
+    ``baseline`` with the same configuration (None where that row or its value is missing)."""
+    keys = tuple(config_keys)
+    base = {tuple(r.get(k) for k in keys): r for r in rows if r.get("provider") == baseline}
+    for r in rows:
+        ref = base.get(tuple(r.get(k) for k in keys))
+        r["baseline"] = baseline
+        r["time_vs_baseline"] = _ratio(r.get("median_ms"), ref and ref.get("median_ms"))
+        r["mem_vs_baseline"] = _ratio(r.get("peak_mb"), ref and ref.get("peak_mb"))
+    return rows
+
+
+def _ratio(a, b):
+    return round(a / b, 3) if a is not None and b else None
+
+
+def results_path(bench: str, device: str) -> Path:
+    """The default CSV of a bench: ``bench/results/<bench>_<device>.csv``."""
+    return RESULTS / f"{bench}_{device}.csv"
+
+
+def machine() -> dict:
+    """What the numbers depend on: versions, threads, CPU/GPU model, and the load when the run started."""
+    import torch
+
+    info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
+            "cpu": _cpu_model(), "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor()
+
+
+def write_results(rows: list[dict], path: Path, config_keys: Iterable[str], info: dict | None = None,
+                  summary: dict | None = None) -> Path:
+    """Write ``rows`` as CSV (:data:`LEADING`, ``config_keys``, :data:`MEASURES`, then the other columns in the
+    order they first appear) and a JSON sidecar (``path`` with .json) holding the command, ``info`` (e.g.
+    :func:`machine`), ``summary`` and the rows. Called after every point: an interrupted run keeps its rows."""
+    fixed = [*LEADING, *config_keys, *MEASURES]
+    extra = [k for r in rows for k in r if k not in fixed]
+    columns = fixed + list(dict.fromkeys(extra))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=columns)
+        w.writeheader()
+        w.writerows(rows)
+    command = shlex.join([os.path.basename(sys.executable), *sys.argv])
+    sidecar = {"command": command, "machine": info or {}, "summary": summary or {}, "rows": rows}
+    path.with_suffix(".json").write_text(json.dumps(sidecar, indent=2) + "\n")
+    return path
+
+
+def markdown_table(rows: list[dict], columns: Iterable[str]) -> str:
+    """A markdown table of ``columns`` (floats to 4 significant digits, missing values empty)."""
+    columns = list(columns)
+
+    def fmt(v):
+        return "" if v is None else f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(r.get(c)) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(json.dumps(_child(json.loads(sys.argv[1]))))

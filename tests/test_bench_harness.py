@@ -1,0 +1,97 @@
+"""bench/_harness.py: alternating timing, the fresh-process peak-memory method, the watchdog, the results schema.
+
+The memory test allocates a known amount in a child process and checks that the harness sees it (and not
+what was live before the step), which is what every bench's ``peak_mb`` relies on.
+"""
+import csv
+import json
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+import _harness  # noqa: E402
+
+SCRIPT = textwrap.dedent('''
+    import time
+
+    HELD = []
+
+    def setup(provider, mb=0, hold_s=0.0):
+        HELD.append(bytearray(b"\\x01") * (32 << 20))  # live before the step: must not count
+
+        def step():
+            block = bytearray(b"\\x01") * (mb << 20)  # every page written, so resident
+            time.sleep(hold_s)
+            if provider == "fail":
+                raise ValueError("this provider fails")
+            return {"touched": len(block) >> 20}
+
+        return step
+''')
+
+
+@pytest.fixture
+def script(tmp_path):
+    path = tmp_path / "bench_toy.py"
+    path.write_text(SCRIPT)
+    return path
+
+
+def test_timing_summary_and_alternation():
+    t = _harness.Timing.of([5.0, 1.0, 4.0, 2.0, 3.0])
+    assert (t.median_ms, t.repeats) == (3.0, 5) and t.p20_ms == pytest.approx(1.8) and t.p80_ms == pytest.approx(4.2)
+    assert _harness.Timing.of([2.0]) == _harness.Timing(2.0, 2.0, 2.0, 1)
+    order = []
+    timings = _harness.time_alternating({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+                                        warmup=1, repeats=3)
+    assert order == ["a", "b"] * 4  # one warm-up round, then the providers in turn every round
+    assert set(timings) == {"a", "b"} and all(t.repeats == 3 for t in timings.values())
+    with pytest.raises(ValueError, match="repeats"):
+        _harness.time_alternating({"a": lambda: None}, repeats=0)
+
+
+def test_fresh_process_peak_memory_counts_the_step_only(script):
+    big = _harness.run_fresh(script, "setup", {"mb": 96}, mode="memory", providers=["toy"], device="cpu", steps=2)
+    small = _harness.run_fresh(script, "setup", {"mb": 0}, mode="memory", providers=["toy"], device="cpu")
+    assert big["status"] == "ok" and big["exact_peak"] and len(big["times_ms"]) == 2
+    assert big["extra"] == {"touched": 96}
+    # 96 MiB written in the step; RSS also moves with the interpreter's own small allocations and frees
+    # (under 1 MiB down, a few MiB up: measured -0.1 MiB here), far below the block's size
+    assert 95 <= big["peak_mb"] < 104, big
+    assert small["peak_mb"] < 8, small
+    # the 32 MiB held before the step are in the process peak, not in the step's peak
+    assert big["process_peak_mb"] >= big["peak_mb"] + 32
+
+
+def test_fresh_process_timing_watchdog_and_failures(script):
+    timings = _harness.run_fresh(script, "setup", {"mb": 1}, mode="time", providers=["x", "y"], device="cpu",
+                                 warmup=0, repeats=3)
+    assert set(timings) == {"x", "y"} and timings["x"].repeats == 3 and timings["x"].median_ms > 0
+    killed = _harness.run_fresh(script, "setup", {"mb": 400, "hold_s": 30}, mode="memory", providers=["toy"],
+                                device="cpu", kill_above_mb=200)
+    assert killed["status"] == "killed above 200 MB" and killed["process_peak_mb"] > 200
+    with pytest.raises(RuntimeError, match="this provider fails"):
+        _harness.run_fresh(script, "setup", {}, mode="memory", providers=["fail"], device="cpu")
+    with pytest.raises(ValueError, match="one provider per process"):
+        _harness.run_fresh(script, "setup", {}, mode="memory", providers=["x", "y"], device="cpu")
+
+
+def test_results_schema_ratios_and_sidecar(tmp_path):
+    rows = [dict(bench="toy", device="cpu", provider=p, n=n, median_ms=ms, peak_mb=mb, note=note)
+            for p, n, ms, mb, note in [("fused", 1, 1.0, 2.0, ""), ("reference", 1, 4.0, 8.0, "x"),
+                                       ("fused", 2, 3.0, 1.0, "")]]
+    _harness.add_ratios(rows, "reference", ["n"])
+    assert (rows[0]["time_vs_baseline"], rows[0]["mem_vs_baseline"]) == (0.25, 0.25)
+    assert rows[1]["time_vs_baseline"] == 1.0 and rows[2]["time_vs_baseline"] is None  # no baseline at n=2
+    out = _harness.write_results(rows, tmp_path / "toy_cpu.csv", ["n"], info={"threads": 2}, summary={"k": 1})
+    with open(out) as fh:
+        header = next(csv.reader(fh))
+    assert header == ["bench", "device", "provider", "n", *_harness.MEASURES, "note"]
+    sidecar = json.loads(out.with_suffix(".json").read_text())
+    assert sidecar["machine"] == {"threads": 2} and sidecar["summary"] == {"k": 1} and len(sidecar["rows"]) == 3
+    assert _harness.results_path("toy", "cuda") == _harness.RESULTS / "toy_cuda.csv"
+    table = _harness.markdown_table(rows, ["provider", "median_ms", "time_vs_baseline"])
+    assert table.splitlines()[2] == "| fused | 1 | 0.25 |"
