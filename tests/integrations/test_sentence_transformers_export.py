@@ -176,3 +176,20 @@ def test_export_cli_errors_are_clear(tiny_bert_dir, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("fastprompt export: error:") and message in err, err
     assert (tmp_path / "taken" / "keep.txt").read_text() == "user data"
+
+
+def test_the_exported_prompt_trains_with_a_sentence_transformers_loss(tiny_bert_dir, tmp_path):
+    """Only the prompt (and head) take gradients from a sentence-transformers loss; the backbone stays frozen."""
+    from sentence_transformers.sentence_transformer.losses import MultipleNegativesRankingLoss
+
+    from fastprompt.integrations.sentence_transformers import export_sentence_transformers
+
+    encoder = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(prompt_length=2))
+    model = _load(export_sentence_transformers(encoder, tmp_path / "st"))
+    model.train()
+    loss_fn = MultipleNegativesRankingLoss(model)
+    features = [model.preprocess(SENTENCES[:3]), model.preprocess(SENTENCES[3:])]
+    loss_fn(features, labels=None).backward()
+    module = model[0].encoder
+    assert module.prompt.prefix.grad is not None and module.prompt.prefix.grad.abs().sum() > 0
+    assert all(p.grad is None for p in module.backbone.parameters())
