@@ -4,9 +4,10 @@ The C++ extension (the CPU kernels) is optional and compiles against the torch i
 must be the torch the package will run with: build it with ``pip install --no-build-isolation .`` (torch installed
 first). torch is deliberately not a build requirement in pyproject.toml: in pip's default isolated build environment
 it would resolve to the newest PyPI torch (a multi-GB CUDA build), and an extension compiled against it is not
-guaranteed to load with the torch actually installed (PyTorch keeps no C++ ABI promise across versions). Without torch at build time (a plain ``pip install .``), without a compiler, or
-with FASTPROMPT_NO_EXT=1, the package installs without the extension and its ops fall back to their PyTorch
-references with a one-time warning (GPUs use the Triton kernels either way).
+guaranteed to load with the torch actually installed (PyTorch keeps no C++ ABI promise across versions).
+Without torch at build time (a plain ``pip install .``), without a compiler, or with FASTPROMPT_NO_EXT=1, the
+package installs without the extension and its ops fall back to their PyTorch references with a one-time warning
+(GPUs use the Triton kernels either way).
 """
 import glob
 import os

@@ -30,8 +30,6 @@ from sentence_transformers.base.modules import InputModule, Normalize
 
 from fastprompt.model import PromptEncoder
 
-from ._common import checkpoint_dir
-
 logger = logging.getLogger(__name__)
 
 PROMPT_SUBFOLDER = "prompt"
