@@ -28,6 +28,8 @@ SUBCOMMANDS: list[str] = [
     "fastprompt.train.cli:add_train_parser",
     "fastprompt.cli:add_eval_parser",
     "fastprompt.cli:add_encode_parser",
+    "fastprompt.integrations.cli:add_export_parser",
+    "fastprompt.integrations.cli:add_import_parser",
 ]
 
 

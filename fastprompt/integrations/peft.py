@@ -1,0 +1,158 @@
+"""PEFT's prefix-tuning adapter format, both ways: a folder with ``adapter_config.json`` and
+``adapter_model.safetensors``, as ``PeftModel.save_pretrained`` writes it and ``PeftModel.from_pretrained`` reads it.
+
+The layout (read from peft 0.21's ``PrefixEncoder``, ``PeftModel.get_prompt`` and ``get_peft_model_state_dict``):
+
+- the weights file holds one tensor, ``prompt_embeddings``, of shape (num_virtual_tokens, num_layers * 2 * token_dim);
+- ``get_prompt`` views it as (batch, P, num_layers * 2, heads, head_dim), permutes to (num_layers * 2, batch, heads, P,
+  head_dim) and splits it in pairs: layer l's key is slot 2l, its value slot 2l + 1. So a row is ordered
+  (layer, key/value, head, head_dim), and fastprompt's (layers, 2, heads, P, head_dim) prefix is that tensor with P
+  moved to the front (P-tuning v2's layout, which PromCSE/DCPCSE share: ``_common.prefix_from_rows``);
+- with ``prefix_projection`` PEFT saves the reparameterised prefix (the MLP's output; its config then reads
+  ``inference_mode: true``), not the MLP. Export does the same and writes ``prefix_projection: false``, so that
+  PEFT, loading the adapter to train it further, trains that prefix directly.
+
+PEFT runs prefix tuning with the tokens at positions P..P+S-1 (it leaves ``position_ids`` to the model, which offsets
+them by the cache length, and adds P to explicit ones): fastprompt's ``position_mode: shifted``. A prompt trained
+with standard positions exports unchanged (fastprompt gets it back exactly), but PEFT will run it shifted; export
+warns. An imported adapter without fastprompt's metadata is therefore read as ``shifted``.
+
+The adapter carries the prefix only. fastprompt's own settings (pooler, template, position mode, ...) travel as
+safetensors metadata (``fastprompt_config``), which PEFT ignores and :func:`import_peft` restores. What PEFT's format
+cannot hold is refused: a [CLS] prompt, an input-layer-only prompt, and a pooler head applied at inference.
+``peft`` itself is not needed for either direction.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+from ._common import (
+    checkpoint_dir, layer_prefix_tensor, load_foreign_weights, prefix_from_rows, prefix_to_rows, read_prompt_checkpoint,
+)
+
+logger = logging.getLogger(__name__)
+
+ADAPTER_CONFIG = "adapter_config.json"
+ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
+PREFIX_KEY = "prompt_embeddings"
+METADATA_KEY = "fastprompt_config"
+
+
+def export_peft(prompt, output: str | os.PathLike) -> Path:
+    """Write ``prompt`` (a checkpoint folder or a :class:`~fastprompt.model.PromptEncoder`) as a PEFT prefix-tuning
+    adapter folder that ``PeftModel.from_pretrained(base_model, output)`` loads. Returns ``output``."""
+    from safetensors.torch import save_file
+
+    from fastprompt.io import atomic_directory, write_json_atomic
+
+    with checkpoint_dir(prompt) as path:
+        config, tensors = read_prompt_checkpoint(path)
+    prompt_config = config["prompt_config"] or {}
+    if prompt_config.get("cls_prompt"):
+        raise ValueError("PEFT's prefix-tuning format cannot hold a [CLS] prompt (cls_prompt: true)")
+    if config["mlp"] == "always":
+        raise ValueError(f"PEFT's prefix-tuning format cannot hold the {config['pooler']!r} pooler head that "
+                         "this prompt applies at inference (mlp: always)")
+    prefix = layer_prefix_tensor(config, tensors)  # refuses input-layer-only prompts
+    if prompt_config.get("position_mode", "standard") != "shifted":
+        logger.warning("this prompt was trained with standard token positions; PEFT runs prefix tuning with "
+                       "positions shifted by the prompt length, so PEFT's outputs will differ from fastprompt's "
+                       "(importing the adapter back into fastprompt restores the trained behaviour)")
+    if config["mlp"] == "train":
+        logger.info("the training-only pooler head (mlp: train) is not exported")
+    shape = config["backbone"]
+    L, H, D = shape["num_layers"], shape["num_heads"], shape["head_dim"]
+    adapter_config = {
+        "auto_mapping": None,
+        "base_model_name_or_path": config["base_model"],
+        "encoder_hidden_size": H * D,
+        "inference_mode": True,
+        "init_weights": None,
+        "modules_to_save": None,
+        "num_attention_heads": H,
+        "num_layers": L,
+        "num_transformer_submodules": 1,
+        "num_virtual_tokens": prefix.shape[3],
+        "peft_type": "PREFIX_TUNING",
+        "prefix_projection": False,
+        "revision": None,
+        "task_type": "FEATURE_EXTRACTION",
+        "token_dim": H * D,
+    }
+    metadata = {"format": "pt", METADATA_KEY: json.dumps(config, sort_keys=True)}
+    with atomic_directory(output) as tmp:
+        save_file({PREFIX_KEY: prefix_to_rows(prefix)}, str(tmp / ADAPTER_WEIGHTS[0]), metadata=metadata)
+        write_json_atomic(tmp / ADAPTER_CONFIG, adapter_config)
+    logger.info("wrote PEFT prefix-tuning adapter (%d layers, %d virtual tokens) to %s", L, prefix.shape[3], output)
+    return Path(output)
+
+
+def read_peft_adapter(adapter_dir: str | os.PathLike) -> tuple[dict, torch.Tensor, dict | None]:
+    """(adapter config, prefix (layers, 2, heads, P, head_dim), fastprompt metadata or None) of a PEFT folder."""
+    from safetensors import safe_open
+
+    from fastprompt.io import read_json
+
+    adapter_dir = Path(adapter_dir)
+    config = read_json(adapter_dir / ADAPTER_CONFIG, what="PEFT adapter config")
+    if config.get("peft_type") != "PREFIX_TUNING":
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: only prefix-tuning adapters can become a fastprompt "
+                         f"prompt, this one is {config.get('peft_type')!r}")
+    if config.get("num_transformer_submodules", 1) != 1:
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: an encoder-decoder adapter "
+                         f"(num_transformer_submodules={config['num_transformer_submodules']}) has no encoder-only "
+                         "equivalent")
+    missing = [k for k in ("num_layers", "num_attention_heads", "token_dim", "num_virtual_tokens") if not config.get(k)]
+    if missing:
+        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} is missing {missing}")
+    state = load_foreign_weights(adapter_dir, ADAPTER_WEIGHTS, "PEFT adapter weights")
+    if PREFIX_KEY not in state:
+        raise ValueError(f"PEFT adapter weights in {adapter_dir} have no {PREFIX_KEY!r} tensor "
+                         f"(found {sorted(state)[:5]}); expected a folder written by PeftModel.save_pretrained")
+    weights = state[PREFIX_KEY]
+    L, H, P = config["num_layers"], config["num_attention_heads"], config["num_virtual_tokens"]
+    if tuple(weights.shape) != (P, L * 2 * config["token_dim"]):
+        raise ValueError(f"{PREFIX_KEY} has shape {tuple(weights.shape)}, the adapter config says "
+                         f"({P}, {L * 2 * config['token_dim']})")
+    metadata = None
+    if (adapter_dir / ADAPTER_WEIGHTS[0]).is_file():
+        with safe_open(str(adapter_dir / ADAPTER_WEIGHTS[0]), framework="pt") as f:
+            raw = (f.metadata() or {}).get(METADATA_KEY)
+        metadata = json.loads(raw) if raw else None
+    return config, prefix_from_rows(weights.float(), L, H), metadata
+
+
+def import_peft(adapter_dir: str | os.PathLike, output: str | os.PathLike, *,
+                base_model: str | os.PathLike | None = None, pooler: str | None = None) -> Path:
+    """Convert a PEFT prefix-tuning adapter folder into a fastprompt prompt checkpoint at ``output``.
+
+    ``base_model`` defaults to the adapter's ``base_model_name_or_path``. An adapter exported by fastprompt gets its
+    pooler, template, position mode and other settings back; any other adapter gets ``position_mode: shifted``
+    (how PEFT ran it) and ``pooler`` (default ``cls``).
+    """
+    from fastprompt.model import PromptConfig, PromptEncoder
+
+    config, prefix, saved = read_peft_adapter(adapter_dir)
+    base = base_model or (saved or {}).get("base_model") or config.get("base_model_name_or_path")
+    if not base:
+        raise ValueError(f"the adapter in {adapter_dir} names no base model; pass the base model")
+    if saved is not None:
+        # the prefix arrives evaluated and per layer; "normal" skips a data-dependent init it would overwrite
+        fields = dict(saved["prompt_config"], prefix_projection=False, shared_across_layers=False, init="normal")
+        settings = {"pooler": pooler or saved["pooler"], "max_length": saved.get("max_length"),
+                    "template": saved.get("template")}
+    else:
+        fields = {"position_mode": "shifted"}
+        settings = {"pooler": pooler or "cls"}
+    prompt_config = PromptConfig.from_dict({**fields, "prompt_length": prefix.shape[3]})
+    encoder = PromptEncoder.from_pretrained(base, prompt_config=prompt_config, **settings)
+    if (encoder.num_layers, encoder.num_heads, encoder.head_dim) != tuple(prefix.shape[i] for i in (0, 2, 4)):
+        raise ValueError(f"the adapter's prefix {tuple(prefix.shape)} does not fit base model {base!r} "
+                         f"({encoder.num_layers} layers, {encoder.num_heads} heads of {encoder.head_dim})")
+    encoder.prompt.load_prefix_(prefix.to(encoder.prompt.prefix.dtype))
+    return encoder.save(output)

@@ -1,0 +1,232 @@
+"""sentence-transformers export: a folder that ``SentenceTransformer(folder, trust_remote_code=True)`` loads and whose
+``encode`` gives :meth:`PromptEncoder.encode`'s vectors.
+
+The folder (written by :func:`export_sentence_transformers`):
+
+    modules.json, config_sentence_transformers.json   sentence-transformers' description of the model
+    README.md                                          the model card (base model, method, training config, STS table)
+    fastprompt_module.json                             the first module's config
+    config.json, model.safetensors, tokenizer files    the frozen backbone in the Hugging Face layout (left out with
+                                                       include_backbone=False: the module then names the base model)
+    prompt/                                            the fastprompt prompt checkpoint
+    1_Normalize/                                       L2 normalisation, as PromptEncoder.encode does by default
+
+The first module, :class:`PromptEncoderModule`, wraps a :class:`~fastprompt.model.PromptEncoder` (sentence-transformers'
+documented custom-module mechanism: a ``Module``/``InputModule`` subclass named in ``modules.json``). Tokenisation,
+template, prefix and pooler are PromptEncoder's own, so whatever PromptEncoder does carries over unchanged.
+sentence-transformers 6 imports a module class from outside its own package only with ``trust_remote_code=True``,
+for local folders too; no code is downloaded or stored in the folder: the class is the installed fastprompt's.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+from sentence_transformers import SentenceTransformer
+from sentence_transformers.base.modules import InputModule, Normalize
+
+from fastprompt.model import PromptEncoder
+
+logger = logging.getLogger(__name__)
+
+PROMPT_SUBFOLDER = "prompt"
+
+#: One line per training objective for the model card (an objective missing here is shown by name).
+OBJECTIVE_DESCRIPTIONS = {
+    "simcse": "InfoNCE over in-batch negatives (SimCSE objective, as DCPCSE)",
+    "promcse_eh": "InfoNCE + energy-based hinge loss over the hardest negative (PromCSE)",
+}
+
+
+class PromptEncoderModule(InputModule):
+    """A sentence-transformers input module that is a fastprompt :class:`PromptEncoder` (backbone + prompt + pooler).
+
+    ``base_model``: ``None`` when the backbone is saved in the module's folder, else the base model to load it from.
+    """
+
+    config_file_name = "fastprompt_module.json"
+    config_keys = ["base_model", "prompt_path"]
+    save_in_root = True
+
+    def __init__(self, encoder: PromptEncoder, base_model: str | None = None, prompt_path: str = PROMPT_SUBFOLDER):
+        super().__init__()
+        self.encoder = encoder
+        self.base_model = base_model
+        self.prompt_path = prompt_path
+
+    @property
+    def tokenizer(self):
+        return self.encoder.tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value):
+        self.encoder.tokenizer = value
+
+    @property
+    def max_seq_length(self) -> int:
+        return self.encoder.max_length or min(self.encoder.tokenizer.model_max_length, 512)
+
+    @max_seq_length.setter
+    def max_seq_length(self, value: int) -> None:
+        self.encoder.max_length = value
+
+    def get_embedding_dimension(self) -> int:
+        return self.encoder.hidden_size
+
+    def preprocess(self, inputs, prompt: str | None = None, **kwargs) -> dict[str, torch.Tensor]:
+        texts = list(inputs)
+        if prompt:
+            texts = self._prepend_prompt(texts, prompt)
+        return self.encoder.tokenize(texts)
+
+    def forward(self, features: dict, **kwargs) -> dict:
+        features["sentence_embedding"] = self.encoder(features["input_ids"], features["attention_mask"],
+                                                      features.get("token_type_ids"))
+        return features
+
+    def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
+        self.encoder.save(Path(output_path) / self.prompt_path)
+        if self.base_model is None:
+            self.encoder.backbone.save_pretrained(output_path, safe_serialization=safe_serialization)
+            self.encoder.tokenizer.save_pretrained(output_path)
+        self.save_config(output_path)
+
+    @classmethod
+    def load(cls, model_name_or_path: str, subfolder: str = "", token=None, cache_folder: str | None = None,
+             revision: str | None = None, local_files_only: bool = False, model_kwargs: dict | None = None,
+             **kwargs) -> "PromptEncoderModule":
+        hub = {"subfolder": subfolder, "token": token, "cache_folder": cache_folder, "revision": revision,
+               "local_files_only": local_files_only}
+        config = cls.load_config(model_name_or_path, **hub)
+        folder = Path(cls.load_dir_path(model_name_or_path, **hub))
+        dtype = (model_kwargs or {}).get("dtype", (model_kwargs or {}).get("torch_dtype"))
+        if isinstance(dtype, str):
+            dtype = None if dtype == "auto" else getattr(torch, dtype)
+        prompt_path = config.get("prompt_path", PROMPT_SUBFOLDER)
+        encoder = PromptEncoder.from_pretrained(config.get("base_model") or folder, prompt=folder / prompt_path,
+                                                torch_dtype=dtype)
+        return cls(encoder, base_model=config.get("base_model"), prompt_path=prompt_path)
+
+
+def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_model: str | os.PathLike | None = None,
+                                 include_backbone: bool = True, normalize: bool = True) -> Path:
+    """Write ``prompt`` (a checkpoint folder or a :class:`PromptEncoder`) as a sentence-transformers model folder.
+
+    ``base_model`` overrides the base the checkpoint names. ``include_backbone=False`` leaves the backbone out and
+    names the base model instead (it must then be loadable where the folder is used). ``normalize`` appends
+    L2 normalisation (PromptEncoder.encode's default). A checkpoint from a training run gets the run's training
+    config and STS results in its model card. Returns ``output``.
+    """
+    from fastprompt.io import atomic_directory
+
+    if isinstance(prompt, PromptEncoder):
+        encoder, source = prompt, None
+    else:
+        source = Path(prompt)
+        encoder = PromptEncoder.load(source, base_model=base_model)
+    base_name = str(base_model or encoder.base_model)
+    module = PromptEncoderModule(encoder, base_model=None if include_backbone else base_name)
+    model = SentenceTransformer(modules=[module, Normalize()] if normalize else [module], similarity_fn_name="cosine",
+                                device=str(encoder.device))
+    with atomic_directory(output) as tmp:
+        model.save(str(tmp), create_model_card=False)
+        (tmp / "README.md").write_text(model_card(encoder, source, base_name, normalize=normalize,
+                                                  name=Path(output).name), encoding="utf-8")
+    logger.info("wrote sentence-transformers model to %s", output)
+    return Path(output)
+
+
+def _run_info(checkpoint: Path | None) -> tuple[dict | None, dict | None]:
+    """(train_info.json inside the checkpoint, summary.json of the run when its best checkpoint is this one)."""
+    if checkpoint is None:
+        return None, None
+
+    def read(path: Path) -> dict | None:
+        try:
+            return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+        except (OSError, ValueError) as exc:
+            logger.warning("model card: ignoring unreadable %s (%s)", path, exc)
+            return None
+
+    info = read(checkpoint / "train_info.json")
+    summary = read(checkpoint.parent / "summary.json")
+    best = (summary or {}).get("best_checkpoint")
+    if summary is not None and (best is None or Path(best).resolve() != checkpoint.resolve()):
+        summary = None  # the run's results belong to another of its checkpoints
+    return info, summary
+
+
+def model_card(encoder: PromptEncoder, checkpoint: Path | None, base_model: str, *, normalize: bool,
+               name: str) -> str:
+    """The README.md of an exported model: front matter, usage, the model, its training and STS results."""
+    import yaml
+
+    from fastprompt.eval.sts import TASK_TITLES
+
+    info, summary = _run_info(checkpoint)
+    train_config = (info or {}).get("config") or (summary or {}).get("config")
+    cfg = encoder.prompt_config
+    front = {"library_name": "sentence-transformers", "pipeline_tag": "sentence-similarity",
+             "tags": ["sentence-transformers", "sentence-similarity", "feature-extraction", "fastprompt",
+                      "prefix-tuning"]}
+    if not Path(base_model).exists():  # a hub id or package name; a local path means nothing to readers
+        front["base_model"] = base_model
+    n_prompt = sum(p.numel() for p in encoder.trainable_parameters())
+    rows = [("base model", f"`{base_model}` (frozen)")]
+    if train_config:
+        objective = train_config.get("objective")
+        rows.append(("method", OBJECTIVE_DESCRIPTIONS.get(objective, f"`{objective}`")))
+    if cfg is not None:
+        prompt = f"{cfg.prompt_length} prefix tokens per layer x {encoder.num_layers} layers"
+        if cfg.shared_across_layers:
+            prompt = f"{cfg.prompt_length} prefix tokens shared by all {encoder.num_layers} layers"
+        elif cfg.input_layer_only:
+            prompt = f"{cfg.prompt_length} prefix tokens on the first layer"
+        if cfg.prefix_projection:
+            prompt += f", reparameterised through an MLP (width {cfg.projection_hidden_size})"
+        rows += [("prompt", f"{prompt}; {n_prompt:,} trainable parameters"),
+                 ("token positions", cfg.position_mode + (" (shifted by the prompt length, as the papers' code)"
+                                                          if cfg.position_mode == "shifted" else ""))]
+        if cfg.cls_prompt:
+            rows.append(("[CLS] prompt", "a trained vector replaces the [CLS] embedding"))
+    rows += [("pooler", f"`{encoder.pooler.pooler}`" + {"always": " + trained head", "train": " (head used in "
+                                                         "training only)"}.get(encoder.pooler.mlp, ""))]
+    if encoder.template:
+        rows.append(("template", f"`{encoder.template}`"))
+    rows += [("output", f"{encoder.hidden_size}-dimensional, " + ("L2-normalised" if normalize else "not normalised")
+              + "; cosine similarity"),
+             ("max length", str(encoder.max_length or min(encoder.tokenizer.model_max_length, 512)) + " tokens")]
+    lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "", f"# {name}", "",
+             f"Deep continuous prompts (prefix tuning / P-tuning v2) trained with "
+             f"[fastprompt](https://pypi.org/project/fastprompt/) on top of the frozen `{base_model}`.", "",
+             "## Usage", "", "```python",
+             "from sentence_transformers import SentenceTransformer  # pip install fastprompt sentence-transformers",
+             "",
+             f'model = SentenceTransformer("{name}", trust_remote_code=True)  # the module class comes from fastprompt',
+             'embeddings = model.encode(["A man is playing a guitar.", "Someone plays an instrument."])',
+             "```", "",
+             "`trust_remote_code=True` lets sentence-transformers import fastprompt's installed module class; no code "
+             "is downloaded. The same folder loads in fastprompt: "
+             f"`PromptEncoder.from_pretrained(folder, prompt=folder + \"/{PROMPT_SUBFOLDER}\")`.", "",
+             "## Model", "", "| | |", "|---|---|"]
+    lines += [f"| {k} | {v} |" for k, v in rows]
+    if summary and summary.get("test"):
+        test = summary["test"]
+        lines += ["", "## Evaluation", "", "STS (Spearman x 100 of the cosine similarity; SentEval's protocol, "
+                  "as in the papers):", "",
+                  "| " + " | ".join(TASK_TITLES.get(k, k) for k in test) + " |",
+                  "|" + "---:|" * len(test),
+                  "| " + " | ".join(f"{v:.2f}" for v in test.values()) + " |"]
+    if info or summary:
+        lines += ["", "## Training", ""]
+        best_dev = (info or {}).get("stsb_dev", (summary or {}).get("best_stsb_dev"))
+        step = (info or {}).get("step", (summary or {}).get("best_step"))
+        if best_dev is not None:
+            lines += [f"Selected at step {step} by STS-B dev Spearman {best_dev:.2f}.", ""]
+        if train_config:
+            lines += ["Training configuration (`fastprompt train`):", "", "```yaml",
+                      yaml.safe_dump(train_config, sort_keys=False).rstrip(), "```"]
+    return "\n".join(lines) + "\n"
