@@ -27,6 +27,7 @@ SUBCOMMANDS: list[str] = [
     "fastprompt.train.cli:add_train_parser",
     "fastprompt.cli:add_eval_parser",
     "fastprompt.cli:add_encode_parser",
+    "fastprompt.data.ski.cli:add_generate_ski_parser",
 ]
 
 # Mirrors fastprompt.model.POOLERS without importing torch for --help (a test keeps them equal).
