@@ -75,6 +75,18 @@ def test_batched_left_padded_generation_equals_one_by_one(tiny_llama_dir):
             assert top2[0] - top2[1] > 1e-3
 
 
+def test_sorting_windows_keep_every_prompt_in_place(tiny_llama_dir, monkeypatch):
+    from fastprompt.data.ski import local
+
+    greedy = Sampling(max_new_tokens=3, temperature=0)
+    backend = LocalBackend(str(tiny_llama_dir), batch_size=2, device="cpu")
+    whole = dict(backend.generate(PROMPTS, greedy, [0] * 5))
+    monkeypatch.setattr(local, "_SORT_WINDOW_BATCHES", 1)  # windows of 2 prompts: 3 windows for 5 prompts
+    order = [i for i, _ in backend.generate(PROMPTS, greedy, [0] * 5)]
+    assert sorted(order[:2]) == [0, 1] and sorted(order[2:4]) == [2, 3] and order[4] == 4
+    assert dict(backend.generate(PROMPTS, greedy, [0] * 5)) == whole
+
+
 def test_chat_template_and_raw_prompts(tiny_llama_dir):
     chat = LocalBackend(str(tiny_llama_dir), device="cpu")
     assert chat.render("the cat") == "<user> the cat </s> <assistant>"

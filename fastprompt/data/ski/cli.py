@@ -6,6 +6,7 @@ import signal
 import sys
 
 from fastprompt.choices import DTYPES, LLM_BACKENDS, SERVER_APIS
+from fastprompt.cli import _positive_int
 
 EPILOG = """\
 examples:
@@ -17,12 +18,6 @@ examples:
 Writes FILE.csv (sent0,ski), FILE.csv.rejected.csv (sent0,answer,reason) and FILE.csv.meta.json.
 Rows are appended as they complete: an interrupted run resumes when the same command is run again.
 """
-
-
-def _positive_int(text: str) -> int:
-    from fastprompt.cli import _positive_int as parse
-
-    return parse(text)
 
 
 def add_generate_ski_parser(subparsers) -> argparse.ArgumentParser:
@@ -73,7 +68,7 @@ def add_generate_ski_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--prompt-template", metavar="TEXT",
                    help="replaces the SKICSE prompt; must contain {sentence} (see docs/ski.md)")
     s.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens, metavar="N",
-                   help=f"token budget of an answer; an answer still going is rejected as too_long ({d.max_new_tokens})")
+                   help=f"token budget of an answer; one still going is rejected as too_long ({d.max_new_tokens})")
     s.add_argument("--temperature", type=float, default=d.temperature, metavar="T",
                    help=f"sampling temperature; 0 = greedy ({d.temperature})")
     s.add_argument("--top-p", type=float, default=d.top_p, metavar="P", help=f"nucleus sampling ({d.top_p})")

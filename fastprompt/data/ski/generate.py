@@ -37,7 +37,8 @@ class Backend(Protocol):
     def render(self, prompt: str) -> str:
         """The text the model sees for ``prompt`` (chat template applied), for the metadata's example."""
 
-    def generate(self, prompts: Sequence[str], sampling: Sampling, seeds: Sequence[int]) -> Iterator[tuple[int, Generation]]:
+    def generate(self, prompts: Sequence[str], sampling: Sampling,
+                 seeds: Sequence[int]) -> Iterator[tuple[int, Generation]]:
         """Answer every prompt; yield ``(index, generation)`` as answers complete, in any order."""
 
 

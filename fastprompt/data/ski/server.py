@@ -112,7 +112,8 @@ class ServerBackend:
             return json.dumps([{"role": "user", "content": prompt}], ensure_ascii=False)
         return prompt
 
-    def generate(self, prompts: Sequence[str], sampling: Sampling, seeds: Sequence[int]) -> Iterator[tuple[int, Generation]]:
+    def generate(self, prompts: Sequence[str], sampling: Sampling,
+                 seeds: Sequence[int]) -> Iterator[tuple[int, Generation]]:
         stop = threading.Event()
         pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="ski-server")
         pending = iter(range(len(prompts)))
