@@ -73,8 +73,8 @@ def add_generate_ski_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"sampling temperature; 0 = greedy ({d.temperature})")
     s.add_argument("--top-p", type=float, default=d.top_p, metavar="P", help=f"nucleus sampling ({d.top_p})")
     s.add_argument("--seed", type=int, default=d.seed, help=f"sampling seed ({d.seed})")
-    s.add_argument("--attempts", type=_positive_int, default=3, metavar="K",
-                   help="answers sampled per sentence until one passes the filters (3; 1 when greedy)")
+    s.add_argument("--attempts", type=_positive_int, default=5, metavar="K",
+                   help="answers sampled per sentence until one passes the filters (5; 1 when greedy)")
     s.add_argument("--echo-threshold", type=float, default=0.8, metavar="R",
                    help="reject an answer when this fraction of its words occur in the sentence (0.8)")
     p.set_defaults(func=run_generate_ski)

@@ -99,7 +99,7 @@ def unique_sentences(sentences: Iterable[str]) -> tuple[list[str], int]:
 
 def generate_ski(sentences: Iterable[str], backend: Backend, output: str | os.PathLike, *,
                  template: str = SKI_PROMPT_TEMPLATE, sampling: Sampling = Sampling(),
-                 answer_filter: AnswerFilter = AnswerFilter(), attempts: int = 3, limit: int | None = None,
+                 answer_filter: AnswerFilter = AnswerFilter(), attempts: int = 5, limit: int | None = None,
                  overwrite: bool = False, show_progress_bar: bool | None = None,
                  input_name: str | None = None) -> GenerationReport:
     """Write the SKI of every distinct sentence to ``output`` (``sent0,ski`` CSV), skipping those done before.
