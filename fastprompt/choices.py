@@ -37,6 +37,10 @@ TRAIN_FORMATS = ("auto", "text", "csv")
 DECODE_ERROR_MODES = ("error", "skip")
 #: Weights dtype names accepted on the command line.
 DTYPES = ("float32", "float16", "bfloat16")
+#: Where SKI generation runs its LLM: in-process (Hugging Face) or an OpenAI-compatible server.
+LLM_BACKENDS = ("local", "server")
+#: Endpoints of an OpenAI-compatible server: chat completions (instruction models) or plain completions.
+SERVER_APIS = ("chat", "completions")
 
 
 def check_choice(name: str, value, allowed: Iterable[str]) -> None:

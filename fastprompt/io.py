@@ -107,3 +107,20 @@ def read_utf8_lines(path: str | os.PathLike, what: str = "file") -> list[str]:
     if lines and lines[-1] == "":
         lines.pop()
     return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write UTF-8 ``text`` to ``path`` via a flushed temporary sibling and ``os.replace``: readers see the
+    old file or the new one, never a half-written one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "w", encoding="utf-8", newline="") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise

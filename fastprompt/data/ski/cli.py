@@ -1,0 +1,132 @@
+"""``fastprompt generate-ski``: the command-line face of :func:`~fastprompt.data.ski.generate_ski`."""
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+
+from fastprompt.choices import DTYPES, LLM_BACKENDS, SERVER_APIS
+from fastprompt.cli import _positive_int
+
+EPILOG = """\
+examples:
+  fastprompt generate-ski --input sentences.txt --output ski.csv
+  fastprompt generate-ski --input ../shared/data/nli/snli-triplets.csv --column sent0 --output snli-ski.csv
+  fastprompt generate-ski --llm server --url http://127.0.0.1:8000/v1 --model meta-llama/Llama-2-7b-chat-hf \\
+      --concurrency 32 --input wiki1m.txt --output wiki1m-ski.csv
+
+Writes FILE.csv (sent0,ski), FILE.csv.rejected.csv (sent0,answer,reason) and FILE.csv.meta.json.
+Rows are appended as they complete: an interrupted run resumes when the same command is run again.
+"""
+
+
+def add_generate_ski_parser(subparsers) -> argparse.ArgumentParser:
+    from fastprompt.data.ski.local import DEFAULT_LOCAL_MODEL
+    from fastprompt.data.ski.prompt import Sampling
+    from fastprompt.data.ski.server import DEFAULT_API_KEY_ENV
+
+    d = Sampling()
+    p = subparsers.add_parser(
+        "generate-ski", help="ask an LLM what it knows about each sentence (SKICSE's SKI) into a sent0,ski CSV",
+        description="Generate SKICSE's sentence knowable information (SKI) for every distinct sentence of a file "
+                    "with a local Hugging Face causal LM or an OpenAI-compatible server. Empty, over-long and "
+                    "echo answers are re-sampled, then rejected and counted.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    g = p.add_argument_group("files")
+    g.add_argument("--input", required=True, metavar="FILE",
+                   help="UTF-8 text, one sentence per line, or a CSV with a header (see --column)")
+    g.add_argument("--column", metavar="NAME", help="column of a CSV --input (default sent0)")
+    g.add_argument("--output", required=True, metavar="FILE.csv", help="sent0,ski rows (appended to on resume)")
+    g.add_argument("--limit", type=_positive_int, metavar="N", help="only the first N distinct sentences")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start over, deleting earlier output (needed to change settings of an existing output)")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+    m = p.add_argument_group("LLM")
+    m.add_argument("--llm", choices=LLM_BACKENDS, default="local",
+                   help="local: a Hugging Face causal LM in this process; server: an OpenAI-compatible server")
+    m.add_argument("--model", metavar="NAME_OR_PATH",
+                   help=f"local: {DEFAULT_LOCAL_MODEL} (SmolLM2-135M-Instruct GGUF, the default), a .gguf file, a "
+                        "model folder or a hub id; server: the served model name (default: the only one it lists)")
+    m.add_argument("--no-chat-template", action="store_true",
+                   help="local: send the prompt raw even if the tokenizer has a chat template")
+    loc = p.add_argument_group("local backend")
+    loc.add_argument("--batch-size", type=_positive_int, default=8, metavar="B", help="prompts per batch (8)")
+    loc.add_argument("--device", help="torch device (default: cuda when available)")
+    loc.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype (float32)")
+    loc.add_argument("--threads", type=_positive_int, metavar="N", help="CPU threads for torch (default: torch's)")
+    srv = p.add_argument_group("server backend")
+    srv.add_argument("--url", metavar="URL", help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
+    srv.add_argument("--api", choices=SERVER_APIS, default="chat",
+                     help="chat: /chat/completions (instruction models); completions: raw prompt (base models)")
+    srv.add_argument("--concurrency", type=_positive_int, default=8, metavar="C", help="requests in flight (8)")
+    srv.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per request (300)")
+    srv.add_argument("--max-retries", type=int, default=6, metavar="N",
+                     help="retries of a request on transient errors, with exponential backoff (6)")
+    srv.add_argument("--api-key-env", default=DEFAULT_API_KEY_ENV, metavar="VAR",
+                     help=f"environment variable holding the API key, if any ({DEFAULT_API_KEY_ENV})")
+    s = p.add_argument_group("prompt and sampling")
+    s.add_argument("--prompt-template", metavar="TEXT",
+                   help="replaces the SKICSE prompt; must contain {sentence} (see docs/ski.md)")
+    s.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens, metavar="N",
+                   help=f"token budget of an answer; one still going is rejected as too_long ({d.max_new_tokens})")
+    s.add_argument("--temperature", type=float, default=d.temperature, metavar="T",
+                   help=f"sampling temperature; 0 = greedy ({d.temperature})")
+    s.add_argument("--top-p", type=float, default=d.top_p, metavar="P", help=f"nucleus sampling ({d.top_p})")
+    s.add_argument("--seed", type=int, default=d.seed, help=f"sampling seed ({d.seed})")
+    s.add_argument("--attempts", type=_positive_int, default=5, metavar="K",
+                   help="answers sampled per sentence until one passes the filters (5; 1 when greedy)")
+    s.add_argument("--echo-threshold", type=float, default=0.8, metavar="R",
+                   help="reject an answer when this fraction of its words occur in the sentence (0.8)")
+    p.set_defaults(func=run_generate_ski)
+    return p
+
+
+def make_backend(args: argparse.Namespace):
+    from fastprompt.data.ski import LocalBackend, ServerBackend
+
+    if args.llm == "server":
+        if not args.url:
+            raise ValueError("--llm server needs --url (the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1)")
+        return ServerBackend(args.url, args.model, api=args.api, concurrency=args.concurrency, timeout=args.timeout,
+                             max_retries=args.max_retries, api_key_env=args.api_key_env)
+    if args.url:
+        raise ValueError("--url is for --llm server")
+    if args.threads:
+        import torch
+
+        torch.set_num_threads(args.threads)
+    return LocalBackend(args.model, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
+                        chat_template=not args.no_chat_template)
+
+
+def run_generate_ski(args: argparse.Namespace) -> int:
+    from fastprompt.data.ski import SKI_PROMPT_TEMPLATE, AnswerFilter, LLMServerError, Sampling, generate_ski
+    from fastprompt.data.ski.files import read_input_sentences
+    from fastprompt.data.ski.prompt import check_template
+
+    # Everything that can be checked cheaply fails before the model loads.
+    template = check_template(args.prompt_template or SKI_PROMPT_TEMPLATE)
+    sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
+    answer_filter = AnswerFilter(args.echo_threshold)
+    sentences, n_blank = read_input_sentences(args.input, args.column)
+    if not sentences:
+        raise ValueError(f"{args.input} has no sentences")
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # kill -TERM: stop like Ctrl-C, rows kept
+    try:
+        backend = make_backend(args)
+        report = generate_ski(sentences, backend, args.output, template=template, sampling=sampling,
+                              answer_filter=answer_filter, attempts=args.attempts, limit=args.limit,
+                              overwrite=args.overwrite, show_progress_bar=False if args.no_progress else None,
+                              input_name=str(args.input))
+    except LLMServerError as exc:
+        print(f"fastprompt generate-ski: error: {exc} (rows already written are kept; rerun to resume)",
+              file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"fastprompt generate-ski: interrupted; rows already written to {args.output} are kept, "
+              "run the same command again to resume", file=sys.stderr)
+        return 130
+    if n_blank:
+        print(f"skipped {n_blank} blank input line(s)")
+    print(report.summary())
+    return 0

