@@ -36,7 +36,8 @@ DTYPE_CHOICES = ("float32", "float16", "bfloat16")
 
 # ------------------------------------------------------------------------------ shared model options
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model/--prompt/--pooler/--max-length/--device/--dtype/--batch-size, read by :func:`load_encoder`."""
+    """--model/--prompt/--pooler/--max-length/--template/--denoise/--device/--dtype/--batch-size, read by
+    :func:`load_encoder`."""
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="NAME_OR_PATH",
                    help="base encoder: a local Hugging Face folder, an installed model package "
@@ -51,6 +52,13 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-length", type=_positive_int, metavar="N",
                    help="truncate sentences to N tokens (default: the checkpoint's, else min(model max, 512); "
                         "sentence-transformers uses 256 for all-MiniLM-L6-v2)")
+    g.add_argument("--template", metavar="TEXT",
+                   help='PromptBERT template with [X] (the sentence) and [MASK], e.g. \'This sentence : "[X]" means '
+                        '[MASK] .\' (default: the checkpoint\'s; with --pooler mask and none, that one); with a '
+                        'template --max-length counts the sentence\'s own tokens, the template comes on top')
+    g.add_argument("--denoise", action=argparse.BooleanOptionalAction, default=None,
+                   help="PromptBERT template denoising: subtract the [MASK] state of the template fed alone "
+                        "(needs --pooler mask; default: the checkpoint's, else off)")
     g.add_argument("--batch-size", type=_positive_int, default=64, metavar="N", help="sentences per batch (64)")
     g.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available)")
     g.add_argument("--dtype", choices=DTYPE_CHOICES, default="float32", help="backbone weights dtype (float32)")
@@ -64,7 +72,8 @@ def load_encoder(args: argparse.Namespace):
 
     if not args.model and not args.prompt:
         raise ValueError("give --model NAME_OR_PATH, --prompt CHECKPOINT_DIR, or both")
-    kwargs = {"pooler": args.pooler, "max_length": args.max_length, "torch_dtype": getattr(torch, args.dtype)}
+    kwargs = {"pooler": args.pooler, "max_length": args.max_length, "template": args.template,
+              "denoise": args.denoise, "torch_dtype": getattr(torch, args.dtype)}
     if args.model:
         encoder = PromptEncoder.from_pretrained(args.model, prompt=args.prompt, **kwargs)
     else:

@@ -18,6 +18,7 @@ from .config import PromptConfig
 from .pooling import MLP_MODES, Pooler
 from .prefix import PrefixPrompt
 from .resolve import resolve_model_path
+from .template import Template, parse_template, wrap_batch
 
 logger = logging.getLogger(__name__)
 
@@ -39,8 +40,8 @@ class PromptEncoder(nn.Module):
 
     def __init__(self, backbone: nn.Module, tokenizer, prompt_config: PromptConfig | None = None, *,
                  pooler: str = "cls", mlp: str = "none", max_length: int | None = None,
-                 template: str | None = None, attn_backend: str = "auto", prefix_mode: str = "attention",
-                 base_model: str | None = None):
+                 template: str | None = None, denoise: bool = False, attn_backend: str = "auto",
+                 prefix_mode: str = "attention", base_model: str | None = None):
         super().__init__()
         if prefix_mode not in PREFIX_MODES:
             raise ValueError(f"prefix_mode must be one of {PREFIX_MODES}, got {prefix_mode!r}")
@@ -72,7 +73,13 @@ class PromptEncoder(nn.Module):
         if pooler == "mask" and template is None:
             template = DEFAULT_TEMPLATE
         self.template = template
-        self._template_ids = self._parse_template(template) if template is not None else None
+        self._template = parse_template(tokenizer, template) if template is not None else None
+        if denoise and (pooler != "mask" or self._template is None or self._template.mask_token_id is None):
+            raise ValueError("denoise=True subtracts the template's [MASK] state: it needs pooler='mask' and a "
+                             "template with [MASK]")
+        self.denoise = bool(denoise)
+        self._bias_cache: dict = {}
+        self._bias_cache_version = None
         self.max_length = max_length
         self.attn_backend = attn_backend
         self.prefix_mode = prefix_mode
@@ -84,13 +91,15 @@ class PromptEncoder(nn.Module):
     def from_pretrained(cls, model_name_or_path: str | os.PathLike, *, prompt: str | os.PathLike | None = None,
                         prompt_config: PromptConfig | dict | None = None, pooler: str | None = None,
                         mlp: str | None = None, max_length: int | None = None, template: str | None = None,
-                        attn_backend: str = "auto", prefix_mode: str = "attention",
+                        denoise: bool | None = None, attn_backend: str = "auto", prefix_mode: str = "attention",
                         torch_dtype: torch.dtype | None = None) -> "PromptEncoder":
         """Load a base encoder (local folder, installed model package, or hub id) and attach prompts.
 
         ``prompt``: a checkpoint folder written by :meth:`save`; its prompt, pooler and head are used (an
         explicit ``pooler``/``mlp``/``max_length`` overrides the saved one). Without ``prompt``, a fresh prompt
-        is created from ``prompt_config`` (or none at all: the frozen model as is).
+        is created from ``prompt_config`` (or none at all: the frozen model as is). ``template``/``denoise``:
+        PromptBERT's template and template denoising (see :mod:`fastprompt.model.template`); ``None`` keeps
+        the checkpoint's choice.
         """
         saved = None
         if prompt is not None:
@@ -105,6 +114,7 @@ class PromptEncoder(nn.Module):
             mlp = mlp or saved["mlp"]
             max_length = max_length or saved.get("max_length")
             template = template or saved.get("template")
+            denoise = saved.get("denoise", False) if denoise is None else denoise
         elif isinstance(prompt_config, dict):
             prompt_config = PromptConfig.from_dict(prompt_config)
         path = resolve_model_path(model_name_or_path)
@@ -116,7 +126,7 @@ class PromptEncoder(nn.Module):
             raise FileNotFoundError(f"could not load a Hugging Face model from {model_name_or_path!r} "
                                     f"(resolved to {path!r}): {exc}") from exc
         encoder = cls(backbone, tokenizer, prompt_config, pooler=pooler or "cls", mlp=mlp or "none",
-                      max_length=max_length, template=template, attn_backend=attn_backend,
+                      max_length=max_length, template=template, denoise=bool(denoise), attn_backend=attn_backend,
                       prefix_mode=prefix_mode, base_model=str(model_name_or_path))
         if saved is not None:
             from .checkpoint import load_checkpoint_weights
@@ -187,59 +197,84 @@ class PromptEncoder(nn.Module):
         return self.prompt_config.prompt_length if self.prompt_config is not None else 0
 
     # ------------------------------------------------------------------ tokenisation
-    def _parse_template(self, template: str):
-        if "[X]" not in template:
-            raise ValueError(f"template must contain the sentence placeholder [X]: {template!r}")
-        mask = self.tokenizer.mask_token
-        if "[MASK]" in template and mask is None:
-            raise ValueError("template uses [MASK] but the tokenizer has no mask token")
-        before, after = template.replace("[MASK]", mask or "[MASK]").split("[X]", 1)
-        enc = lambda s: self.tokenizer(s, add_special_tokens=False)["input_ids"] if s.strip() else []  # noqa: E731
-        return enc(before.rstrip()), enc(after.lstrip())
+    def model_max_tokens(self) -> int:
+        """Longest sequence (special tokens included) the backbone's positions and tokenizer allow."""
+        limit = min(self.tokenizer.model_max_length, 512)
+        positions = getattr(self.backbone.config, "max_position_embeddings", None)
+        if positions:
+            emb = getattr(self.backbone, "embeddings", None)
+            offset = emb.padding_idx + 1 if hasattr(emb, "create_position_ids_from_input_ids") else 0
+            limit = min(limit, positions - offset - self._position_shift())
+        return limit
 
-    def tokenize(self, sentences: list[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
-        """Token ids padded to the longest sentence (dynamic padding), truncated to ``max_length``."""
+    def tokenize(self, sentences: list[str], max_length: int | None = None,
+                 template: str | Template | None = None) -> dict[str, torch.Tensor]:
+        """Token ids padded to the longest sequence of the batch (dynamic padding).
+
+        Without a template, ``max_length`` bounds the whole sequence (special tokens included), as a Hugging Face
+        tokenizer does. With one (the encoder's, or ``template``), it bounds the sentence's own tokens and the
+        template comes on top, as in PromptBERT's code; the sentence is also cut so that the whole sequence fits
+        :meth:`model_max_tokens`, and the template is never cut.
+        """
         _check_sentences(sentences)
-        max_length = max_length or self.max_length or min(self.tokenizer.model_max_length, 512)
-        if self._template_ids is None:
-            return dict(self.tokenizer(sentences, padding=True, truncation=True, max_length=max_length,
-                                       return_tensors="pt"))
-        # Template: truncate the sentence, never the template, then wrap it with special tokens.
-        before, after = self._template_ids
-        room = max_length - len(before) - len(after) - len(self.tokenizer("")["input_ids"])
-        if room < 1:
-            raise ValueError(f"max_length {max_length} leaves no room for the sentence inside the template")
-        ids = [before + s[:room] + after
-               for s in self.tokenizer(sentences, add_special_tokens=False)["input_ids"]]
-        # The special tokens a single sentence gets ([CLS] ... [SEP], <s> ... </s>): those of an empty input.
-        empty = self.tokenizer("")["input_ids"]
-        lead = 1 if len(empty) >= 2 else 0
-        ids = [empty[:lead] + x + empty[lead:] for x in ids]
+        max_length = max_length or self.max_length
+        tpl = self._resolve_template(template)
+        if tpl is None:
+            return dict(self.tokenizer(sentences, padding=True, truncation=True,
+                                       max_length=max_length or self.model_max_tokens(), return_tensors="pt"))
+        ids = wrap_batch(self.tokenizer, tpl, list(sentences), max_length, self.model_max_tokens())
         return dict(self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt"))
 
+    def _resolve_template(self, template: str | Template | None) -> Template | None:
+        if template is None:
+            return self._template
+        if isinstance(template, Template):
+            return template
+        if self._template is not None and template == self._template.text:
+            return self._template
+        return parse_template(self.tokenizer, template)
+
     # ------------------------------------------------------------------ forward
-    def _position_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
-        """Explicit position ids where transformers' defaults would be wrong for us, else None."""
-        shift = self.prompt_length if (self.prompt_config and self.prompt_config.position_mode == "shifted") else 0
-        needs_ids = shift > 0 or self.cls_prompt is not None or self.prefix_mode == "cache"
+    def _position_shift(self) -> int:
+        return self.prompt_length if (self.prompt_config and self.prompt_config.position_mode == "shifted") else 0
+
+    def _position_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Explicit position ids where transformers' defaults would be wrong for us, else None.
+
+        ``positions``: (B, S) positions of the tokens counted from the first (0 for [CLS]); the backbone's own
+        offset (RoBERTa's ``padding_idx + 1``) and the "shifted" prefix offset are added here.
+        """
+        shift = self._position_shift()
+        needs_ids = shift > 0 or self.cls_prompt is not None or self.prefix_mode == "cache" or positions is not None
         if not needs_ids:
             return None
         emb = self.backbone.embeddings
-        if hasattr(emb, "create_position_ids_from_input_ids"):  # RoBERTa family: offsets by padding_idx
-            return emb.create_position_ids_from_input_ids(input_ids, emb.padding_idx, shift)
-        S = input_ids.shape[1]
-        return (torch.arange(S, device=input_ids.device) + shift).unsqueeze(0).expand(input_ids.shape[0], -1)
+        if positions is None:
+            if hasattr(emb, "create_position_ids_from_input_ids"):  # RoBERTa family: offsets by padding_idx
+                return emb.create_position_ids_from_input_ids(input_ids, emb.padding_idx, shift)
+            S = input_ids.shape[1]
+            return (torch.arange(S, device=input_ids.device) + shift).unsqueeze(0).expand(input_ids.shape[0], -1)
+        if hasattr(emb, "create_position_ids_from_input_ids"):
+            return torch.where(attention_mask.bool(), positions + emb.padding_idx + 1 + shift, emb.padding_idx)
+        return positions + shift
 
     def _layer_prefixes(self):
         return self.prompt.layer_prefixes() if self.prompt is not None else [None] * self.num_layers
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      token_type_ids: torch.Tensor | None = None, *, _capture: dict | None = None) -> torch.Tensor:
-        """Last-layer hidden states (B, S, hidden) of the prompted backbone."""
+                      token_type_ids: torch.Tensor | None = None, *, positions: torch.Tensor | None = None,
+                      _capture: dict | None = None) -> torch.Tensor:
+        """Last-layer hidden states (B, S, hidden) of the prompted backbone.
+
+        ``positions`` (optional, (B, S)): each token's position counted from the first token; template denoising
+        uses it to give a template fed alone the positions it has around a sentence.
+        """
         if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
                              f"{tuple(attention_mask.shape)} must both be (batch, seq_len)")
-        kwargs = {"token_type_ids": token_type_ids, "position_ids": self._position_ids(input_ids, attention_mask)}
+        kwargs = {"token_type_ids": token_type_ids,
+                  "position_ids": self._position_ids(input_ids, attention_mask, positions)}
         if self.cls_prompt is not None:
             embeds = self.backbone.get_input_embeddings()(input_ids)
             cls = self.cls_prompt.to(embeds.dtype).expand(embeds.shape[0], 1, -1)
@@ -260,10 +295,85 @@ class PromptEncoder(nn.Module):
         return out.last_hidden_state
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Pooled sentence embeddings (B, hidden); the pooler head follows its train/eval mode."""
+                token_type_ids: torch.Tensor | None = None, *,
+                template: str | Template | None = None) -> torch.Tensor:
+        """Pooled sentence embeddings (B, hidden); the pooler head follows its train/eval mode.
+
+        ``template``: the template the rows were tokenised with, when not the encoder's own (PromptBERT's second
+        view); it decides where the [MASK] is and which template bias denoising subtracts.
+        """
         hidden = self.hidden_states(input_ids, attention_mask, token_type_ids)
-        return self.pooler(hidden, attention_mask, input_ids, self.tokenizer.mask_token_id)
+        tpl = self._resolve_template(template)
+        vec = self.pooler.select(hidden, attention_mask, input_ids, self.tokenizer.mask_token_id,
+                                 mask_positions=self._mask_positions(tpl, attention_mask))
+        if self.denoise:
+            vec = vec - self.template_bias(tpl, self.sentence_lengths(tpl, attention_mask)).to(vec.dtype)
+        return self.pooler.apply_head(vec)
+
+    # ------------------------------------------------------------------ template denoising
+    @staticmethod
+    def _mask_positions(tpl: Template | None, attention_mask: torch.Tensor) -> torch.Tensor | None:
+        """(B,) index of the template's [MASK] in each right-padded row, found from the template's structure
+        (a literal mask token inside a sentence cannot be taken for it)."""
+        if tpl is None or tpl.mask_token_id is None or tpl.mask_token_id not in tpl.alone():
+            return None
+        index = tpl.mask_index()
+        if index < tpl.sentence_start:
+            return torch.full((attention_mask.shape[0],), index, device=attention_mask.device, dtype=torch.long)
+        from_end = len(tpl.alone()) - index
+        return attention_mask.sum(1).long() - from_end
+
+    @staticmethod
+    def sentence_lengths(tpl: Template, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B,) number of sentence tokens in each row of sequences built with ``tpl``."""
+        lengths = attention_mask.sum(1).long() - tpl.overhead
+        if bool((lengths < 0).any()):
+            raise ValueError(f"rows are shorter than the template {tpl.text!r}: were they built with it?")
+        return lengths
+
+    def template_inputs(self, tpl: Template, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The template fed alone, one row per length L, with the positions it has around an L-token sentence
+        (tokens after [X] shifted by L): ``(input_ids, positions)``, both (len(lengths), template tokens)."""
+        ids = torch.tensor(tpl.alone(), device=lengths.device)
+        T = ids.numel()
+        positions = torch.arange(T, device=lengths.device).unsqueeze(0) + \
+            (torch.arange(T, device=lengths.device) >= tpl.sentence_start).long().unsqueeze(0) * lengths.unsqueeze(1)
+        return ids.unsqueeze(0).expand(len(lengths), -1), positions
+
+    def template_bias(self, template: str | Template | None, lengths: torch.Tensor) -> torch.Tensor:
+        """PromptBERT's template bias: the [MASK] state of the template alone, for each sentence length, (B, hidden).
+
+        In training it is recomputed on every call (dropout and gradients as for the sentences, once per distinct
+        length of the batch). In evaluation (``eval()`` and no autograd) it depends only on (template, length)
+        and the weights, so it is cached per (template, length) until a parameter changes.
+        """
+        tpl = self._resolve_template(template)
+        if tpl is None:
+            raise ValueError("template_bias needs a template")
+        uniq, inverse = torch.unique(lengths, return_inverse=True)
+        cached = not self.training and not torch.is_grad_enabled()
+        if not cached:
+            return self._bias_for(tpl, uniq)[inverse]
+        version = tuple((id(p), p._version) for p in self.parameters())
+        if version != self._bias_cache_version:
+            self._bias_cache, self._bias_cache_version = {}, version
+        key = (tpl.text, self.device, next(self.backbone.parameters()).dtype)
+        store = self._bias_cache.setdefault(key, {})
+        missing = [int(L) for L in uniq.tolist() if int(L) not in store]
+        if missing:
+            new = self._bias_for(tpl, torch.tensor(missing, device=lengths.device))
+            store.update(zip(missing, new))
+        return torch.stack([store[int(L)] for L in uniq.tolist()])[inverse]
+
+    def _bias_for(self, tpl: Template, lengths: torch.Tensor) -> torch.Tensor:
+        ids, positions = self.template_inputs(tpl, lengths)
+        mask = torch.ones_like(ids)
+        hidden = self.hidden_states(ids, mask, positions=positions)
+        return hidden[:, tpl.mask_index()]
+
+    def clear_template_cache(self) -> None:
+        """Forget the cached template biases (they are also dropped whenever a parameter changes in place)."""
+        self._bias_cache, self._bias_cache_version = {}, None
 
     @torch.no_grad()
     def _init_prefix_from_vocab(self):

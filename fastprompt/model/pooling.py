@@ -35,23 +35,37 @@ class Pooler(nn.Module):
         else:
             self.head = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh())
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
-                mask_token_id: int | None = None) -> torch.Tensor:
+    def select(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
+               mask_token_id: int | None = None, mask_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The sentence vector before the head: (B, S, hidden) states -> (B, hidden).
+
+        ``mask_positions`` ((B,) indices, optional) locates the template's [MASK] directly; without it the
+        first mask token of each row is taken.
+        """
         if self.pooler in ("cls", "cls_before_pooler", "bn_mlp"):
-            vec = hidden[:, 0]
-        elif self.pooler == "mean":
+            return hidden[:, 0]
+        if self.pooler == "mean":
             m = attention_mask.to(hidden.dtype).unsqueeze(-1)
-            vec = (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
-        else:  # mask
-            if input_ids is None or mask_token_id is None:
-                raise ValueError("pooler 'mask' needs input_ids and a tokenizer with a mask token")
-            is_mask = input_ids == mask_token_id
-            missing = ~is_mask.any(1)
-            if missing.any():
-                raise ValueError(f"pooler 'mask': {int(missing.sum())} input(s) contain no mask token; "
-                                 "encode with a template that contains [MASK]")
-            first = is_mask.to(torch.int8).argmax(1)
-            vec = hidden[torch.arange(hidden.shape[0], device=hidden.device), first]
+            return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+        # mask
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        if mask_positions is not None:
+            return hidden[rows, mask_positions]
+        if input_ids is None or mask_token_id is None:
+            raise ValueError("pooler 'mask' needs input_ids and a tokenizer with a mask token")
+        is_mask = input_ids == mask_token_id
+        missing = ~is_mask.any(1)
+        if missing.any():
+            raise ValueError(f"pooler 'mask': {int(missing.sum())} input(s) contain no mask token; "
+                             "encode with a template that contains [MASK]")
+        return hidden[rows, is_mask.to(torch.int8).argmax(1)]
+
+    def apply_head(self, vec: torch.Tensor) -> torch.Tensor:
+        """The trainable head, when the mlp mode applies it in the current train/eval mode."""
         if self.head is not None and (self.mlp == "always" or self.training):
             vec = self.head(vec)
         return vec
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
+                mask_token_id: int | None = None, mask_positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.apply_head(self.select(hidden, attention_mask, input_ids, mask_token_id, mask_positions))
