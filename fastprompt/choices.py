@@ -11,7 +11,7 @@ from collections.abc import Iterable
 #: Implementations of the fused ops (``contrastive_loss``, ``prefix_attention``).
 BACKENDS = ("auto", "triton", "cpu", "reference")
 #: How the last hidden states become one sentence vector.
-POOLERS = ("cls", "cls_before_pooler", "mean", "mask", "bn_mlp")
+POOLERS = ("cls", "cls_before_pooler", "mean", "mask", "topk", "bn_mlp")
 #: When the pooler's trainable head is applied.
 MLP_MODES = ("none", "train", "always")
 #: How the prefix reaches attention: the fused op, or the DynamicCache reference path.

@@ -30,7 +30,7 @@ SUBCOMMANDS: list[str] = [
 ]
 
 # Mirrors fastprompt.model.POOLERS without importing torch for --help (a test keeps them equal).
-POOLER_CHOICES = ("cls", "cls_before_pooler", "mean", "mask", "bn_mlp")
+POOLER_CHOICES = ("cls", "cls_before_pooler", "mean", "mask", "topk", "bn_mlp")
 DTYPE_CHOICES = ("float32", "float16", "bfloat16")
 
 
@@ -47,7 +47,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "without it the frozen model runs without any prefix")
     g.add_argument("--pooler", choices=POOLER_CHOICES,
                    help="sentence vector: [CLS] state (cls), [CLS] without head (cls_before_pooler), mean over "
-                        "tokens (mean), [MASK] state of the template (mask), BatchNorm-MLP head (bn_mlp); "
+                        "tokens (mean), [MASK] state of the template (mask), PromptBERT's top-k weighted token "
+                        "embeddings predicted at the [MASK] (topk; needs the MLM head), BatchNorm-MLP head (bn_mlp); "
                         "default: the checkpoint's, else cls")
     g.add_argument("--max-length", type=_positive_int, metavar="N",
                    help="truncate sentences to N tokens (default: the checkpoint's, else min(model max, 512); "

@@ -40,6 +40,7 @@ def save_checkpoint(encoder, checkpoint_dir: str | os.PathLike) -> Path:
         "max_length": encoder.max_length,
         "template": encoder.template,
         "denoise": encoder.denoise,
+        "topk": encoder.topk,
     }
     tensors = {k: v.detach().contiguous().cpu() for k, v in encoder.prompt_state_dict().items()}
     with atomic_directory(checkpoint_dir) as tmp:

@@ -15,7 +15,7 @@ from transformers import AutoModel, AutoTokenizer
 
 from .attention import PrefixState, build_prefix_cache, register_attention
 from .config import PromptConfig
-from .pooling import MLP_MODES, Pooler
+from .pooling import MLP_MODES, Pooler, topk_token_representation
 from .prefix import PrefixPrompt
 from .resolve import resolve_model_path
 from .template import Template, parse_template, wrap_batch
@@ -40,7 +40,8 @@ class PromptEncoder(nn.Module):
 
     def __init__(self, backbone: nn.Module, tokenizer, prompt_config: PromptConfig | None = None, *,
                  pooler: str = "cls", mlp: str = "none", max_length: int | None = None,
-                 template: str | None = None, denoise: bool = False, attn_backend: str = "auto",
+                 template: str | None = None, denoise: bool = False, topk: int = 10,
+                 mlm_head: nn.Module | None = None, attn_backend: str = "auto",
                  prefix_mode: str = "attention", base_model: str | None = None):
         super().__init__()
         if prefix_mode not in PREFIX_MODES:
@@ -70,7 +71,7 @@ class PromptEncoder(nn.Module):
             init = self.backbone.get_input_embeddings().weight[cls_id].detach().clone()
             self.cls_prompt = nn.Parameter(init)
         self.pooler = Pooler(pooler, self.hidden_size, mlp)
-        if pooler == "mask" and template is None:
+        if pooler in ("mask", "topk") and template is None:
             template = DEFAULT_TEMPLATE
         self.template = template
         self._template = parse_template(tokenizer, template) if template is not None else None
@@ -78,6 +79,14 @@ class PromptEncoder(nn.Module):
             raise ValueError("denoise=True subtracts the template's [MASK] state: it needs pooler='mask' and a "
                              "template with [MASK]")
         self.denoise = bool(denoise)
+        if pooler == "topk":
+            if mlm_head is None:
+                raise ValueError("pooler 'topk' needs the backbone's MLM head: build the encoder with "
+                                 "PromptEncoder.from_pretrained, which reads it from the checkpoint")
+            if not isinstance(topk, int) or not 1 <= topk <= cfg.vocab_size:
+                raise ValueError(f"topk must be an integer in [1, vocab size {cfg.vocab_size}], got {topk!r}")
+        self.topk = topk
+        self.mlm_head = mlm_head.requires_grad_(False) if mlm_head is not None else None
         self._bias_cache: dict = {}
         self._bias_cache_version = None
         self.max_length = max_length
@@ -91,7 +100,8 @@ class PromptEncoder(nn.Module):
     def from_pretrained(cls, model_name_or_path: str | os.PathLike, *, prompt: str | os.PathLike | None = None,
                         prompt_config: PromptConfig | dict | None = None, pooler: str | None = None,
                         mlp: str | None = None, max_length: int | None = None, template: str | None = None,
-                        denoise: bool | None = None, attn_backend: str = "auto", prefix_mode: str = "attention",
+                        denoise: bool | None = None, topk: int | None = None, attn_backend: str = "auto",
+                        prefix_mode: str = "attention",
                         torch_dtype: torch.dtype | None = None) -> "PromptEncoder":
         """Load a base encoder (local folder, installed model package, or hub id) and attach prompts.
 
@@ -99,7 +109,8 @@ class PromptEncoder(nn.Module):
         explicit ``pooler``/``mlp``/``max_length`` overrides the saved one). Without ``prompt``, a fresh prompt
         is created from ``prompt_config`` (or none at all: the frozen model as is). ``template``/``denoise``:
         PromptBERT's template and template denoising (see :mod:`fastprompt.model.template`); ``None`` keeps
-        the checkpoint's choice.
+        the checkpoint's choice. ``topk``: k of the ``topk`` pooler (10; the MLM head is read from the model
+        folder, see :mod:`fastprompt.model.mlm_head`).
         """
         saved = None
         if prompt is not None:
@@ -115,6 +126,7 @@ class PromptEncoder(nn.Module):
             max_length = max_length or saved.get("max_length")
             template = template or saved.get("template")
             denoise = saved.get("denoise", False) if denoise is None else denoise
+            topk = topk or saved.get("topk")
         elif isinstance(prompt_config, dict):
             prompt_config = PromptConfig.from_dict(prompt_config)
         path = resolve_model_path(model_name_or_path)
@@ -125,8 +137,14 @@ class PromptEncoder(nn.Module):
         except OSError as exc:
             raise FileNotFoundError(f"could not load a Hugging Face model from {model_name_or_path!r} "
                                     f"(resolved to {path!r}): {exc}") from exc
+        mlm_head = None
+        if (pooler or "cls") == "topk":
+            from .mlm_head import load_mlm_head
+
+            mlm_head = load_mlm_head(path, backbone)
         encoder = cls(backbone, tokenizer, prompt_config, pooler=pooler or "cls", mlp=mlp or "none",
-                      max_length=max_length, template=template, denoise=bool(denoise), attn_backend=attn_backend,
+                      max_length=max_length, template=template, denoise=bool(denoise), topk=topk or 10,
+                      mlm_head=mlm_head, attn_backend=attn_backend,
                       prefix_mode=prefix_mode, base_model=str(model_name_or_path))
         if saved is not None:
             from .checkpoint import load_checkpoint_weights
@@ -186,7 +204,7 @@ class PromptEncoder(nn.Module):
 
     def prompt_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything a checkpoint stores: all parameters and buffers outside the frozen backbone."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("backbone.")}
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(("backbone.", "mlm_head."))}
 
     @property
     def device(self) -> torch.device:
@@ -308,6 +326,9 @@ class PromptEncoder(nn.Module):
                                  mask_positions=self._mask_positions(tpl, attention_mask))
         if self.denoise:
             vec = vec - self.template_bias(tpl, self.sentence_lengths(tpl, attention_mask)).to(vec.dtype)
+        if self.pooler.pooler == "topk":
+            vec = topk_token_representation(vec, self.mlm_head, self.backbone.get_input_embeddings().weight,
+                                            self.topk)
         return self.pooler.apply_head(vec)
 
     # ------------------------------------------------------------------ template denoising

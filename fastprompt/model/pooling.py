@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-POOLERS = ("cls", "cls_before_pooler", "mean", "mask", "bn_mlp")
+POOLERS = ("cls", "cls_before_pooler", "mean", "mask", "topk", "bn_mlp")
 MLP_MODES = ("none", "train", "always")
 
 
@@ -12,7 +12,9 @@ class Pooler(nn.Module):
     """Pick the sentence vector and optionally apply a trainable head.
 
     pooler: "cls" ([CLS] state), "cls_before_pooler" ([CLS] state, never a head), "mean" (mean over real
-    tokens), "mask" (state of the first [MASK] token: PromptBERT's template representation), "bn_mlp"
+    tokens), "mask" (state of the template's [MASK] token: PromptBERT's template representation), "topk"
+    (PromptBERT's Eq. 3: the static embeddings of the k tokens the MLM head ranks highest at the [MASK],
+    weighted by their normalised probabilities; see :func:`topk_token_representation`), "bn_mlp"
     ([CLS] state with D2CSE's BatchNorm MLP head).
     mlp: when the head is applied: "none", "train" (SimCSE's ``mlp_only_train``: training only) or "always".
     The head is SimCSE's Linear + Tanh for cls/mean/mask and Linear-BN-ReLU-Linear for bn_mlp.
@@ -47,7 +49,7 @@ class Pooler(nn.Module):
         if self.pooler == "mean":
             m = attention_mask.to(hidden.dtype).unsqueeze(-1)
             return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
-        # mask
+        # mask, topk: the template's [MASK] state
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         if mask_positions is not None:
             return hidden[rows, mask_positions]
@@ -69,3 +71,16 @@ class Pooler(nn.Module):
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
                 mask_token_id: int | None = None, mask_positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.apply_head(self.select(hidden, attention_mask, input_ids, mask_token_id, mask_positions))
+
+
+def topk_token_representation(mask_hidden: torch.Tensor, mlm_head: nn.Module, word_embeddings: torch.Tensor,
+                              k: int) -> torch.Tensor:
+    """PromptBERT's Eq. 3: ``sum_{v in top-k} W_v p(v | h) / sum_{v in top-k} p(v | h)``.
+
+    ``p(v | h)`` is the MLM head's softmax over the vocabulary at the [MASK] state ``h`` (B, hidden);
+    ``W_v`` the static (input) embedding of token v, (vocab, hidden). Differentiable through the probabilities.
+    """
+    probs = mlm_head(mask_hidden).float().softmax(-1)
+    top = probs.topk(k, dim=-1)
+    weights = top.values / top.values.sum(-1, keepdim=True)
+    return torch.einsum("bk,bkh->bh", weights, word_embeddings[top.indices].float()).to(mask_hidden.dtype)
