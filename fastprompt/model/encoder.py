@@ -17,6 +17,7 @@ from .attention import PrefixState, build_prefix_cache, register_attention
 from .config import PromptConfig
 from .pooling import MLP_MODES, Pooler, topk_token_representation
 from .prefix import PrefixPrompt
+from .soft_prompt import InputPrompt, TemplateWords
 from .resolve import resolve_model_path
 from .template import Template, parse_template, wrap_batch
 
@@ -63,8 +64,14 @@ class PromptEncoder(nn.Module):
         self.hidden_size = cfg.hidden_size
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden_size // self.num_heads
         self.prompt_config = prompt_config
+        kind = prompt_config.prompt_type if prompt_config is not None else None
         self.prompt = (PrefixPrompt(prompt_config, self.num_layers, self.num_heads, self.head_dim)
-                       if prompt_config is not None else None)
+                       if kind in ("prefix", "both") else None)
+        self.input_prompt = None
+        if kind in ("input", "both"):
+            self.input_prompt = InputPrompt(prompt_config.input_prompt_length, self.hidden_size)
+            self.input_prompt.reset_parameters(prompt_config.init, prompt_config.init_std,
+                                               self.backbone.get_input_embeddings().weight, tokenizer)
         self.cls_prompt = None
         if prompt_config is not None and prompt_config.cls_prompt:
             cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
@@ -75,6 +82,12 @@ class PromptEncoder(nn.Module):
             template = DEFAULT_TEMPLATE
         self.template = template
         self._template = parse_template(tokenizer, template) if template is not None else None
+        self.template_words = None
+        if prompt_config is not None and prompt_config.optiprompt:
+            if self._template is None:
+                raise ValueError("optiprompt=True makes the template's words trainable: give a template "
+                                 "(or pooler='mask', which defaults to PromptBERT's)")
+            self.template_words = TemplateWords(self._template, self.backbone.get_input_embeddings().weight)
         if denoise and (pooler != "mask" or self._template is None or self._template.mask_token_id is None):
             raise ValueError("denoise=True subtracts the template's [MASK] state: it needs pooler='mask' and a "
                              "template with [MASK]")
@@ -92,7 +105,7 @@ class PromptEncoder(nn.Module):
         self.max_length = max_length
         self.attn_backend = attn_backend
         self.prefix_mode = prefix_mode
-        if prompt_config is not None and prompt_config.init == "vocab":
+        if self.prompt is not None and prompt_config.init == "vocab":
             self._init_prefix_from_vocab()
 
     # ------------------------------------------------------------------ construction
@@ -124,6 +137,10 @@ class PromptEncoder(nn.Module):
             pooler = pooler or saved["pooler"]
             mlp = mlp or saved["mlp"]
             max_length = max_length or saved.get("max_length")
+            if (prompt_config is not None and prompt_config.optiprompt and template is not None
+                    and template != saved.get("template")):
+                raise ValueError(f"checkpoint {prompt} trained OptiPrompt vectors for the template "
+                                 f"{saved.get('template')!r}; it cannot be used with another template")
             template = template or saved.get("template")
             denoise = saved.get("denoise", False) if denoise is None else denoise
             topk = topk or saved.get("topk")
@@ -212,7 +229,13 @@ class PromptEncoder(nn.Module):
 
     @property
     def prompt_length(self) -> int:
-        return self.prompt_config.prompt_length if self.prompt_config is not None else 0
+        """Prefix positions per layer (0 without a prefix)."""
+        return self.prompt_config.prompt_length if self.prompt is not None else 0
+
+    @property
+    def input_prompt_length(self) -> int:
+        """Soft tokens inserted into the input sequence (0 without an input prompt)."""
+        return self.input_prompt.length if self.input_prompt is not None else 0
 
     # ------------------------------------------------------------------ tokenisation
     def model_max_tokens(self) -> int:
@@ -222,7 +245,7 @@ class PromptEncoder(nn.Module):
         if positions:
             emb = getattr(self.backbone, "embeddings", None)
             offset = emb.padding_idx + 1 if hasattr(emb, "create_position_ids_from_input_ids") else 0
-            limit = min(limit, positions - offset - self._position_shift())
+            limit = min(limit, positions - offset - self._position_shift() - self.input_prompt_length)
         return limit
 
     def tokenize(self, sentences: list[str], max_length: int | None = None,
@@ -264,15 +287,23 @@ class PromptEncoder(nn.Module):
         offset (RoBERTa's ``padding_idx + 1``) and the "shifted" prefix offset are added here.
         """
         shift = self._position_shift()
-        needs_ids = shift > 0 or self.cls_prompt is not None or self.prefix_mode == "cache" or positions is not None
+        needs_ids = (shift > 0 or self.cls_prompt is not None or self.prefix_mode == "cache" or positions is not None
+                     or self.input_prompt is not None)
         if not needs_ids:
             return None
         emb = self.backbone.embeddings
-        if positions is None:
+        if positions is None and self.input_prompt is None:
             if hasattr(emb, "create_position_ids_from_input_ids"):  # RoBERTa family: offsets by padding_idx
                 return emb.create_position_ids_from_input_ids(input_ids, emb.padding_idx, shift)
             S = input_ids.shape[1]
             return (torch.arange(S, device=input_ids.device) + shift).unsqueeze(0).expand(input_ids.shape[0], -1)
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        if self.input_prompt is not None:  # soft tokens take positions 1..n, the text after them moves by n
+            n = self.input_prompt_length
+            soft = torch.arange(1, n + 1, device=positions.device).expand(positions.shape[0], -1)
+            positions = torch.cat([positions[:, :1], soft, positions[:, 1:] + n], dim=1)
+            attention_mask = self._insert_mask(attention_mask)
         if hasattr(emb, "create_position_ids_from_input_ids"):
             return torch.where(attention_mask.bool(), positions + emb.padding_idx + 1 + shift, emb.padding_idx)
         return positions + shift
@@ -291,14 +322,23 @@ class PromptEncoder(nn.Module):
         if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
                              f"{tuple(attention_mask.shape)} must both be (batch, seq_len)")
-        kwargs = {"token_type_ids": token_type_ids,
-                  "position_ids": self._position_ids(input_ids, attention_mask, positions)}
-        if self.cls_prompt is not None:
-            embeds = self.backbone.get_input_embeddings()(input_ids)
-            cls = self.cls_prompt.to(embeds.dtype).expand(embeds.shape[0], 1, -1)
-            kwargs["inputs_embeds"] = torch.cat([cls, embeds[:, 1:]], dim=1)
-        else:
+        kwargs = {"position_ids": self._position_ids(input_ids, attention_mask, positions)}
+        if self.cls_prompt is None and self.input_prompt is None and self.template_words is None:
             kwargs["input_ids"] = input_ids
+        else:
+            embeds = self.backbone.get_input_embeddings()(input_ids)
+            if self.cls_prompt is not None:
+                cls = self.cls_prompt.to(embeds.dtype).expand(embeds.shape[0], 1, -1)
+                embeds = torch.cat([cls, embeds[:, 1:]], dim=1)
+            if self.template_words is not None:
+                embeds = self.template_words.apply(embeds, input_ids, attention_mask)
+            if self.input_prompt is not None:
+                embeds = self.input_prompt.insert(embeds)
+                attention_mask = self._insert_mask(attention_mask)
+                if token_type_ids is not None:
+                    token_type_ids = self._insert_mask(token_type_ids, fill=0)
+            kwargs["inputs_embeds"] = embeds
+        kwargs["token_type_ids"] = token_type_ids
         layers = self._layer_prefixes()
         if self.prefix_mode == "attention":
             state = PrefixState(layers, attention_mask.bool(), self.attn_backend, _capture)
@@ -306,11 +346,20 @@ class PromptEncoder(nn.Module):
         elif self.prompt is None:
             out = self.backbone(attention_mask=attention_mask, **kwargs)
         else:
-            B, P = input_ids.shape[0], self.prompt_length
+            B, P = attention_mask.shape[0], self.prompt_length
             cache = build_prefix_cache(layers, B)
             mask = torch.cat([attention_mask.new_ones(B, P), attention_mask], dim=1)
             out = self.backbone(attention_mask=mask, past_key_values=cache, use_cache=True, **kwargs)
-        return out.last_hidden_state
+        hidden = out.last_hidden_state
+        return self.input_prompt.remove(hidden) if self.input_prompt is not None else hidden
+
+    def _insert_mask(self, mask: torch.Tensor, fill: int = 1) -> torch.Tensor:
+        """(B, S) -> (B, S + n): a column per soft input token, right after the first one."""
+        n = self.input_prompt_length
+        if n == 0:
+            return mask
+        soft = mask.new_full((mask.shape[0], n), fill)
+        return torch.cat([mask[:, :1], soft, mask[:, 1:]], dim=1)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None, *,
@@ -406,12 +455,13 @@ class PromptEncoder(nn.Module):
         special = set(self.tokenizer.all_special_ids)
         candidates = torch.tensor([i for i in range(len(self.tokenizer)) if i not in special])
         pick = candidates[torch.randperm(len(candidates))[: self.prompt_length]].unsqueeze(0).to(self.device)
-        capture, prompt = {}, self.prompt
-        self.prompt = None  # run the plain backbone
+        capture, saved = {}, (self.prompt, self.input_prompt, self.template_words)
+        self.prompt = self.input_prompt = self.template_words = None  # run the plain backbone
         try:
             self.hidden_states(pick, torch.ones_like(pick), _capture=capture)
         finally:
-            self.prompt = prompt
+            self.prompt, self.input_prompt, self.template_words = saved
+        prompt = self.prompt
         per_layer = [torch.stack(capture[i]) for i in range(prompt.stored_layers)]  # (2, H, P, D) each
         prompt.load_prefix_(torch.stack(per_layer).to(prompt.prefix.dtype))
 

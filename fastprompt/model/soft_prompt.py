@@ -90,8 +90,8 @@ class TemplateWords(nn.Module):
     def apply(self, embeds: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         """Replace the template words' embeddings by the trainable vectors (out of place, differentiable)."""
         pos = self.positions(attention_mask)
-        found = input_ids.gather(1, pos)
-        if not bool((found == self.token_ids.unsqueeze(0)).all()):
+        found = input_ids.gather(1, pos.clamp(0, input_ids.shape[1] - 1))
+        if not bool(((pos >= 0) & (found == self.token_ids.unsqueeze(0))).all()):
             raise ValueError(f"OptiPrompt: the inputs are not sequences of the template {self.template.text!r} "
                              "(tokenise them with this encoder's tokenize())")
         rows = torch.arange(embeds.shape[0], device=embeds.device).unsqueeze(1).expand_as(pos)
