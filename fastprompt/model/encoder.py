@@ -370,10 +370,22 @@ class PromptEncoder(nn.Module):
         view); it decides where the [MASK] is and which template bias denoising subtracts.
         """
         hidden = self.hidden_states(input_ids, attention_mask, token_type_ids)
+        return self.pool(hidden, input_ids, attention_mask, template=template)
+
+    def pool(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+             template: str | Template | None = None, denoise: bool | None = None) -> torch.Tensor:
+        """Hidden states (B, S, hidden) of rows built with ``template`` -> sentence vectors (B, hidden).
+
+        ``denoise`` overrides the encoder's setting (``None`` keeps it).
+        """
         tpl = self._resolve_template(template)
         vec = self.pooler.select(hidden, attention_mask, input_ids, self.tokenizer.mask_token_id,
                                  mask_positions=self._mask_positions(tpl, attention_mask))
-        if self.denoise:
+        denoise = self.denoise if denoise is None else denoise
+        if denoise:
+            if self.pooler.pooler != "mask" or tpl is None:
+                raise ValueError("denoising subtracts the template's [MASK] state: it needs pooler='mask' and a "
+                                 "template")
             vec = vec - self.template_bias(tpl, self.sentence_lengths(tpl, attention_mask)).to(vec.dtype)
         if self.pooler.pooler == "topk":
             vec = topk_token_representation(vec, self.mlm_head, self.backbone.get_input_embeddings().weight,
