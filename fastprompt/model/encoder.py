@@ -17,8 +17,8 @@ from .attention import PrefixState, build_prefix_cache, register_attention
 from .config import PromptConfig
 from .pooling import MLP_MODES, Pooler, topk_token_representation
 from .prefix import PrefixPrompt
-from .soft_prompt import InputPrompt, TemplateWords
 from .resolve import resolve_model_path
+from .soft_prompt import InputPrompt, TemplateWords
 from .template import Template, parse_template, wrap_batch
 
 logger = logging.getLogger(__name__)
@@ -28,11 +28,15 @@ DEFAULT_TEMPLATE = 'This sentence : "[X]" means [MASK] .'  # PromptBERT's BERT t
 
 
 class PromptEncoder(nn.Module):
-    """A frozen backbone whose every attention layer sees trainable prefix keys/values.
+    """A frozen backbone whose every attention layer sees trainable prefix keys/values (and/or soft input tokens).
 
     Build it with :meth:`from_pretrained` (a base model, optionally with a prompt checkpoint) or
     :meth:`load` (a prompt checkpoint that names its base model). Only the prompt, the [CLS] prompt and the
     pooler head are trainable; :meth:`save` writes only those.
+
+    PromptBERT (``docs/promptbert.md``): ``template`` wraps every sentence, ``pooler="mask"`` takes the
+    template's [MASK] state, ``denoise`` subtracts the template bias, ``pooler="topk"`` is the top-k weighted
+    token representation; ``PromptConfig.prompt_type``/``optiprompt`` add soft input tokens and OptiPrompt.
 
     ``prefix_mode="attention"`` (default) hands each layer its prefix through fastprompt's registered
     attention function and the fused ``prefix_attention`` op; ``"cache"`` is the reference path that expands
