@@ -18,7 +18,7 @@ from .config import PromptConfig
 from .pooling import MLP_MODES, Pooler, topk_token_representation
 from .prefix import PrefixPrompt
 from .resolve import resolve_model_path
-from .soft_prompt import InputPrompt, TemplateWords
+from .soft_prompt import InputPrompt, TemplateWords, random_vocab_ids
 from .template import Template, parse_template, wrap_batch
 
 logger = logging.getLogger(__name__)
@@ -234,7 +234,8 @@ class PromptEncoder(nn.Module):
     @property
     def prompt_length(self) -> int:
         """Prefix positions per layer (0 without a prefix)."""
-        return self.prompt_config.prompt_length if self.prompt is not None else 0
+        has_prefix = self.prompt_config is not None and self.prompt_config.prompt_type != "input"
+        return self.prompt_config.prompt_length if has_prefix else 0
 
     @property
     def input_prompt_length(self) -> int:
@@ -468,9 +469,7 @@ class PromptEncoder(nn.Module):
             raise ValueError("init='vocab' is not defined for a reparameterised (prefix_projection) prompt")
         if self.prefix_mode != "attention":
             raise ValueError("init='vocab' needs prefix_mode='attention'")
-        special = set(self.tokenizer.all_special_ids)
-        candidates = torch.tensor([i for i in range(len(self.tokenizer)) if i not in special])
-        pick = candidates[torch.randperm(len(candidates))[: self.prompt_length]].unsqueeze(0).to(self.device)
+        pick = random_vocab_ids(self.tokenizer, self.prompt_length).unsqueeze(0).to(self.device)
         capture, saved = {}, (self.prompt, self.input_prompt, self.template_words)
         self.prompt = self.input_prompt = self.template_words = None  # run the plain backbone
         try:

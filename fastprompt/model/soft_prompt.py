@@ -71,8 +71,7 @@ class TemplateWords(nn.Module):
         self.template = template
         ids = torch.tensor(template.word_ids(), dtype=torch.long)
         self.register_buffer("token_ids", ids, persistent=False)
-        self.embedding = nn.Parameter(word_embeddings.detach()[ids.to(word_embeddings.device)].clone().float()
-                                      .to(word_embeddings.dtype))
+        self.embedding = nn.Parameter(word_embeddings.detach()[ids.to(word_embeddings.device)].clone())
         start = len(template.lead)
         self._before = torch.tensor([start + i for i in b], dtype=torch.long)
         # index of each ``after`` word counted back from the end of the real tokens
