@@ -16,11 +16,13 @@ from fastprompt.backends import BackendUnavailableError, UnsupportedInputError, 
 #: Implementations of the fused ops (``contrastive_loss``, ``prefix_attention``); see :func:`resolve_backend`.
 BACKENDS = ("auto", "triton", "cpu", "reference")
 #: How the last hidden states become one sentence vector.
-POOLERS = ("cls", "cls_before_pooler", "mean", "mask", "bn_mlp")
+POOLERS = ("cls", "cls_before_pooler", "mean", "mask", "topk", "bn_mlp")
 #: When the pooler's trainable head is applied.
 MLP_MODES = ("none", "train", "always")
 #: How the prefix reaches attention: the fused op, or the DynamicCache reference path.
 PREFIX_MODES = ("attention", "cache")
+#: Kinds of trainable prompt: per-layer prefix key/values, soft input tokens, or both.
+PROMPT_TYPES = ("prefix", "input", "both")
 #: Initialisation of a new prompt.
 INIT_MODES = ("normal", "uniform", "vocab")
 #: Token position ids: standard (0..S-1) or shifted by the prompt length (the papers' transformers 4.2.1 code).

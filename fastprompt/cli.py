@@ -36,7 +36,7 @@ SUBCOMMANDS: list[str] = [
 
 # ------------------------------------------------------------------------------ shared model options
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model/--prompt/--pooler/--max-length/--device/--dtype/--attn-backend/--batch-size, read by
+    """--model/--prompt/--pooler/--max-length/--template/--denoise/--device/--dtype/--attn-backend/--batch-size, read by
     :func:`load_encoder`."""
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="NAME_OR_PATH",
@@ -47,11 +47,19 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "without it the frozen model runs without any prefix")
     g.add_argument("--pooler", choices=POOLERS,
                    help="sentence vector: [CLS] state (cls), [CLS] without head (cls_before_pooler), mean over "
-                        "tokens (mean), [MASK] state of the template (mask), BatchNorm-MLP head (bn_mlp); "
+                        "tokens (mean), [MASK] state of the template (mask), PromptBERT's top-k weighted token "
+                        "embeddings predicted at the [MASK] (topk; needs the MLM head), BatchNorm-MLP head (bn_mlp); "
                         "default: the checkpoint's, else cls")
     g.add_argument("--max-length", type=_positive_int, metavar="N",
                    help="truncate sentences to N tokens (default: the checkpoint's, else min(model max, 512); "
                         "sentence-transformers uses 256 for all-MiniLM-L6-v2)")
+    g.add_argument("--template", metavar="TEXT",
+                   help='PromptBERT template with [X] (the sentence) and [MASK], e.g. \'This sentence : "[X]" means '
+                        '[MASK] .\' (default: the checkpoint\'s; with --pooler mask and none, that one); with a '
+                        'template --max-length counts the sentence\'s own tokens, the template comes on top')
+    g.add_argument("--denoise", action=argparse.BooleanOptionalAction, default=None,
+                   help="PromptBERT template denoising: subtract the [MASK] state of the template fed alone "
+                        "(needs --pooler mask; default: the checkpoint's, else off)")
     g.add_argument("--batch-size", type=_positive_int, default=64, metavar="N", help="sentences per batch (64)")
     g.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available)")
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="backbone weights dtype (float32)")
@@ -68,8 +76,8 @@ def load_encoder(args: argparse.Namespace):
 
     if not args.model and not args.prompt:
         raise ValueError("give --model NAME_OR_PATH, --prompt CHECKPOINT_DIR, or both")
-    kwargs = {"pooler": args.pooler, "max_length": args.max_length, "torch_dtype": getattr(torch, args.dtype),
-              "attn_backend": args.attn_backend}
+    kwargs = {"pooler": args.pooler, "max_length": args.max_length, "template": args.template,
+              "denoise": args.denoise, "torch_dtype": getattr(torch, args.dtype), "attn_backend": args.attn_backend}
     if args.model:
         encoder = PromptEncoder.from_pretrained(args.model, prompt=args.prompt, **kwargs)
     else:

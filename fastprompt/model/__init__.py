@@ -1,4 +1,5 @@
-"""The prompted encoder: trainable prefixes (PrefixPrompt), the frozen backbone wrapper (PromptEncoder), pooling.
+"""The prompted encoder: trainable prefixes (PrefixPrompt), soft input prompts, the frozen backbone wrapper
+(PromptEncoder), pooling, PromptBERT templates and views.
 
 Imported lazily, so that :class:`PromptConfig` (standard library only) loads without torch: a training config
 validates before any model code is imported.
@@ -14,10 +15,16 @@ _LAZY = {
     "POOLERS": ".pooling",
     "MLP_MODES": ".pooling",
     "resolve_model_path": ".resolve",
+    "PROMPTBERT_TEMPLATES": ".promptbert",
+    "PromptBERTConfig": ".promptbert",
+    "TemplateViews": ".promptbert",
+    "tokenize_views": ".promptbert",
+    "embed_views": ".promptbert",
 }
 
 __all__ = ["PromptConfig", "PrefixPrompt", "PromptEncoder", "Pooler", "POOLERS", "MLP_MODES",
-           "DEFAULT_TEMPLATE", "resolve_model_path"]
+           "DEFAULT_TEMPLATE", "resolve_model_path", "PROMPTBERT_TEMPLATES", "PromptBERTConfig", "TemplateViews",
+           "tokenize_views", "embed_views"]
 
 
 def __getattr__(name):

@@ -39,6 +39,8 @@ def save_checkpoint(encoder, checkpoint_dir: str | os.PathLike) -> Path:
         "mlp": encoder.pooler.mlp,
         "max_length": encoder.max_length,
         "template": encoder.template,
+        "denoise": encoder.denoise,
+        "topk": encoder.topk,
     }
     tensors = {k: v.detach().contiguous().cpu() for k, v in encoder.prompt_state_dict().items()}
     with atomic_directory(checkpoint_dir) as tmp:

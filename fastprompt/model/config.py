@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, fields
 
-from fastprompt.choices import INIT_MODES, POSITION_MODES
+from fastprompt.choices import INIT_MODES, POSITION_MODES, PROMPT_TYPES
 from fastprompt.fields import option, validate_fields
 
 __all__ = ["PromptConfig", "INIT_MODES", "POSITION_MODES"]
@@ -21,10 +21,19 @@ class PromptConfig:
     ``prefix_projection`` is PromCSE/DCPCSE's reparameterisation: Embedding(P, hidden) ->
     Linear(hidden, projection_hidden_size) -> Tanh -> Linear(.., 2*layers*hidden). ``init="vocab"`` uses the
     frozen backbone's own per-layer keys/values of P random vocabulary tokens (a data-free warm start) and
-    ignores ``init_std``.
+    ignores ``init_std`` (for input soft tokens: the static embeddings of random vocabulary tokens).
+    ``input_layer_only`` is PromCSE's ablation: keys/values that layer 0 attends to, not tokens that travel up
+    through the layers; soft tokens that do are ``prompt_type="input"``.
     """
 
     prompt_length: int = option(16, "prefix positions P per layer (P-tuning v2's pre_seq_len)", ge=1)
+    prompt_type: str = option("prefix", "deep prompts: trainable keys/values in every attention layer (prefix), "
+                              "soft tokens in the input sequence that pass through every layer (input: prompt "
+                              "tuning, the papers' shallow-prompt ablation), or both", choices=PROMPT_TYPES)
+    input_prompt_length: int = option(16, "soft input tokens inserted right after [CLS] (prompt_type input/both)",
+                                      ge=0)
+    optiprompt: bool = option(False, "the template's words become trainable vectors initialised from their static "
+                              "embeddings (PromptBERT's OptiPrompt; needs a template)")
     prefix_projection: bool = option(False, "reparameterise the prefix through an MLP (PromCSE/DCPCSE)")
     projection_hidden_size: int = option(512, "width of the prefix_projection MLP", ge=1)
     shared_across_layers: bool = option(False, "one prefix shared by every layer (PromCSE's ablation)")

@@ -19,9 +19,11 @@ from fastprompt.choices import BACKENDS, MLP_MODES, POOLERS, PREFIX_MODES, check
 
 from .attention import PrefixState, build_prefix_cache, register_attention
 from .config import PromptConfig
-from .pooling import Pooler
+from .pooling import Pooler, topk_token_representation
 from .prefix import PrefixPrompt
 from .resolve import resolve_model_path
+from .soft_prompt import InputPrompt, TemplateWords, random_vocab_ids
+from .template import Template, parse_template, wrap_batch
 
 logger = logging.getLogger(__name__)
 
@@ -29,11 +31,15 @@ DEFAULT_TEMPLATE = 'This sentence : "[X]" means [MASK] .'  # PromptBERT's BERT t
 
 
 class PromptEncoder(nn.Module):
-    """A frozen backbone whose every attention layer sees trainable prefix keys/values.
+    """A frozen backbone whose every attention layer sees trainable prefix keys/values (and/or soft input tokens).
 
     Build it with :meth:`from_pretrained` (a base model, optionally with a prompt checkpoint) or
     :meth:`load` (a prompt checkpoint that names its base model). Only the prompt, the [CLS] prompt and the
     pooler head are trainable; :meth:`save` writes only those.
+
+    PromptBERT (``docs/promptbert.md``): ``template`` wraps every sentence, ``pooler="mask"`` takes the
+    template's [MASK] state, ``denoise`` subtracts the template bias, ``pooler="topk"`` is the top-k weighted
+    token representation; ``PromptConfig.prompt_type``/``optiprompt`` add soft input tokens and OptiPrompt.
 
     ``prefix_mode="attention"`` (default) hands each layer its prefix through fastprompt's registered
     attention function and the fused ``prefix_attention`` op; ``"cache"`` is the reference path that expands
@@ -42,8 +48,9 @@ class PromptEncoder(nn.Module):
 
     def __init__(self, backbone: nn.Module, tokenizer, prompt_config: PromptConfig | None = None, *,
                  pooler: str = "cls", mlp: str = "none", max_length: int | None = None,
-                 template: str | None = None, attn_backend: str = "auto", prefix_mode: str = "attention",
-                 base_model: str | None = None):
+                 template: str | None = None, denoise: bool = False, topk: int = 10,
+                 mlm_head: nn.Module | None = None, attn_backend: str = "auto",
+                 prefix_mode: str = "attention", base_model: str | None = None):
         super().__init__()
         _check_options(pooler, mlp, attn_backend, prefix_mode)
         cfg = backbone.config
@@ -63,22 +70,48 @@ class PromptEncoder(nn.Module):
         self.hidden_size = cfg.hidden_size
         self.head_dim = getattr(cfg, "head_dim", None) or self.hidden_size // self.num_heads
         self.prompt_config = prompt_config
+        kind = prompt_config.prompt_type if prompt_config is not None else None
         self.prompt = (PrefixPrompt(prompt_config, self.num_layers, self.num_heads, self.head_dim)
-                       if prompt_config is not None else None)
+                       if kind in ("prefix", "both") else None)
+        self.input_prompt = None
+        if kind in ("input", "both"):
+            self.input_prompt = InputPrompt(prompt_config.input_prompt_length, self.hidden_size)
+            self.input_prompt.reset_parameters(prompt_config.init, prompt_config.init_std,
+                                               self.backbone.get_input_embeddings().weight, tokenizer)
         self.cls_prompt = None
         if prompt_config is not None and prompt_config.cls_prompt:
             cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
             init = self.backbone.get_input_embeddings().weight[cls_id].detach().clone()
             self.cls_prompt = nn.Parameter(init)
         self.pooler = Pooler(pooler, self.hidden_size, mlp)
-        if pooler == "mask" and template is None:
+        if pooler in ("mask", "topk") and template is None:
             template = DEFAULT_TEMPLATE
         self.template = template
-        self._template_ids = self._parse_template(template) if template is not None else None
+        self._template = parse_template(tokenizer, template) if template is not None else None
+        self.template_words = None
+        if prompt_config is not None and prompt_config.optiprompt:
+            if self._template is None:
+                raise ValueError("optiprompt=True makes the template's words trainable: give a template "
+                                 "(or pooler='mask', which defaults to PromptBERT's)")
+            self.template_words = TemplateWords(self._template, self.backbone.get_input_embeddings().weight)
+        if denoise and (pooler != "mask" or self._template is None or self._template.mask_token_id is None):
+            raise ValueError("denoise=True subtracts the template's [MASK] state: it needs pooler='mask' and a "
+                             "template with [MASK]")
+        self.denoise = bool(denoise)
+        if pooler == "topk":
+            if mlm_head is None:
+                raise ValueError("pooler 'topk' needs the backbone's MLM head: build the encoder with "
+                                 "PromptEncoder.from_pretrained, which reads it from the checkpoint")
+            if not isinstance(topk, int) or not 1 <= topk <= cfg.vocab_size:
+                raise ValueError(f"topk must be an integer in [1, vocab size {cfg.vocab_size}], got {topk!r}")
+        self.topk = topk
+        self.mlm_head = mlm_head.requires_grad_(False) if mlm_head is not None else None
+        self._bias_cache: dict = {}
+        self._bias_cache_version = None
         self.max_length = max_length
         self.attn_backend = attn_backend
         self.prefix_mode = prefix_mode
-        if prompt_config is not None and prompt_config.init == "vocab":
+        if self.prompt is not None and prompt_config.init == "vocab":
             self._init_prefix_from_vocab()
 
     # ------------------------------------------------------------------ construction
@@ -86,13 +119,17 @@ class PromptEncoder(nn.Module):
     def from_pretrained(cls, model_name_or_path: str | os.PathLike, *, prompt: str | os.PathLike | None = None,
                         prompt_config: PromptConfig | dict | None = None, pooler: str | None = None,
                         mlp: str | None = None, max_length: int | None = None, template: str | None = None,
-                        attn_backend: str = "auto", prefix_mode: str = "attention",
+                        denoise: bool | None = None, topk: int | None = None, attn_backend: str = "auto",
+                        prefix_mode: str = "attention",
                         torch_dtype: torch.dtype | None = None) -> "PromptEncoder":
         """Load a base encoder (local folder, installed model package, or hub id) and attach prompts.
 
         ``prompt``: a checkpoint folder written by :meth:`save`; its prompt, pooler and head are used (an
         explicit ``pooler``/``mlp``/``max_length`` overrides the saved one). Without ``prompt``, a fresh prompt
-        is created from ``prompt_config`` (or none at all: the frozen model as is).
+        is created from ``prompt_config`` (or none at all: the frozen model as is). ``template``/``denoise``:
+        PromptBERT's template and template denoising (see :mod:`fastprompt.model.template`); ``None`` keeps
+        the checkpoint's choice. ``topk``: k of the ``topk`` pooler (10; the MLM head is read from the model
+        folder, see :mod:`fastprompt.model.mlm_head`).
         """
         saved = None
         if prompt is not None:
@@ -106,7 +143,13 @@ class PromptEncoder(nn.Module):
             pooler = pooler or saved["pooler"]
             mlp = mlp or saved["mlp"]
             max_length = max_length or saved.get("max_length")
+            if (prompt_config is not None and prompt_config.optiprompt and template is not None
+                    and template != saved.get("template")):
+                raise ValueError(f"checkpoint {prompt} trained OptiPrompt vectors for the template "
+                                 f"{saved.get('template')!r}; it cannot be used with another template")
             template = template or saved.get("template")
+            denoise = saved.get("denoise", False) if denoise is None else denoise
+            topk = topk or saved.get("topk")
         elif isinstance(prompt_config, dict):
             prompt_config = PromptConfig.from_dict(prompt_config)
         _check_options(pooler or "cls", mlp or "none", attn_backend, prefix_mode)  # before any weights load
@@ -118,8 +161,14 @@ class PromptEncoder(nn.Module):
         except OSError as exc:
             raise FileNotFoundError(f"could not load a Hugging Face model from {model_name_or_path!r} "
                                     f"(resolved to {path!r}): {exc}") from exc
+        mlm_head = None
+        if (pooler or "cls") == "topk":
+            from .mlm_head import load_mlm_head
+
+            mlm_head = load_mlm_head(path, backbone)
         encoder = cls(backbone, tokenizer, prompt_config, pooler=pooler or "cls", mlp=mlp or "none",
-                      max_length=max_length, template=template, attn_backend=attn_backend,
+                      max_length=max_length, template=template, denoise=bool(denoise), topk=topk or 10,
+                      mlm_head=mlm_head, attn_backend=attn_backend,
                       prefix_mode=prefix_mode, base_model=str(model_name_or_path))
         if saved is not None:
             from .checkpoint import load_checkpoint_weights
@@ -198,7 +247,7 @@ class PromptEncoder(nn.Module):
 
     def prompt_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything a checkpoint stores: all parameters and buffers outside the frozen backbone."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith("backbone.")}
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(("backbone.", "mlm_head."))}
 
     @property
     def device(self) -> torch.device:
@@ -206,68 +255,117 @@ class PromptEncoder(nn.Module):
 
     @property
     def prompt_length(self) -> int:
-        return self.prompt_config.prompt_length if self.prompt_config is not None else 0
+        """Prefix positions per layer (0 without a prefix)."""
+        has_prefix = self.prompt_config is not None and self.prompt_config.prompt_type != "input"
+        return self.prompt_config.prompt_length if has_prefix else 0
+
+    @property
+    def input_prompt_length(self) -> int:
+        """Soft tokens inserted into the input sequence (0 without an input prompt)."""
+        return self.input_prompt.length if self.input_prompt is not None else 0
 
     # ------------------------------------------------------------------ tokenisation
-    def _parse_template(self, template: str):
-        if "[X]" not in template:
-            raise ValueError(f"template must contain the sentence placeholder [X]: {template!r}")
-        mask = self.tokenizer.mask_token
-        if "[MASK]" in template and mask is None:
-            raise ValueError("template uses [MASK] but the tokenizer has no mask token")
-        before, after = template.replace("[MASK]", mask or "[MASK]").split("[X]", 1)
-        enc = lambda s: self.tokenizer(s, add_special_tokens=False)["input_ids"] if s.strip() else []  # noqa: E731
-        return enc(before.rstrip()), enc(after.lstrip())
+    def model_max_tokens(self) -> int:
+        """Longest sequence (special tokens included) the backbone's positions and tokenizer allow."""
+        limit = min(self.tokenizer.model_max_length, 512)
+        positions = getattr(self.backbone.config, "max_position_embeddings", None)
+        if positions:
+            emb = getattr(self.backbone, "embeddings", None)
+            offset = emb.padding_idx + 1 if hasattr(emb, "create_position_ids_from_input_ids") else 0
+            limit = min(limit, positions - offset - self._position_shift() - self.input_prompt_length)
+        return limit
 
-    def tokenize(self, sentences: list[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
-        """Token ids padded to the longest sentence (dynamic padding), truncated to ``max_length``."""
+    def tokenize(self, sentences: list[str], max_length: int | None = None,
+                 template: str | Template | None = None) -> dict[str, torch.Tensor]:
+        """Token ids padded to the longest sequence of the batch (dynamic padding).
+
+        Without a template, ``max_length`` bounds the whole sequence (special tokens included), as a Hugging Face
+        tokenizer does. With one (the encoder's, or ``template``), it bounds the sentence's own tokens and the
+        template comes on top, as in PromptBERT's code; the sentence is also cut so that the whole sequence fits
+        :meth:`model_max_tokens`, and the template is never cut.
+        """
         _check_sentences(sentences)
-        max_length = max_length or self.max_length or min(self.tokenizer.model_max_length, 512)
-        if self._template_ids is None:
-            return dict(self.tokenizer(sentences, padding=True, truncation=True, max_length=max_length,
-                                       return_tensors="pt"))
-        # Template: truncate the sentence, never the template, then wrap it with special tokens.
-        before, after = self._template_ids
-        room = max_length - len(before) - len(after) - len(self.tokenizer("")["input_ids"])
-        if room < 1:
-            raise ValueError(f"max_length {max_length} leaves no room for the sentence inside the template")
-        ids = [before + s[:room] + after
-               for s in self.tokenizer(sentences, add_special_tokens=False)["input_ids"]]
-        # The special tokens a single sentence gets ([CLS] ... [SEP], <s> ... </s>): those of an empty input.
-        empty = self.tokenizer("")["input_ids"]
-        lead = 1 if len(empty) >= 2 else 0
-        ids = [empty[:lead] + x + empty[lead:] for x in ids]
+        max_length = max_length or self.max_length
+        tpl = self._resolve_template(template)
+        if tpl is None:
+            return dict(self.tokenizer(sentences, padding=True, truncation=True,
+                                       max_length=max_length or self.model_max_tokens(), return_tensors="pt"))
+        ids = wrap_batch(self.tokenizer, tpl, list(sentences), max_length, self.model_max_tokens())
         return dict(self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt"))
 
+    def _resolve_template(self, template: str | Template | None) -> Template | None:
+        if template is None:
+            return self._template
+        if isinstance(template, Template):
+            return template
+        if self._template is not None and template == self._template.text:
+            return self._template
+        return parse_template(self.tokenizer, template)
+
     # ------------------------------------------------------------------ forward
-    def _position_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor | None:
-        """Explicit position ids where transformers' defaults would be wrong for us, else None."""
-        shift = self.prompt_length if (self.prompt_config and self.prompt_config.position_mode == "shifted") else 0
-        needs_ids = shift > 0 or self.cls_prompt is not None or self.prefix_mode == "cache"
+    def _position_shift(self) -> int:
+        return self.prompt_length if (self.prompt_config and self.prompt_config.position_mode == "shifted") else 0
+
+    def _position_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                      positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """Explicit position ids where transformers' defaults would be wrong for us, else None.
+
+        ``positions``: (B, S) positions of the tokens counted from the first (0 for [CLS]); the backbone's own
+        offset (RoBERTa's ``padding_idx + 1``) and the "shifted" prefix offset are added here.
+        """
+        shift = self._position_shift()
+        needs_ids = (shift > 0 or self.cls_prompt is not None or self.prefix_mode == "cache" or positions is not None
+                     or self.input_prompt is not None)
         if not needs_ids:
             return None
         emb = self.backbone.embeddings
-        if hasattr(emb, "create_position_ids_from_input_ids"):  # RoBERTa family: offsets by padding_idx
-            return emb.create_position_ids_from_input_ids(input_ids, emb.padding_idx, shift)
-        S = input_ids.shape[1]
-        return (torch.arange(S, device=input_ids.device) + shift).unsqueeze(0).expand(input_ids.shape[0], -1)
+        if positions is None and self.input_prompt is None:
+            if hasattr(emb, "create_position_ids_from_input_ids"):  # RoBERTa family: offsets by padding_idx
+                return emb.create_position_ids_from_input_ids(input_ids, emb.padding_idx, shift)
+            S = input_ids.shape[1]
+            return (torch.arange(S, device=input_ids.device) + shift).unsqueeze(0).expand(input_ids.shape[0], -1)
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        if self.input_prompt is not None:  # soft tokens take positions 1..n, the text after them moves by n
+            n = self.input_prompt_length
+            soft = torch.arange(1, n + 1, device=positions.device).expand(positions.shape[0], -1)
+            positions = torch.cat([positions[:, :1], soft, positions[:, 1:] + n], dim=1)
+            attention_mask = self._insert_mask(attention_mask)
+        if hasattr(emb, "create_position_ids_from_input_ids"):
+            return torch.where(attention_mask.bool(), positions + emb.padding_idx + 1 + shift, emb.padding_idx)
+        return positions + shift
 
     def _layer_prefixes(self):
         return self.prompt.layer_prefixes() if self.prompt is not None else [None] * self.num_layers
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      token_type_ids: torch.Tensor | None = None, *, _capture: dict | None = None) -> torch.Tensor:
-        """Last-layer hidden states (B, S, hidden) of the prompted backbone."""
+                      token_type_ids: torch.Tensor | None = None, *, positions: torch.Tensor | None = None,
+                      _capture: dict | None = None) -> torch.Tensor:
+        """Last-layer hidden states (B, S, hidden) of the prompted backbone.
+
+        ``positions`` (optional, (B, S)): each token's position counted from the first token; template denoising
+        uses it to give a template fed alone the positions it has around a sentence.
+        """
         if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
                              f"{tuple(attention_mask.shape)} must both be (batch, seq_len)")
-        kwargs = {"token_type_ids": token_type_ids, "position_ids": self._position_ids(input_ids, attention_mask)}
-        if self.cls_prompt is not None:
-            embeds = self.backbone.get_input_embeddings()(input_ids)
-            cls = self.cls_prompt.to(embeds.dtype).expand(embeds.shape[0], 1, -1)
-            kwargs["inputs_embeds"] = torch.cat([cls, embeds[:, 1:]], dim=1)
-        else:
+        kwargs = {"position_ids": self._position_ids(input_ids, attention_mask, positions)}
+        if self.cls_prompt is None and self.input_prompt is None and self.template_words is None:
             kwargs["input_ids"] = input_ids
+        else:
+            embeds = self.backbone.get_input_embeddings()(input_ids)
+            if self.cls_prompt is not None:
+                cls = self.cls_prompt.to(embeds.dtype).expand(embeds.shape[0], 1, -1)
+                embeds = torch.cat([cls, embeds[:, 1:]], dim=1)
+            if self.template_words is not None:
+                embeds = self.template_words.apply(embeds, input_ids, attention_mask)
+            if self.input_prompt is not None:
+                embeds = self.input_prompt.insert(embeds)
+                attention_mask = self._insert_mask(attention_mask)
+                if token_type_ids is not None:
+                    token_type_ids = self._insert_mask(token_type_ids, fill=0)
+            kwargs["inputs_embeds"] = embeds
+        kwargs["token_type_ids"] = token_type_ids
         layers = self._layer_prefixes()
         if self.prefix_mode == "attention":
             state = PrefixState(layers, attention_mask.bool(), self.attn_backend, _capture)
@@ -275,22 +373,120 @@ class PromptEncoder(nn.Module):
         elif self.prompt is None:
             out = self.backbone(attention_mask=attention_mask, **kwargs)
         else:
-            B, P = input_ids.shape[0], self.prompt_length
+            B, P = attention_mask.shape[0], self.prompt_length
             cache = build_prefix_cache(layers, B)
             mask = torch.cat([attention_mask.new_ones(B, P), attention_mask], dim=1)
             out = self.backbone(attention_mask=mask, past_key_values=cache, use_cache=True, **kwargs)
-        return out.last_hidden_state
+        hidden = out.last_hidden_state
+        return self.input_prompt.remove(hidden) if self.input_prompt is not None else hidden
+
+    def _insert_mask(self, mask: torch.Tensor, fill: int = 1) -> torch.Tensor:
+        """(B, S) -> (B, S + n): a column per soft input token, right after the first one."""
+        n = self.input_prompt_length
+        if n == 0:
+            return mask
+        soft = mask.new_full((mask.shape[0], n), fill)
+        return torch.cat([mask[:, :1], soft, mask[:, 1:]], dim=1)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                token_type_ids: torch.Tensor | None = None, *, head: bool = True) -> torch.Tensor:
+                token_type_ids: torch.Tensor | None = None, *,
+                template: str | Template | None = None, head: bool = True) -> torch.Tensor:
         """Pooled sentence embeddings (B, hidden); the pooler head follows its train/eval mode.
 
         ``head=False`` returns the vectors before the head: training applies the head on the loss side, over
         the whole global batch (see :class:`~fastprompt.model.pooling.Pooler`).
+
+        ``template``: the template the rows were tokenised with, when not the encoder's own (PromptBERT's second
+        view); it decides where the [MASK] is and which template bias denoising subtracts.
         """
         hidden = self.hidden_states(input_ids, attention_mask, token_type_ids)
-        vec = self.pooler.pool(hidden, attention_mask, input_ids, self.tokenizer.mask_token_id)
+        return self.pool(hidden, input_ids, attention_mask, template=template, head=head)
+
+    def pool(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+             template: str | Template | None = None, denoise: bool | None = None,
+             head: bool = True) -> torch.Tensor:
+        """Hidden states (B, S, hidden) of rows built with ``template`` -> sentence vectors (B, hidden).
+
+        ``denoise`` overrides the encoder's setting (``None`` keeps it); ``head=False`` skips the pooler head.
+        """
+        tpl = self._resolve_template(template)
+        vec = self.pooler.select(hidden, attention_mask, input_ids, self.tokenizer.mask_token_id,
+                                 mask_positions=self._mask_positions(tpl, attention_mask))
+        denoise = self.denoise if denoise is None else denoise
+        if denoise:
+            if self.pooler.pooler != "mask" or tpl is None:
+                raise ValueError("denoising subtracts the template's [MASK] state: it needs pooler='mask' and a "
+                                 "template")
+            vec = vec - self.template_bias(tpl, self.sentence_lengths(tpl, attention_mask)).to(vec.dtype)
+        if self.pooler.pooler == "topk":
+            vec = topk_token_representation(vec, self.mlm_head, self.backbone.get_input_embeddings().weight,
+                                            self.topk)
         return self.pooler.apply_head(vec) if head else vec
+
+    # ------------------------------------------------------------------ template denoising
+    @staticmethod
+    def _mask_positions(tpl: Template | None, attention_mask: torch.Tensor) -> torch.Tensor | None:
+        """(B,) index of the template's [MASK] in each right-padded row, found from the template's structure
+        (a literal mask token inside a sentence cannot be taken for it)."""
+        if tpl is None or tpl.mask_token_id is None or tpl.mask_token_id not in tpl.alone():
+            return None
+        index = tpl.mask_index()
+        if index < tpl.sentence_start:
+            return torch.full((attention_mask.shape[0],), index, device=attention_mask.device, dtype=torch.long)
+        from_end = len(tpl.alone()) - index
+        return attention_mask.sum(1).long() - from_end
+
+    @staticmethod
+    def sentence_lengths(tpl: Template, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B,) number of sentence tokens in each row of sequences built with ``tpl``."""
+        lengths = attention_mask.sum(1).long() - tpl.overhead
+        if bool((lengths < 0).any()):
+            raise ValueError(f"rows are shorter than the template {tpl.text!r}: were they built with it?")
+        return lengths
+
+    def template_inputs(self, tpl: Template, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The template fed alone, one row per length L, with the positions it has around an L-token sentence
+        (tokens after [X] shifted by L): ``(input_ids, positions)``, both (len(lengths), template tokens)."""
+        ids = torch.tensor(tpl.alone(), device=lengths.device)
+        T = ids.numel()
+        positions = torch.arange(T, device=lengths.device).unsqueeze(0) + \
+            (torch.arange(T, device=lengths.device) >= tpl.sentence_start).long().unsqueeze(0) * lengths.unsqueeze(1)
+        return ids.unsqueeze(0).expand(len(lengths), -1), positions
+
+    def template_bias(self, template: str | Template | None, lengths: torch.Tensor) -> torch.Tensor:
+        """PromptBERT's template bias: the [MASK] state of the template alone, for each sentence length, (B, hidden).
+
+        In training it is recomputed on every call (dropout and gradients as for the sentences, once per distinct
+        length of the batch). In evaluation (``eval()`` and no autograd) it depends only on (template, length)
+        and the weights, so it is cached per (template, length) until a parameter changes.
+        """
+        tpl = self._resolve_template(template)
+        if tpl is None:
+            raise ValueError("template_bias needs a template")
+        uniq, inverse = torch.unique(lengths, return_inverse=True)
+        cached = not self.training and not torch.is_grad_enabled()
+        if not cached:
+            return self._bias_for(tpl, uniq)[inverse]
+        version = tuple((id(p), p._version) for p in self.parameters())
+        if version != self._bias_cache_version:
+            self._bias_cache, self._bias_cache_version = {}, version
+        key = (tpl.text, self.device, next(self.backbone.parameters()).dtype)
+        store = self._bias_cache.setdefault(key, {})
+        missing = [int(L) for L in uniq.tolist() if int(L) not in store]
+        if missing:
+            new = self._bias_for(tpl, torch.tensor(missing, device=lengths.device))
+            store.update(zip(missing, new))
+        return torch.stack([store[int(L)] for L in uniq.tolist()])[inverse]
+
+    def _bias_for(self, tpl: Template, lengths: torch.Tensor) -> torch.Tensor:
+        ids, positions = self.template_inputs(tpl, lengths)
+        mask = torch.ones_like(ids)
+        hidden = self.hidden_states(ids, mask, positions=positions)
+        return hidden[:, tpl.mask_index()]
+
+    def clear_template_cache(self) -> None:
+        """Forget the cached template biases (they are also dropped whenever a parameter changes in place)."""
+        self._bias_cache, self._bias_cache_version = {}, None
 
     @torch.no_grad()
     def _init_prefix_from_vocab(self):
@@ -299,15 +495,14 @@ class PromptEncoder(nn.Module):
             raise ValueError("init='vocab' is not defined for a reparameterised (prefix_projection) prompt")
         if self.prefix_mode != "attention":
             raise ValueError("init='vocab' needs prefix_mode='attention'")
-        special = set(self.tokenizer.all_special_ids)
-        candidates = torch.tensor([i for i in range(len(self.tokenizer)) if i not in special])
-        pick = candidates[torch.randperm(len(candidates))[: self.prompt_length]].unsqueeze(0).to(self.device)
-        capture, prompt = {}, self.prompt
-        self.prompt = None  # run the plain backbone
+        pick = random_vocab_ids(self.tokenizer, self.prompt_length).unsqueeze(0).to(self.device)
+        capture, saved = {}, (self.prompt, self.input_prompt, self.template_words)
+        self.prompt = self.input_prompt = self.template_words = None  # run the plain backbone
         try:
             self.hidden_states(pick, torch.ones_like(pick), _capture=capture)
         finally:
-            self.prompt = prompt
+            self.prompt, self.input_prompt, self.template_words = saved
+        prompt = self.prompt
         per_layer = [torch.stack(capture[i]) for i in range(prompt.stored_layers)]  # (2, H, P, D) each
         prompt.load_prefix_(torch.stack(per_layer).to(prompt.prefix.dtype))
 

@@ -6,14 +6,16 @@ from torch import nn
 
 from fastprompt.choices import MLP_MODES, POOLERS, check_choice
 
-__all__ = ["Pooler", "POOLERS", "MLP_MODES"]
+__all__ = ["Pooler", "POOLERS", "MLP_MODES", "topk_token_representation"]
 
 
 class Pooler(nn.Module):
     """Pick the sentence vector and optionally apply a trainable head.
 
     pooler: "cls" ([CLS] state), "cls_before_pooler" ([CLS] state, never a head), "mean" (mean over real
-    tokens), "mask" (state of the first [MASK] token: PromptBERT's template representation), "bn_mlp"
+    tokens), "mask" (state of the template's [MASK] token: PromptBERT's template representation), "topk"
+    (PromptBERT's Eq. 3: the static embeddings of the k tokens the MLM head ranks highest at the [MASK],
+    weighted by their normalised probabilities; see :func:`topk_token_representation`), "bn_mlp"
     ([CLS] state with D2CSE's BatchNorm MLP head).
     mlp: when the head is applied: "none", "train" (SimCSE's ``mlp_only_train``: training only) or "always".
     The head is SimCSE's Linear + Tanh for cls/mean/mask and Linear-BN-ReLU-Linear for bn_mlp.
@@ -38,32 +40,50 @@ class Pooler(nn.Module):
         else:
             self.head = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh())
 
-    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
-                mask_token_id: int | None = None) -> torch.Tensor:
-        return self.apply_head(self.pool(hidden, attention_mask, input_ids, mask_token_id))
+    def select(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
+               mask_token_id: int | None = None, mask_positions: torch.Tensor | None = None) -> torch.Tensor:
+        """The sentence vector before the head: (B, S, hidden) states -> (B, hidden).
+
+        ``mask_positions`` ((B,) indices, optional) locates the template's [MASK] directly; without it the
+        first mask token of each row is taken.
+        """
+        if self.pooler in ("cls", "cls_before_pooler", "bn_mlp"):
+            return hidden[:, 0]
+        if self.pooler == "mean":
+            m = attention_mask.to(hidden.dtype).unsqueeze(-1)
+            return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+        # mask, topk: the template's [MASK] state
+        rows = torch.arange(hidden.shape[0], device=hidden.device)
+        if mask_positions is not None:
+            return hidden[rows, mask_positions]
+        if input_ids is None or mask_token_id is None:
+            raise ValueError("pooler 'mask' needs input_ids and a tokenizer with a mask token")
+        is_mask = input_ids == mask_token_id
+        missing = ~is_mask.any(1)
+        if missing.any():
+            raise ValueError(f"pooler 'mask': {int(missing.sum())} input(s) contain no mask token; "
+                             "encode with a template that contains [MASK]")
+        return hidden[rows, is_mask.to(torch.int8).argmax(1)]
 
     def apply_head(self, vec: torch.Tensor) -> torch.Tensor:
-        """The trainable head over (rows, hidden) pooled vectors, when the mlp mode uses it in this mode."""
+        """The trainable head, when the mlp mode applies it in the current train/eval mode."""
         if self.head is not None and (self.mlp == "always" or self.training):
-            return self.head(vec)
+            vec = self.head(vec)
         return vec
 
-    def pool(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
-             mask_token_id: int | None = None) -> torch.Tensor:
-        """The sentence vector before the head: (B, S, hidden) -> (B, hidden)."""
-        if self.pooler in ("cls", "cls_before_pooler", "bn_mlp"):
-            vec = hidden[:, 0]
-        elif self.pooler == "mean":
-            m = attention_mask.to(hidden.dtype).unsqueeze(-1)
-            vec = (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
-        else:  # mask
-            if input_ids is None or mask_token_id is None:
-                raise ValueError("pooler 'mask' needs input_ids and a tokenizer with a mask token")
-            is_mask = input_ids == mask_token_id
-            missing = ~is_mask.any(1)
-            if missing.any():
-                raise ValueError(f"pooler 'mask': {int(missing.sum())} input(s) contain no mask token; "
-                                 "encode with a template that contains [MASK]")
-            first = is_mask.to(torch.int8).argmax(1)
-            vec = hidden[torch.arange(hidden.shape[0], device=hidden.device), first]
-        return vec
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
+                mask_token_id: int | None = None, mask_positions: torch.Tensor | None = None) -> torch.Tensor:
+        return self.apply_head(self.select(hidden, attention_mask, input_ids, mask_token_id, mask_positions))
+
+
+def topk_token_representation(mask_hidden: torch.Tensor, mlm_head: nn.Module, word_embeddings: torch.Tensor,
+                              k: int) -> torch.Tensor:
+    """PromptBERT's Eq. 3: ``sum_{v in top-k} W_v p(v | h) / sum_{v in top-k} p(v | h)``.
+
+    ``p(v | h)`` is the MLM head's softmax over the vocabulary at the [MASK] state ``h`` (B, hidden);
+    ``W_v`` the static (input) embedding of token v, (vocab, hidden). Differentiable through the probabilities.
+    """
+    probs = mlm_head(mask_hidden).float().softmax(-1)
+    top = probs.topk(k, dim=-1)
+    weights = top.values / top.values.sum(-1, keepdim=True)
+    return torch.einsum("bk,bkh->bh", weights, word_embeddings[top.indices].float()).to(mask_hidden.dtype)

@@ -134,8 +134,10 @@ def test_mask_pooler_uses_template(tiny_bert_dir):
     batch = enc.tokenize(SENTENCES)
     assert ((batch["input_ids"] == enc.tokenizer.mask_token_id).sum(1) == 1).all()
     assert enc.encode(SENTENCES).shape == (4, 32)
+    # with a template, max_length counts the sentence's tokens; the template comes on top
     truncated = enc.tokenize(["the dog " * 50], max_length=20)["input_ids"]
-    assert truncated.shape[1] == 20 and (truncated == enc.tokenizer.mask_token_id).sum() == 1
+    assert truncated.shape[1] == 20 + enc._template.overhead
+    assert (truncated == enc.tokenizer.mask_token_id).sum() == 1
 
 
 @pytest.mark.parametrize("bad,err", [([], ValueError), ("a sentence", TypeError), (["ok", 3], TypeError),
@@ -155,7 +157,7 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("option,value,allowed", [
     ("attn_backend", "bogus", "auto, triton, cpu, reference"),
-    ("pooler", "max", "cls, cls_before_pooler, mean, mask, bn_mlp"),
+    ("pooler", "max", "cls, cls_before_pooler, mean, mask, topk, bn_mlp"),
     ("mlp", "sometimes", "none, train, always"),
     ("prefix_mode", "kv", "attention, cache"),
 ])

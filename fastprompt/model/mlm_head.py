@@ -1,0 +1,75 @@
+"""The backbone's masked-language-model head, read from its checkpoint (needed by the ``topk`` pooler).
+
+:class:`PromptEncoder` loads the backbone with ``AutoModel``, which drops the MLM head; this reads just the head's
+tensors (``cls.predictions.*`` for BERT, ``lm_head.*`` for RoBERTa, from ``model.safetensors`` or a sharded
+safetensors index) into the head module of the matching ``AutoModelForMaskedLM`` class, built on the meta
+device so the rest of that model costs nothing. The decoder shares the backbone's word embeddings, as in BERT
+and RoBERTa, unless the checkpoint stores its own.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from torch import nn
+
+HEAD_ATTRIBUTES = ("cls", "lm_head")  # BertForMaskedLM.cls, RobertaForMaskedLM.lm_head
+NO_HEAD_HINT = ("the topk pooler needs a checkpoint saved from a *ForMaskedLM model (e.g. bert-base-uncased, "
+                "roberta-base), or choose another pooler (mask, cls, mean)")
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        import json
+
+        return sorted({path / f for f in json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()})
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise FileNotFoundError(f"no model.safetensors in {path}: the MLM head is only read from safetensors; "
+                            + NO_HEAD_HINT)
+
+
+def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module) -> nn.Module:
+    """The frozen MLM head of the checkpoint at ``model_path``, on the backbone's device and dtype.
+
+    ``head(hidden) -> logits`` over the vocabulary. A clear ``ValueError`` when the checkpoint has no head.
+    """
+    from transformers import AutoModelForMaskedLM
+
+    path = Path(model_path)
+    try:
+        with torch.device("meta"):
+            mlm = AutoModelForMaskedLM.from_config(backbone.config)
+    except ValueError as exc:
+        raise ValueError(f"{backbone.config.model_type} has no masked-LM class in transformers: {exc}") from exc
+    name = next((a for a in HEAD_ATTRIBUTES if isinstance(getattr(mlm, a, None), nn.Module)), None)
+    if name is None:
+        raise ValueError(f"{type(mlm).__name__} keeps its MLM head under none of {HEAD_ATTRIBUTES}; " + NO_HEAD_HINT)
+    head = getattr(mlm, name)
+    prefix = name + "."
+    tensors = {}
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            tensors.update({k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)})
+    if not tensors:
+        raise ValueError(f"{path} holds no MLM head weights ({prefix}*): {NO_HEAD_HINT}")
+    emb = backbone.get_input_embeddings().weight
+    head.to_empty(device=emb.device)
+    decoder = head.get_output_embeddings() if hasattr(head, "get_output_embeddings") else None
+    decoder = decoder or getattr(getattr(head, "predictions", head), "decoder")
+    missing, unexpected = head.load_state_dict(tensors, strict=False)
+    missing = [k for k in missing if not k.endswith("decoder.weight") and not k.endswith("decoder.bias")]
+    if missing or unexpected:
+        raise ValueError(f"MLM head weights in {path} do not match {type(mlm).__name__}: missing {missing}, "
+                         f"unexpected {unexpected}")
+    if not any(k.endswith("decoder.weight") for k in tensors):
+        decoder.weight = emb  # tied to the word embeddings, as the pretrained model is
+    # BERT and RoBERTa share the decoder's bias with the head's ``bias``; to_empty gave each its own storage
+    owner = next(m for m in head.modules() if getattr(m, "decoder", None) is decoder)
+    if isinstance(getattr(owner, "bias", None), nn.Parameter) and not any(k.endswith("decoder.bias") for k in tensors):
+        decoder.bias = owner.bias
+    return head.to(emb.dtype).requires_grad_(False).eval()

@@ -1,0 +1,98 @@
+"""Input-level soft prompts: trainable vectors in the input embedding sequence, which pass through every layer.
+
+Two kinds, both used by :class:`~fastprompt.model.PromptEncoder`:
+
+- :class:`InputPrompt` (``prompt_type="input"`` or ``"both"``): ``n`` vectors inserted right after the first
+  token ([CLS] / <s>), as prompt tuning / P-tuning and the shallow-prompt ablations of DCPCSE and PromCSE. The
+  first token stays first, so the [CLS] pooler is unchanged; the encoder drops the vectors' output states, so
+  every pooler and token-level head sees states aligned with the input ids.
+- :class:`TemplateWords` (OptiPrompt, ``optiprompt=True``): the words of the template become trainable
+  vectors, initialised from their static token embeddings; the sentence and the [MASK] keep their embeddings.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def random_vocab_ids(tokenizer, n: int, generator: torch.Generator | None = None) -> torch.Tensor:
+    """``n`` random non-special token ids (the data-free "vocab" initialisation)."""
+    special = set(tokenizer.all_special_ids)
+    candidates = torch.tensor([i for i in range(len(tokenizer)) if i not in special])
+    return candidates[torch.randperm(len(candidates), generator=generator)[:n]]
+
+
+class InputPrompt(nn.Module):
+    """``length`` trainable input embeddings, shape (length, hidden); ``length`` may be 0 (the plain model)."""
+
+    def __init__(self, length: int, hidden_size: int):
+        super().__init__()
+        self.length = length
+        self.embedding = nn.Parameter(torch.empty(length, hidden_size))
+
+    @torch.no_grad()
+    def reset_parameters(self, init: str, std: float, word_embeddings: torch.Tensor | None = None, tokenizer=None):
+        """``normal``/``uniform`` with scale ``std``, or ``vocab``: the static embeddings of random tokens."""
+        if init == "vocab":
+            ids = random_vocab_ids(tokenizer, self.length).to(word_embeddings.device)
+            self.embedding.copy_(word_embeddings[ids])
+        elif init == "uniform":
+            nn.init.uniform_(self.embedding, -std, std)
+        else:
+            nn.init.normal_(self.embedding, std=std)
+
+    def insert(self, embeds: torch.Tensor) -> torch.Tensor:
+        """(B, S, hidden) -> (B, S + length, hidden): the vectors right after the first token."""
+        if self.length == 0:
+            return embeds
+        soft = self.embedding.to(embeds.dtype).unsqueeze(0).expand(embeds.shape[0], -1, -1)
+        return torch.cat([embeds[:, :1], soft, embeds[:, 1:]], dim=1)
+
+    def remove(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, S + length, hidden) -> (B, S, hidden): drop the vectors' output states."""
+        if self.length == 0:
+            return hidden
+        return torch.cat([hidden[:, :1], hidden[:, 1 + self.length:]], dim=1)
+
+
+class TemplateWords(nn.Module):
+    """OptiPrompt: one trainable vector per template word, initialised from its static token embedding.
+
+    ``slots_before``/``slots_after`` are the words' indices inside the template's ``before`` and ``after``
+    parts (see :meth:`~fastprompt.model.template.Template.word_slots`); :meth:`apply` finds them in each
+    sequence from its length, so padding and sentence lengths never move them.
+    """
+
+    def __init__(self, template, word_embeddings: torch.Tensor):
+        super().__init__()
+        b, a = template.word_slots()
+        if not b and not a:
+            raise ValueError(f"OptiPrompt: template {template.text!r} has no words besides [X] and [MASK]")
+        self.template = template
+        ids = torch.tensor(template.word_ids(), dtype=torch.long)
+        self.register_buffer("token_ids", ids, persistent=False)
+        self.embedding = nn.Parameter(word_embeddings.detach()[ids.to(word_embeddings.device)].clone())
+        start = len(template.lead)
+        self._before = torch.tensor([start + i for i in b], dtype=torch.long)
+        # index of each ``after`` word counted back from the end of the real tokens
+        tail = len(template.after) + len(template.trail)
+        self._after_from_end = torch.tensor([tail - i for i in a], dtype=torch.long)
+
+    def positions(self, attention_mask: torch.Tensor) -> torch.Tensor:
+        """(B, words) index of every template word in each (right-padded) sequence."""
+        B, dev = attention_mask.shape[0], attention_mask.device
+        lengths = attention_mask.sum(1, keepdim=True).long()
+        before = self._before.to(dev).unsqueeze(0).expand(B, -1)
+        after = lengths - self._after_from_end.to(dev).unsqueeze(0)
+        return torch.cat([before, after], dim=1)
+
+    def apply(self, embeds: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Replace the template words' embeddings by the trainable vectors (out of place, differentiable)."""
+        pos = self.positions(attention_mask)
+        found = input_ids.gather(1, pos.clamp(0, input_ids.shape[1] - 1))
+        if not bool(((pos >= 0) & (found == self.token_ids.unsqueeze(0))).all()):
+            raise ValueError(f"OptiPrompt: the inputs are not sequences of the template {self.template.text!r} "
+                             "(tokenise them with this encoder's tokenize())")
+        rows = torch.arange(embeds.shape[0], device=embeds.device).unsqueeze(1).expand_as(pos)
+        values = self.embedding.to(embeds.dtype).unsqueeze(0).expand(embeds.shape[0], -1, -1)
+        return embeds.index_put((rows, pos), values)
