@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The README's main command: set everything up, then train deep prompts on all-MiniLM-L6-v2 from the
 # Wikipedia sentences embedded in the gensim wheel (no downloads), then evaluate on STS.
-# About 10 minutes on 2 CPU cores. Re-running resumes (or, when finished, just re-evaluates).
+# A few minutes on 2 CPU cores (measured: docs/training.md, Quickstart). Re-running resumes (or, when finished,
+# just re-evaluates). The summary compares the trained prompt with the frozen model (frozen_baseline).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

@@ -88,6 +88,12 @@ def _print_summary(summary: dict) -> None:
 
         print("STS test (Spearman x 100) of the best checkpoint:", file=out)
         print(format_sts_table(summary["test"]), file=out)
+        frozen = summary.get("frozen_baseline")
+        if frozen:
+            gain = summary["test"]["avg"] - frozen["test"]["avg"]
+            print(f"the frozen base model ({frozen['pooler']} pooling, no prompt): STS-B dev "
+                  f"{frozen['stsb_dev']:.2f}, seven-task average {frozen['test']['avg']:.2f}; trained prompt: "
+                  f"{gain:+.2f} points", file=out)
     if summary["best_checkpoint"]:
         print(f"best checkpoint: {summary['best_checkpoint']}", file=out)
     print(f"last checkpoint: {summary['last_checkpoint']}" + ("  (resume: run the same command again)"

@@ -303,6 +303,24 @@ class Trainer:
             return evaluate_sts(self.encoder, self.config.evaluation.sts_dir,
                                 batch_size=self.config.evaluation.eval_batch_size)
 
+    def evaluate_frozen_baseline(self) -> dict[str, Any]:
+        """STS-B dev and the seven test tasks of the base model as a user gets it: same pooler, no prompt, no
+        trained head (a pooler that exists only with a trained head falls back to [CLS])."""
+        from fastprompt.eval.sts import evaluate_sts, score_sts
+        from fastprompt.model import PromptEncoder
+
+        enc = self.config.encoder
+        pooler = "cls" if enc.pooler in ("bn_mlp", "topk") else enc.pooler
+        frozen = PromptEncoder.from_pretrained(enc.model, pooler=pooler, mlp="none", attn_backend=enc.attn_backend)
+        frozen.to(self.device).eval()
+        batch_size = self.config.evaluation.eval_batch_size
+        with self.autocast():
+            dev = score_sts(frozen, self.dev_data, batch_size=batch_size, show_progress_bar=False)
+            test = evaluate_sts(frozen, self.config.evaluation.sts_dir, batch_size=batch_size)
+        logger.info("frozen %s (%s pooling): STS-B dev %.2f, seven-task average %.2f", enc.model, pooler,
+                    dev["stsb"], test["avg"])
+        return {"pooler": pooler, "stsb_dev": float(dev["stsb"]), "test": test}
+
     def save_last(self) -> Path:
         """Write ``last/``: prompt checkpoint + everything needed to resume exactly (main process only)."""
         self._last_saved_step = self.state.global_step
@@ -438,6 +456,7 @@ class Trainer:
         if (status == "completed" and cfg.evaluation.sts_dir is not None and cfg.evaluation.final_eval
                 and self.dist.is_main and self.best_dir.is_dir()):
             test = self.evaluate_test(self.best_dir)
+        frozen = self.evaluate_frozen_baseline() if test is not None and cfg.evaluation.frozen_baseline else None
         summary = {
             "status": status,
             "global_step": st.global_step,
@@ -447,6 +466,7 @@ class Trainer:
             "best_step": st.best_step,
             "dev_history": st.dev_history,
             "test": test,
+            "frozen_baseline": frozen,
             "nonfinite_steps": st.nonfinite_total,
             "train_seconds": round(st.train_seconds, 2),
             "output_dir": str(self.output_dir),

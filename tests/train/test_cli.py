@@ -1,7 +1,9 @@
 """`fastprompt train`: config + --set overrides, printed summary, exit codes."""
 import argparse
+import json
 import sys
 
+import pytest
 import yaml
 
 from fastprompt.train.cli import add_train_parser
@@ -51,3 +53,25 @@ def test_print_config_and_bad_override(base_config, tmp_path, capsys):
     assert printed["learning_rate"] == 0.005 and printed["batch_size"] == 8
     assert _main(["train", "--config", str(path), "--set", "btach_size=4"]) == 2
     assert "unknown config key 'btach_size'" in capsys.readouterr().err
+
+
+def test_summary_compares_with_the_frozen_base_model(base_config, tiny_sts_dir, tmp_path, capsys):
+    """frozen_baseline: the summary holds the untouched model's scores, the same as evaluating it directly."""
+    from fastprompt.eval.sts import evaluate_sts
+    from fastprompt.model import PromptEncoder
+
+    cfg = base_config(max_steps=2, pooler="mean")
+    path = _write(tmp_path, cfg)
+    out_dir = tmp_path / "frozen-run"
+    rc = _main(["train", "--config", str(path), "--set", f"sts_dir={tiny_sts_dir}", "--set", "eval_steps=2",
+                "--set", "frozen_baseline=true", "--output-dir", str(out_dir)])
+    printed = capsys.readouterr().out
+    assert rc == 0
+    summary = json.loads((out_dir / "summary.json").read_text())
+    frozen = summary["frozen_baseline"]
+    assert frozen["pooler"] == "mean" and set(frozen["test"]) == set(summary["test"])
+    direct = evaluate_sts(PromptEncoder.from_pretrained(cfg["model"], pooler="mean").eval(), tiny_sts_dir)
+    assert frozen["test"] == pytest.approx(direct, abs=1e-9)
+    gain = summary["test"]["avg"] - frozen["test"]["avg"]
+    assert (f"the frozen base model (mean pooling, no prompt): STS-B dev {frozen['stsb_dev']:.2f}, seven-task "
+            f"average {frozen['test']['avg']:.2f}; trained prompt: {gain:+.2f} points") in printed
