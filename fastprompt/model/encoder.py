@@ -11,13 +11,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoModel, AutoTokenizer
 
 from .attention import PrefixState, build_prefix_cache, register_attention
+from .backbone import load_backbone, max_input_length
 from .config import PromptConfig
+from .device import resolve_device, warn_if_slow
 from .pooling import MLP_MODES, Pooler
 from .prefix import PrefixPrompt
-from .resolve import resolve_model_path
+from .resolve import model_reference
 
 logger = logging.getLogger(__name__)
 
@@ -73,11 +74,17 @@ class PromptEncoder(nn.Module):
             template = DEFAULT_TEMPLATE
         self.template = template
         self._template_ids = self._parse_template(template) if template is not None else None
+        shifted = prompt_config is not None and prompt_config.position_mode == "shifted"
+        #: the most tokens one input may have (the backbone's position table), None when unbounded
+        self.max_input_length = max_input_length(self.backbone, self.prompt_length if shifted else 0)
+        self.check_max_length(max_length)
         self.max_length = max_length
         self.attn_backend = attn_backend
         self.prefix_mode = prefix_mode
+        self._speed_checked = True
         if prompt_config is not None and prompt_config.init == "vocab":
             self._init_prefix_from_vocab()
+        self._speed_checked = False  # the first user forward warns about a slow dtype/device combination
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -107,17 +114,11 @@ class PromptEncoder(nn.Module):
             template = template or saved.get("template")
         elif isinstance(prompt_config, dict):
             prompt_config = PromptConfig.from_dict(prompt_config)
-        path = resolve_model_path(model_name_or_path)
         attn = register_attention() if prefix_mode == "attention" else "sdpa"
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            backbone = AutoModel.from_pretrained(path, attn_implementation=attn, dtype=torch_dtype)
-        except OSError as exc:
-            raise FileNotFoundError(f"could not load a Hugging Face model from {model_name_or_path!r} "
-                                    f"(resolved to {path!r}): {exc}") from exc
+        tokenizer, backbone = load_backbone(model_name_or_path, attn_implementation=attn, dtype=torch_dtype)
         encoder = cls(backbone, tokenizer, prompt_config, pooler=pooler or "cls", mlp=mlp or "none",
                       max_length=max_length, template=template, attn_backend=attn_backend,
-                      prefix_mode=prefix_mode, base_model=str(model_name_or_path))
+                      prefix_mode=prefix_mode, base_model=model_reference(model_name_or_path))
         if saved is not None:
             from .checkpoint import load_checkpoint_weights
 
@@ -127,20 +128,55 @@ class PromptEncoder(nn.Module):
     @classmethod
     def load(cls, checkpoint_dir: str | os.PathLike, base_model: str | os.PathLike | None = None,
              **kwargs) -> "PromptEncoder":
-        """Load a prompt checkpoint onto its base model (the one it names, or ``base_model``)."""
+        """Load a prompt checkpoint onto its base model (the one it names, or ``base_model``).
+
+        A checkpoint names its base model by absolute path, installed package name or hub id; older ones may hold
+        a relative path, which is tried from the current directory."""
         from .checkpoint import read_checkpoint_config
 
         saved = read_checkpoint_config(checkpoint_dir)
-        base = base_model or saved["base_model"]
+        if base_model is not None:
+            return cls.from_pretrained(base_model, prompt=checkpoint_dir, **kwargs)
+        base = saved["base_model"]
         if not base:
             raise ValueError(f"checkpoint {checkpoint_dir} names no base model; pass base_model=")
-        return cls.from_pretrained(base, prompt=checkpoint_dir, **kwargs)
+        try:
+            return cls.from_pretrained(base, prompt=checkpoint_dir, **kwargs)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"prompt checkpoint {checkpoint_dir} was saved on base model {base!r}, which "
+                                    f"cannot be loaded here ({exc}); pass base_model=PATH_OR_NAME (CLI: --model) "
+                                    "to load the prompt onto a copy of that model") from exc
 
-    def save(self, checkpoint_dir: str | os.PathLike) -> Path:
-        """Write the prompt-only checkpoint (safetensors + JSON), atomically."""
+    def save(self, checkpoint_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+        """Write the prompt-only checkpoint (safetensors + JSON), atomically.
+
+        ``checkpoint_dir`` may be new, an empty folder or an earlier fastprompt checkpoint (which is replaced);
+        anything else (a file, a folder with other content) raises FileExistsError unless ``overwrite=True``,
+        because saving replaces the whole folder."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, checkpoint_dir)
+        return save_checkpoint(self, checkpoint_dir, overwrite=overwrite)
+
+    def check_max_length(self, max_length: int | None) -> None:
+        """ValueError when inputs of ``max_length`` tokens would not fit the backbone's position table."""
+        if max_length is None:
+            return
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+        limit = self.max_input_length
+        if limit is not None and max_length > limit:
+            shifted = self.prompt_config is not None and self.prompt_config.position_mode == "shifted"
+            why = f" minus the {self.prompt_length} prompt positions of position_mode='shifted'" if shifted else ""
+            raise ValueError(f"max_length {max_length} is more tokens than {self.base_model!r} can take: at most "
+                             f"{limit} (its position embeddings{why})")
+
+    def to(self, *args, **kwargs) -> "PromptEncoder":
+        """``nn.Module.to`` that rejects a device this machine does not have with a clear message (torch would
+        fail with an assertion or attribute error from deep inside)."""
+        device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+        if device is not None:
+            resolve_device(device)
+        return super().to(*args, **kwargs)
 
     def gradient_checkpointing_enable(self, enable: bool = True) -> "PromptEncoder":
         """Recompute each backbone layer in backward instead of storing its activations.
@@ -200,7 +236,9 @@ class PromptEncoder(nn.Module):
     def tokenize(self, sentences: list[str], max_length: int | None = None) -> dict[str, torch.Tensor]:
         """Token ids padded to the longest sentence (dynamic padding), truncated to ``max_length``."""
         _check_sentences(sentences)
-        max_length = max_length or self.max_length or min(self.tokenizer.model_max_length, 512)
+        self.check_max_length(max_length)
+        default = min(self.tokenizer.model_max_length, 512, self.max_input_length or 512)
+        max_length = max_length or self.max_length or default
         if self._template_ids is None:
             return dict(self.tokenizer(sentences, padding=True, truncation=True, max_length=max_length,
                                        return_tensors="pt"))
@@ -239,6 +277,11 @@ class PromptEncoder(nn.Module):
         if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
                              f"{tuple(attention_mask.shape)} must both be (batch, seq_len)")
+        if not self._speed_checked:
+            self._speed_checked = True
+            device = self.device
+            autocast = torch.is_autocast_enabled(device.type)
+            warn_if_slow(torch.get_autocast_dtype(device.type) if autocast else self.backbone.dtype, device)
         kwargs = {"token_type_ids": token_type_ids, "position_ids": self._position_ids(input_ids, attention_mask)}
         if self.cls_prompt is not None:
             embeds = self.backbone.get_input_embeddings()(input_ids)
