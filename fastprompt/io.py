@@ -138,6 +138,15 @@ def read_json(path: str | os.PathLike, what: str = "file") -> dict:
     return data
 
 
+def reject_binary(data: bytes, path: str | os.PathLike, first_line: int = 1) -> None:
+    """ValueError when ``data`` holds a NUL byte, which no text file has: the file is binary (an archive, a
+    tensor file, ...), whose bytes may still decode as UTF-8. ``first_line``: the line number ``data`` starts at."""
+    at = data.find(b"\x00")
+    if at >= 0:
+        line_no = first_line + data[:at].count(b"\n")
+        raise ValueError(f"{path}: a binary file, not UTF-8 text (a NUL byte on line {line_no})")
+
+
 def read_utf8_lines(path: str | os.PathLike, what: str = "file") -> list[str]:
     """UTF-8 lines without their terminators (``\\n`` or ``\\r\\n``), with clear errors for a missing file and
     for bytes that are not UTF-8 (naming the line)."""
@@ -145,6 +154,7 @@ def read_utf8_lines(path: str | os.PathLike, what: str = "file") -> list[str]:
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found: {path}")
     data = path.read_bytes()
+    reject_binary(data, path)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

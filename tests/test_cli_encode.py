@@ -82,7 +82,7 @@ def test_encode_with_a_prompt_checkpoint(tmp_path, capsys, input_file, tiny_bert
 
 @pytest.mark.parametrize("case", ["empty-line", "missing-input", "bad-suffix", "not-utf8", "empty-file",
                                   "output-is-a-dir", "output-under-a-file", "cuda-without-gpu", "empty-model-dir",
-                                  "corrupt-prompt", "foreign-prompt"])
+                                  "corrupt-prompt", "foreign-prompt", "binary-input"])
 def test_encode_errors_are_clear(tmp_path, capsys, input_file, tiny_bert_dir, case):
     out = tmp_path / "emb.npy"
     model, extra = tiny_bert_dir, []
@@ -101,6 +101,9 @@ def test_encode_errors_are_clear(tmp_path, capsys, input_file, tiny_bert_dir, ca
     elif case == "empty-file":
         input_file.write_text("", encoding="utf-8")
         expect = "has no sentences"
+    elif case == "binary-input":
+        input_file.write_bytes(b"\x7fELF\x02\x01\x01\x00\x00")
+        expect = f"{input_file}: a binary file, not UTF-8 text (a NUL byte on line 1)"
     elif case == "output-is-a-dir":
         out = tmp_path / "emb.npy"
         out.mkdir()

@@ -16,6 +16,7 @@ from typing import Any
 
 import yaml
 
+from fastprompt.io import reject_binary
 from fastprompt.model.config import INIT_MODES, POSITION_MODES
 from fastprompt.model.encoder import PREFIX_MODES
 from fastprompt.model.pooling import MLP_MODES, POOLERS
@@ -208,8 +209,13 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list
         path = Path(path)
         if not path.is_file():
             raise FileNotFoundError(f"config file not found: {path}")
+        data_bytes = path.read_bytes()
+        reject_binary(data_bytes, path)
         try:
-            loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+            loaded = yaml.safe_load(data_bytes.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            line_no = data_bytes[: exc.start].count(b"\n") + 1
+            raise ValueError(f"config {path} is not UTF-8 text (line {line_no}, byte {exc.start})") from None
         except yaml.YAMLError as exc:
             raise ValueError(f"config {path} is not valid YAML: {exc}") from None
         if loaded is not None and not isinstance(loaded, dict):

@@ -51,3 +51,12 @@ def test_print_config_and_bad_override(base_config, tmp_path, capsys):
     assert printed["learning_rate"] == 0.005 and printed["batch_size"] == 8
     assert _main(["train", "--config", str(path), "--set", "btach_size=4"]) == 2
     assert "unknown config key 'btach_size'" in capsys.readouterr().err
+
+
+def test_binary_config_file_is_named(tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_bytes(bytes(range(256)) * 4)
+    assert _main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastprompt train: error: ") and str(path) in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1
