@@ -12,6 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
+from fastprompt.choices import BACKENDS
+
 from .attention import PrefixState, build_prefix_cache, register_attention
 from .backbone import load_backbone, max_input_length
 from .config import PromptConfig
@@ -45,6 +47,8 @@ class PromptEncoder(nn.Module):
         super().__init__()
         if prefix_mode not in PREFIX_MODES:
             raise ValueError(f"prefix_mode must be one of {PREFIX_MODES}, got {prefix_mode!r}")
+        if attn_backend not in BACKENDS:  # checked here: it is first used at the first forward
+            raise ValueError(f"attn_backend must be one of {BACKENDS}, got {attn_backend!r}")
         cfg = backbone.config
         for attr in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
             if not hasattr(cfg, attr):

@@ -192,3 +192,8 @@ def test_float16_on_cpu_warns_once(tiny_bert_dir, monkeypatch, caplog):
         with torch.autocast("cpu", dtype=torch.float16):  # float16 compute through autocast: the same slowness
             PromptEncoder.from_pretrained(tiny_bert_dir).encode(["it"])
     assert [r.getMessage() for r in caplog.records if "float16 on the CPU" in r.getMessage()] == warnings
+
+
+def test_unknown_attention_backend_is_rejected_at_construction(tiny_bert_dir):
+    with pytest.raises(ValueError, match="attn_backend must be one of .*got 'bogus'"):
+        PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(2), attn_backend="bogus")
