@@ -5,8 +5,8 @@ and calls ``set_defaults(func=run_<name>)`` where ``run_<name>(args) -> int`` is
 live in its own module), then list it in :data:`SUBCOMMANDS` as ``"module:function"``. Modules are
 imported only when the parser is built, and heavy imports (torch, transformers) belong inside ``run_*``
 so that ``fastprompt -h`` stays fast. Model-loading subcommands reuse :func:`add_model_args` and
-:func:`load_encoder`. ValueError, FileNotFoundError and ImportError raised by a subcommand are reported as
-``fastprompt <name>: error: ...`` with exit status 2, without a traceback.
+:func:`load_encoder`. ValueError, OSError (a missing file, a full disk, ...) and ImportError raised by a subcommand
+are reported as ``fastprompt <name>: error: ...`` with exit status 2, without a traceback.
 """
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ import os
 import sys
 from pathlib import Path
 
-from fastprompt.choices import BACKENDS, DTYPES, POOLERS  # standard library only, like fastprompt.io
-from fastprompt.io import read_utf8_lines  # standard library only: keeps `fastprompt -h` light
+# standard library only: keeps `fastprompt -h` light
+from fastprompt.choices import BACKENDS, DTYPES, POOLERS
+from fastprompt.io import atomic_file, check_output_file, read_utf8_lines
 
 logger = logging.getLogger(__name__)
 
@@ -72,17 +73,17 @@ def load_encoder(args: argparse.Namespace):
     """The :class:`~fastprompt.model.PromptEncoder` that :func:`add_model_args` options describe, in eval mode."""
     import torch
 
-    from fastprompt.model import PromptEncoder
+    from fastprompt.model import PromptEncoder, resolve_device
 
     if not args.model and not args.prompt:
         raise ValueError("give --model NAME_OR_PATH, --prompt CHECKPOINT_DIR, or both")
+    device = resolve_device(args.device)  # before loading: a device this machine lacks fails at once
     kwargs = {"pooler": args.pooler, "max_length": args.max_length, "template": args.template,
               "denoise": args.denoise, "torch_dtype": getattr(torch, args.dtype), "attn_backend": args.attn_backend}
     if args.model:
         encoder = PromptEncoder.from_pretrained(args.model, prompt=args.prompt, **kwargs)
     else:
         encoder = PromptEncoder.load(args.prompt, **kwargs)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     return encoder.to(device).eval()
 
 
@@ -102,11 +103,8 @@ def _progress(args) -> bool | None:
 
 def _write_json(path: str | os.PathLike, data) -> None:
     """JSON in insertion order (tasks in table order), written atomically."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    with atomic_file(path, "--output") as tmp:
+        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
 
 
 # ------------------------------------------------------------------------------------------- eval
@@ -161,6 +159,9 @@ def run_eval(args: argparse.Namespace) -> int:
 
     if args.plot and Path(args.plot).suffix.lower() not in (".png", ".pdf", ".svg"):
         raise ValueError(f"--plot must end in .png, .pdf or .svg, got {args.plot!r}")
+    for flag, path in (("--output", args.output), ("--plot", args.plot)):
+        if path:
+            check_output_file(path, flag)
     # Data first: a wrong --sts-dir fails before the model is loaded.
     datasets = load_sts_tasks(args.sts_dir, args.tasks, stsb_split=args.split, sickr_split=args.sick_split,
                               preprocess=args.preprocess)
@@ -244,22 +245,22 @@ def run_encode(args: argparse.Namespace) -> int:
     out = Path(args.output)
     if out.suffix not in ENCODE_FORMATS:
         raise ValueError(f"--output must end in {' or '.join(ENCODE_FORMATS)}, got {args.output!r}")
+    check_output_file(out, "--output")  # before the model loads and the sentences are encoded
     sentences = read_sentences(args.input)
     encoder = load_encoder(args)
     emb = encoder.encode(sentences, batch_size=args.batch_size, normalize=not args.no_normalize,
                          show_progress_bar=_progress(args))
     emb = np.ascontiguousarray(emb, dtype=np.float32)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.stem}.tmp-{os.getpid()}{out.suffix}"
-    if out.suffix == ".npy":
-        np.save(tmp, emb, allow_pickle=False)
-    else:
-        from safetensors.numpy import save_file
+    with atomic_file(out, "--output") as tmp:
+        if out.suffix == ".npy":
+            np.save(tmp, emb, allow_pickle=False)
+        else:
+            from safetensors.numpy import save_file
 
-        meta = {"model": str(args.model or ""), "prompt": str(args.prompt or ""), "pooler": encoder.pooler.pooler,
-                "normalized": str(not args.no_normalize).lower(), "input": str(args.input)}
-        save_file({"embeddings": emb}, str(tmp), metadata=meta)
-    os.replace(tmp, out)
+            meta = {"model": str(args.model or ""), "prompt": str(args.prompt or ""),
+                    "pooler": encoder.pooler.pooler, "normalized": str(not args.no_normalize).lower(),
+                    "input": str(args.input)}
+            save_file({"embeddings": emb}, str(tmp), metadata=meta)
     print(f"wrote {emb.shape[0]} x {emb.shape[1]} embeddings to {out}")
     return 0
 
@@ -290,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args) or 0)
-    except (FileNotFoundError, ValueError, ImportError) as exc:  # ImportError: a missing optional package
+    except (OSError, ValueError, ImportError) as exc:  # ImportError: a missing optional package
         print(f"fastprompt {args.command}: error: {exc}", file=sys.stderr)
         return 2
 

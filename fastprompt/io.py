@@ -22,6 +22,15 @@ def _fsync_dir(path: Path):
             os.close(fd)
 
 
+def _remove(path: Path) -> None:
+    """Delete a folder tree, a file or a link (not what it points to); nothing if absent."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
 def recover_directory(path: str | os.PathLike) -> Path:
     """If a swap was interrupted between its two renames, restore the previous complete version."""
     path = Path(path)
@@ -52,14 +61,53 @@ def atomic_directory(path: str | os.PathLike):
                 with open(f, "rb") as fh:
                     os.fsync(fh.fileno())
         _fsync_dir(tmp)
-        if path.exists():
-            shutil.rmtree(old, ignore_errors=True)
+        if os.path.lexists(path):
+            _remove(old)
             os.replace(path, old)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-        shutil.rmtree(old, ignore_errors=True)
+        _remove(old)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def check_output_file(path: str | os.PathLike, what: str = "output") -> Path:
+    """ValueError unless ``path`` can become a file: not an existing folder, not under a file. Call it before
+    expensive work, so that a bad output path fails at once."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a directory; give a file path inside it, e.g. {path / 'out'}")
+    for parent in path.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise ValueError(f"{what} {path} cannot be created: {parent} is a file, not a folder")
+            break
+    return path
+
+
+@contextlib.contextmanager
+def atomic_file(path: str | os.PathLike, what: str = "output"):
+    """Yield a temporary path next to ``path`` (same suffix); on success it atomically replaces ``path``.
+
+    On any failure the temporary file is removed and ``path`` is left as it was; an OSError (disk full,
+    permission denied, ...) is re-raised as one whose message says so, with the original as its cause.
+    """
+    path = check_output_file(path, what)
+    existed = path.exists()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.stem}.tmp-{os.getpid()}{path.suffix}"
+    try:
+        yield tmp
+        with open(tmp, "rb") as fh:
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(exc, OSError):
+            kept = f"the previous {path} is unchanged" if existed else "nothing was written"
+            raise OSError(f"could not write {what} {path}: {exc.strerror or exc}; {kept}") from exc
         raise
 
 
@@ -90,6 +138,15 @@ def read_json(path: str | os.PathLike, what: str = "file") -> dict:
     return data
 
 
+def reject_binary(data: bytes, path: str | os.PathLike, first_line: int = 1) -> None:
+    """ValueError when ``data`` holds a NUL byte, which no text file has: the file is binary (an archive, a
+    tensor file, ...), whose bytes may still decode as UTF-8. ``first_line``: the line number ``data`` starts at."""
+    at = data.find(b"\x00")
+    if at >= 0:
+        line_no = first_line + data[:at].count(b"\n")
+        raise ValueError(f"{path}: a binary file, not UTF-8 text (a NUL byte on line {line_no})")
+
+
 def read_utf8_lines(path: str | os.PathLike, what: str = "file") -> list[str]:
     """UTF-8 lines without their terminators (``\\n`` or ``\\r\\n``), with clear errors for a missing file and
     for bytes that are not UTF-8 (naming the line)."""
@@ -97,6 +154,7 @@ def read_utf8_lines(path: str | os.PathLike, what: str = "file") -> list[str]:
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found: {path}")
     data = path.read_bytes()
+    reject_binary(data, path)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:

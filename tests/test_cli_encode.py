@@ -1,6 +1,7 @@
 """``fastprompt encode``: a text file in, one embedding per line out (.npy or .safetensors)."""
 import numpy as np
 import pytest
+import torch
 
 from fastprompt import cli
 
@@ -101,9 +102,12 @@ def test_attn_backend_option_reaches_the_op(tmp_path, capsys, input_file, tiny_b
     assert exc.value.code == 2 and "invalid choice: 'cuda'" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("case", ["empty-line", "missing-input", "bad-suffix", "not-utf8", "empty-file"])
+@pytest.mark.parametrize("case", ["empty-line", "missing-input", "bad-suffix", "not-utf8", "empty-file",
+                                  "output-is-a-dir", "output-under-a-file", "cuda-without-gpu", "empty-model-dir",
+                                  "corrupt-prompt", "foreign-prompt", "binary-input"])
 def test_encode_errors_are_clear(tmp_path, capsys, input_file, tiny_bert_dir, case):
     out = tmp_path / "emb.npy"
+    model, extra = tiny_bert_dir, []
     if case == "empty-line":
         input_file.write_text("one\ntwo\n\nfour\n", encoding="utf-8")
         expect = f"{input_file}:3: empty line"
@@ -116,9 +120,72 @@ def test_encode_errors_are_clear(tmp_path, capsys, input_file, tiny_bert_dir, ca
     elif case == "not-utf8":
         input_file.write_bytes(b"ok\n\xe9t\xe9\n")
         expect = "not valid UTF-8 (line 2"
-    else:
+    elif case == "empty-file":
         input_file.write_text("", encoding="utf-8")
         expect = "has no sentences"
+    elif case == "binary-input":
+        input_file.write_bytes(b"\x7fELF\x02\x01\x01\x00\x00")
+        expect = f"{input_file}: a binary file, not UTF-8 text (a NUL byte on line 1)"
+    elif case == "output-is-a-dir":
+        out = tmp_path / "emb.npy"
+        out.mkdir()
+        expect = f"--output {out} is a directory"
+    elif case == "output-under-a-file":
+        out = input_file / "emb.npy"
+        expect = f"{input_file} is a file, not a folder"
+    elif case == "cuda-without-gpu":
+        if torch.cuda.is_available():
+            pytest.skip("checks the message on a machine without CUDA")
+        extra = ["--device", "cuda"]
+        expect = "device 'cuda' requested but this PyTorch build has no CUDA support"
+    elif case == "empty-model-dir":
+        model = tmp_path / "model"
+        model.mkdir()
+        expect = f"{model} is not a Hugging Face model folder: it has no config.json (it is empty)"
+    else:
+        from fastprompt.model import PromptConfig, PromptEncoder
+
+        ckpt = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(2)).save(tmp_path / "ckpt")
+        if case == "corrupt-prompt":
+            weights = ckpt / "prompt.safetensors"
+            weights.write_bytes(weights.read_bytes()[:40])  # truncated
+            expect = f"prompt weights {weights} are corrupt or not a safetensors file"
+        else:
+            (ckpt / "fastprompt_config.json").write_text('{"peft_type": "PREFIX_TUNING"}')
+            expect = "is not a fastprompt prompt checkpoint"
+        extra = ["--prompt", ckpt]
+    rc, _, err = _run(capsys, "--model", model, "--input", input_file, "--output", out, *extra)
+    last = err.splitlines()[-1]  # (after the model loader's progress bar, when the model was loaded)
+    assert rc == 2 and last.startswith("fastprompt encode: error: ") and expect in last, err
+    assert "Traceback" not in err
+    assert not out.is_file()
+    assert not [p for p in tmp_path.rglob("*") if ".tmp" in p.name]
+
+
+@pytest.mark.parametrize("suffix", [".npy", ".safetensors"])
+def test_encode_full_disk_keeps_the_previous_file(tmp_path, capsys, input_file, tiny_bert_dir, monkeypatch, suffix):
+    """The write fails half-way with ENOSPC: the previous output is intact, no temporary file is left, and the
+    message says both."""
+    import errno
+
+    import safetensors.numpy
+
+    out = tmp_path / f"emb{suffix}"
+    out.write_bytes(b"previous embeddings")
+
+    def full_disk(obj, path, *args, **kwargs):
+        with open(path, "wb") as fh:
+            fh.write(b"partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(np, "save", lambda path, *a, **k: full_disk(None, path))
+    monkeypatch.setattr(safetensors.numpy, "save_file", full_disk)
     rc, _, err = _run(capsys, "--model", tiny_bert_dir, "--input", input_file, "--output", out)
-    assert rc == 2 and err.startswith("fastprompt encode: error: ") and expect in err, err
-    assert not out.exists()
+    assert rc == 2 and "Traceback" not in err
+    assert f"could not write --output {out}: No space left on device; the previous {out} is unchanged" in err, err
+    assert out.read_bytes() == b"previous embeddings"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([input_file.name, out.name])
+    out.unlink()
+    rc, _, err = _run(capsys, "--model", tiny_bert_dir, "--input", input_file, "--output", out)
+    assert rc == 2 and "No space left on device; nothing was written" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == [input_file.name]

@@ -103,7 +103,7 @@ def test_eval_bad_plot_name_fails_before_loading(tmp_path, capsys, sts_dir):
 
 
 @pytest.mark.parametrize("case", ["missing-file", "missing-dir", "missing-model", "no-model", "bad-task",
-                                  "missing-prompt"])
+                                  "missing-prompt", "output-is-a-dir", "cuda-without-gpu", "too-long"])
 def test_eval_errors_are_clear(tmp_path, capsys, tiny_bert_dir, case):
     write_all(tmp_path / "sts")
     args = ["--model", tiny_bert_dir, "--sts-dir", tmp_path / "sts"]
@@ -122,12 +122,24 @@ def test_eval_errors_are_clear(tmp_path, capsys, tiny_bert_dir, case):
     elif case == "bad-task":
         args += ["--tasks", "sts12,sts17"]
         expect = "unknown STS task 'sts17'"
-    else:
+    elif case == "missing-prompt":
         args += ["--prompt", tmp_path / "no-ckpt"]
         expect = "prompt checkpoint folder not found"
+    elif case == "output-is-a-dir":
+        args += ["--output", tmp_path]
+        expect = f"--output {tmp_path} is a directory"
+    elif case == "cuda-without-gpu":
+        if torch.cuda.is_available():
+            pytest.skip("checks the message on a machine without CUDA")
+        args += ["--device", "cuda"]
+        expect = "device 'cuda' requested but"
+    else:
+        args += ["--max-length", "1000"]
+        expect = "max_length 1000 is more tokens than"
     rc, out, err = _run(capsys, *args)
     assert rc == 2
-    assert err.startswith("fastprompt eval: error: ") and expect in err, err
+    last = err.splitlines()[-1]  # (after the model loader's progress bar, when the model was loaded)
+    assert last.startswith("fastprompt eval: error: ") and expect in last, err
     assert "Traceback" not in err
 
 

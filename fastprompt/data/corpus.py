@@ -11,6 +11,8 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastprompt.io import reject_binary
+
 logger = logging.getLogger(__name__)
 
 #: Column layouts accepted in a CSV header (SimCSE's NLI layout and its pair variant).
@@ -67,6 +69,7 @@ def read_text_corpus(path: str | Path, *, on_decode_error: str = "error") -> Tra
     bad_lines: list[tuple[int, int]] = []  # (line number, byte offset of the first bad byte in that line)
     with open(path, "rb") as f:
         for lineno, raw in enumerate(f, start=1):
+            reject_binary(raw, path, lineno)
             try:
                 text = raw.decode("utf-8")
             except UnicodeDecodeError as e:
@@ -101,13 +104,19 @@ def read_pair_csv(path: str | Path) -> TrainExamples:
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"training file not found: {path}")
+    data = path.read_bytes()
+    reject_binary(data, path)
     try:
-        text = path.read_bytes().decode("utf-8-sig")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
-        lineno = path.read_bytes()[: e.start].count(b"\n") + 1
+        lineno = data[: e.start].count(b"\n") + 1
         raise ValueError(f"{path}: not valid UTF-8 at line {lineno} (byte {e.start})") from None
     reader = csv.reader(io.StringIO(text, newline=""))
-    header = next(reader, None)
+    try:
+        records = list(reader)
+    except csv.Error as exc:  # e.g. a quoted field that never closes
+        raise ValueError(f"{path}: not a valid CSV file (line {reader.line_num}: {exc})") from None
+    header = records.pop(0) if records else None
     if header is None:
         raise ValueError(f"training file {path} is empty (expected a CSV header sent0,sent1[,hard_neg])")
     header = [h.strip() for h in header]
@@ -124,7 +133,7 @@ def read_pair_csv(path: str | Path) -> TrainExamples:
         logger.info("%s: ignoring extra CSV column(s) %s", path, ignored)
     rows: list[tuple[str, ...]] = []
     n_incomplete = 0
-    for record in reader:
+    for record in records:
         if not any(cell.strip() for cell in record):
             continue  # blank line
         cells = tuple(record[i].strip() if i < len(record) else "" for i in index)

@@ -15,6 +15,8 @@ _LAZY = {
     "POOLERS": ".pooling",
     "MLP_MODES": ".pooling",
     "resolve_model_path": ".resolve",
+    "model_reference": ".resolve",
+    "resolve_device": ".device",
     "PROMPTBERT_TEMPLATES": ".promptbert",
     "PromptBERTConfig": ".promptbert",
     "TemplateViews": ".promptbert",
@@ -23,8 +25,8 @@ _LAZY = {
 }
 
 __all__ = ["PromptConfig", "PrefixPrompt", "PromptEncoder", "Pooler", "POOLERS", "MLP_MODES",
-           "DEFAULT_TEMPLATE", "resolve_model_path", "PROMPTBERT_TEMPLATES", "PromptBERTConfig", "TemplateViews",
-           "tokenize_views", "embed_views"]
+           "DEFAULT_TEMPLATE", "resolve_model_path", "model_reference", "resolve_device", "PROMPTBERT_TEMPLATES",
+           "PromptBERTConfig", "TemplateViews", "tokenize_views", "embed_views"]
 
 
 def __getattr__(name):

@@ -25,8 +25,35 @@ def _backbone_shape(encoder) -> dict:
             "head_dim": encoder.head_dim, "hidden_size": encoder.hidden_size}
 
 
-def save_checkpoint(encoder, checkpoint_dir: str | os.PathLike) -> Path:
+def is_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a folder holding a fastprompt prompt checkpoint's config."""
+    try:
+        return read_json(Path(path) / CONFIG_NAME).get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def check_save_target(path: str | os.PathLike, overwrite: bool = False) -> None:
+    """Saving replaces the whole target folder: refuse anything that is not new, empty or an earlier checkpoint
+    unless ``overwrite`` (FileExistsError naming what is there)."""
+    path = Path(path)
+    if overwrite or not os.path.lexists(path):
+        return
+    if not path.is_dir():
+        raise FileExistsError(f"cannot save a prompt checkpoint to {path}: it is a file; choose a folder name, "
+                              "or pass overwrite=True to replace the file")
+    names = sorted(p.name for p in path.iterdir())
+    if names and not is_checkpoint(path):
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise FileExistsError(f"cannot save a prompt checkpoint to {path}: the folder holds other files ({shown}) "
+                              "that saving would delete; choose a new or empty folder, or pass overwrite=True")
+
+
+def save_checkpoint(encoder, checkpoint_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+    """Write the checkpoint atomically; see :func:`check_save_target` for what may be replaced."""
     from fastprompt import __version__
+
+    check_save_target(checkpoint_dir, overwrite)
 
     config = {
         "format": FORMAT,

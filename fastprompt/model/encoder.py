@@ -13,15 +13,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
-from transformers import AutoModel, AutoTokenizer
 
 from fastprompt.choices import BACKENDS, MLP_MODES, POOLERS, PREFIX_MODES, check_choice
 
 from .attention import PrefixState, build_prefix_cache, register_attention
+from .backbone import load_backbone, max_input_length
 from .config import PromptConfig
+from .device import resolve_device, warn_if_slow
 from .pooling import Pooler, topk_token_representation
 from .prefix import PrefixPrompt
-from .resolve import resolve_model_path
+from .resolve import model_reference
 from .soft_prompt import InputPrompt, TemplateWords, random_vocab_ids
 from .template import Template, parse_template, wrap_batch
 
@@ -108,11 +109,17 @@ class PromptEncoder(nn.Module):
         self.mlm_head = mlm_head.requires_grad_(False) if mlm_head is not None else None
         self._bias_cache: dict = {}
         self._bias_cache_version = None
+        #: the most tokens one input may have (the backbone's position table, less the positions a "shifted"
+        #: prefix or an input prompt take), None when unbounded
+        self.max_input_length = max_input_length(self.backbone, self._position_shift() + self.input_prompt_length)
+        self.check_max_length(max_length)
         self.max_length = max_length
         self.attn_backend = attn_backend
         self.prefix_mode = prefix_mode
+        self._speed_checked = True
         if self.prompt is not None and prompt_config.init == "vocab":
             self._init_prefix_from_vocab()
+        self._speed_checked = False  # the first user forward warns about a slow dtype/device combination
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -153,23 +160,18 @@ class PromptEncoder(nn.Module):
         elif isinstance(prompt_config, dict):
             prompt_config = PromptConfig.from_dict(prompt_config)
         _check_options(pooler or "cls", mlp or "none", attn_backend, prefix_mode)  # before any weights load
-        path = resolve_model_path(model_name_or_path)
         attn = register_attention() if prefix_mode == "attention" else "sdpa"
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(path)
-            backbone = AutoModel.from_pretrained(path, attn_implementation=attn, dtype=torch_dtype)
-        except OSError as exc:
-            raise FileNotFoundError(f"could not load a Hugging Face model from {model_name_or_path!r} "
-                                    f"(resolved to {path!r}): {exc}") from exc
+        tokenizer, backbone = load_backbone(model_name_or_path, attn_implementation=attn, dtype=torch_dtype)
         mlm_head = None
         if (pooler or "cls") == "topk":
             from .mlm_head import load_mlm_head
+            from .resolve import resolve_model_path
 
-            mlm_head = load_mlm_head(path, backbone)
+            mlm_head = load_mlm_head(resolve_model_path(model_name_or_path), backbone)
         encoder = cls(backbone, tokenizer, prompt_config, pooler=pooler or "cls", mlp=mlp or "none",
                       max_length=max_length, template=template, denoise=bool(denoise), topk=topk or 10,
                       mlm_head=mlm_head, attn_backend=attn_backend,
-                      prefix_mode=prefix_mode, base_model=str(model_name_or_path))
+                      prefix_mode=prefix_mode, base_model=model_reference(model_name_or_path))
         if saved is not None:
             from .checkpoint import load_checkpoint_weights
 
@@ -179,20 +181,58 @@ class PromptEncoder(nn.Module):
     @classmethod
     def load(cls, checkpoint_dir: str | os.PathLike, base_model: str | os.PathLike | None = None,
              **kwargs) -> "PromptEncoder":
-        """Load a prompt checkpoint onto its base model (the one it names, or ``base_model``)."""
+        """Load a prompt checkpoint onto its base model (the one it names, or ``base_model``).
+
+        A checkpoint names its base model by absolute path, installed package name or hub id; older ones may hold
+        a relative path, which is tried from the current directory."""
         from .checkpoint import read_checkpoint_config
 
         saved = read_checkpoint_config(checkpoint_dir)
-        base = base_model or saved["base_model"]
+        if base_model is not None:
+            return cls.from_pretrained(base_model, prompt=checkpoint_dir, **kwargs)
+        base = saved["base_model"]
         if not base:
             raise ValueError(f"checkpoint {checkpoint_dir} names no base model; pass base_model=")
-        return cls.from_pretrained(base, prompt=checkpoint_dir, **kwargs)
+        try:
+            return cls.from_pretrained(base, prompt=checkpoint_dir, **kwargs)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"prompt checkpoint {checkpoint_dir} was saved on base model {base!r}, which "
+                                    f"cannot be loaded here ({exc}); pass base_model=PATH_OR_NAME (CLI: --model) "
+                                    "to load the prompt onto a copy of that model") from exc
 
-    def save(self, checkpoint_dir: str | os.PathLike) -> Path:
-        """Write the prompt-only checkpoint (safetensors + JSON), atomically."""
+    def save(self, checkpoint_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+        """Write the prompt-only checkpoint (safetensors + JSON), atomically.
+
+        ``checkpoint_dir`` may be new, an empty folder or an earlier fastprompt checkpoint (which is replaced);
+        anything else (a file, a folder with other content) raises FileExistsError unless ``overwrite=True``,
+        because saving replaces the whole folder."""
         from .checkpoint import save_checkpoint
 
-        return save_checkpoint(self, checkpoint_dir)
+        return save_checkpoint(self, checkpoint_dir, overwrite=overwrite)
+
+    def check_max_length(self, max_length: int | None) -> None:
+        """ValueError when inputs of ``max_length`` tokens would not fit the backbone's position table."""
+        if max_length is None:
+            return
+        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+            raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+        limit = self.max_input_length
+        if limit is not None and max_length > limit:
+            why = ""
+            if self._position_shift():
+                why += f" minus the {self.prompt_length} prompt positions of position_mode='shifted'"
+            if self.input_prompt_length:
+                why += f" minus the {self.input_prompt_length} soft input tokens"
+            raise ValueError(f"max_length {max_length} is more tokens than {self.base_model!r} can take: at most "
+                             f"{limit} (its position embeddings{why})")
+
+    def to(self, *args, **kwargs) -> "PromptEncoder":
+        """``nn.Module.to`` that rejects a device this machine does not have with a clear message (torch would
+        fail with an assertion or attribute error from deep inside)."""
+        device = kwargs.get("device", next((a for a in args if isinstance(a, (str, torch.device))), None))
+        if device is not None:
+            resolve_device(device)
+        return super().to(*args, **kwargs)
 
     @contextlib.contextmanager
     def using_weights(self, checkpoint_dir: str | os.PathLike) -> Iterator["PromptEncoder"]:
@@ -267,13 +307,7 @@ class PromptEncoder(nn.Module):
     # ------------------------------------------------------------------ tokenisation
     def model_max_tokens(self) -> int:
         """Longest sequence (special tokens included) the backbone's positions and tokenizer allow."""
-        limit = min(self.tokenizer.model_max_length, 512)
-        positions = getattr(self.backbone.config, "max_position_embeddings", None)
-        if positions:
-            emb = getattr(self.backbone, "embeddings", None)
-            offset = emb.padding_idx + 1 if hasattr(emb, "create_position_ids_from_input_ids") else 0
-            limit = min(limit, positions - offset - self._position_shift() - self.input_prompt_length)
-        return limit
+        return min(self.tokenizer.model_max_length, 512, self.max_input_length or 512)
 
     def tokenize(self, sentences: list[str], max_length: int | None = None,
                  template: str | Template | None = None) -> dict[str, torch.Tensor]:
@@ -285,6 +319,7 @@ class PromptEncoder(nn.Module):
         :meth:`model_max_tokens`, and the template is never cut.
         """
         _check_sentences(sentences)
+        self.check_max_length(max_length)
         max_length = max_length or self.max_length
         tpl = self._resolve_template(template)
         if tpl is None:
@@ -349,6 +384,11 @@ class PromptEncoder(nn.Module):
         if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
                              f"{tuple(attention_mask.shape)} must both be (batch, seq_len)")
+        if not self._speed_checked:
+            self._speed_checked = True
+            device = self.device
+            autocast = torch.is_autocast_enabled(device.type)
+            warn_if_slow(torch.get_autocast_dtype(device.type) if autocast else self.backbone.dtype, device)
         kwargs = {"position_ids": self._position_ids(input_ids, attention_mask, positions)}
         if self.cls_prompt is None and self.input_prompt is None and self.template_words is None:
             kwargs["input_ids"] = input_ids

@@ -25,6 +25,7 @@ import yaml
 from fastprompt.choices import (BACKENDS, DECODE_ERROR_MODES, MLP_MODES, POOLERS, PRECISIONS, PREFIX_MODES,
                                 TRAIN_FORMATS)
 from fastprompt.fields import flat_key, option, validate_fields
+from fastprompt.io import reject_binary
 from fastprompt.model.config import PromptConfig
 from fastprompt.objectives.config import ObjectiveConfig
 
@@ -312,8 +313,13 @@ def _read_recipe(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     if not path.is_file():
         what = f"base config of {chain[-1]}" if chain else "config file"
         raise FileNotFoundError(f"{what} not found: {path}")
+    data_bytes = path.read_bytes()
+    reject_binary(data_bytes, path)
     try:
-        loaded = yaml.safe_load(path.read_text(encoding="utf-8"))
+        loaded = yaml.safe_load(data_bytes.decode("utf-8"))
+    except UnicodeDecodeError as exc:
+        line_no = data_bytes[: exc.start].count(b"\n") + 1
+        raise ValueError(f"config {path} is not UTF-8 text (line {line_no}, byte {exc.start})") from None
     except yaml.YAMLError as exc:
         raise ValueError(f"config {path} is not valid YAML: {exc}") from None
     if loaded is None:

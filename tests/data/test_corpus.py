@@ -77,3 +77,24 @@ def test_format_detection(tmp_path):
 def test_real_snli_triplets(shared_data):
     ex = load_train_file(shared_data / "nli" / "snli-triplets.csv")
     assert ex.has_hard_negatives and len(ex) == 5864
+
+
+# ------------------------------------------------------------------ binary files and broken CSV
+
+
+@pytest.mark.parametrize("name", ["train.csv", "train.bin", "train.txt"])
+def test_binary_file_is_a_clear_error(tmp_path, name):
+    """Binary content (here ASCII-decodable, so UTF-8 decoding alone would accept it) is named as such, with the
+    line of its first NUL byte, instead of _csv.Error from the CSV reader or NUL-filled "sentences"."""
+    p = tmp_path / name
+    p.write_bytes(b"sent0,sent1\nPK\x03\x04\x14\x00\x00\x00\x08\x00\n" * 3)
+    with pytest.raises(ValueError, match=rf"{name}: a binary file, not UTF-8 text \(a NUL byte on line 2\)"):
+        load_train_file(p)
+
+
+def test_csv_the_reader_rejects_is_a_clear_error(tmp_path):
+    """An unclosed quote swallows the rest of the file into one field, past the csv module's field limit."""
+    p = tmp_path / "pairs.csv"
+    p.write_text('sent0,sent1\n"a,b\n' + "x" * 200_000 + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"pairs.csv: not a valid CSV file \(line [0-9]+: field larger than"):
+        read_pair_csv(p)

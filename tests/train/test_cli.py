@@ -75,3 +75,12 @@ def test_summary_compares_with_the_frozen_base_model(base_config, tiny_sts_dir, 
     gain = summary["test"]["avg"] - frozen["test"]["avg"]
     assert (f"the frozen base model (mean pooling, no prompt): STS-B dev {frozen['stsb_dev']:.2f}, seven-task "
             f"average {frozen['test']['avg']:.2f}; trained prompt: {gain:+.2f} points") in printed
+
+
+def test_binary_config_file_is_named(tmp_path, capsys):
+    path = tmp_path / "config.yaml"
+    path.write_bytes(bytes(range(256)) * 4)
+    assert _main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastprompt train: error: ") and str(path) in err and "Traceback" not in err, err
+    assert len(err.strip().splitlines()) == 1

@@ -50,6 +50,16 @@ def test_bad_files(tmp_path):
     p.write_text("a: [\n", encoding="utf-8")
     with pytest.raises(ValueError, match="not valid YAML"):
         load_config(p)
+    # binary garbage: every error names the file (not a bare UnicodeDecodeError or YAML reader error)
+    p.write_bytes(b"lr: 1\n\x89PNG\xff\xfe")
+    with pytest.raises(ValueError, match=f"config {p} is not UTF-8 text .line 2, byte 6"):
+        load_config(p)
+    p.write_bytes(b"lr: 1\n\x00\x01\x02")
+    with pytest.raises(ValueError, match=f"{p}: a binary file, not UTF-8 text .a NUL byte on line 2"):
+        load_config(p)
+    p.write_bytes(b"lr: \x07\n")  # a control character YAML does not accept
+    with pytest.raises(ValueError, match=f"config {p} is not valid YAML"):
+        load_config(p)
 
 
 def test_prompt_config_fields_match_the_model():
