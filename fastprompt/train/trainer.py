@@ -37,6 +37,7 @@ from fastprompt.train.checkpoints import RunDirectory
 from fastprompt.train.config import TrainConfig, load_config, save_config
 from fastprompt.train.distributed import init_distributed
 from fastprompt.train.logs import MetricsLog, add_file_handler, csv_columns, remove_file_handler
+from fastprompt.train.run_lock import RunLock
 from fastprompt.train.signals import GracefulInterrupt
 from fastprompt.train.state import load_training_state
 from fastprompt.train.steps import LossSide, StepLosses, extras_generators, step_seed
@@ -114,6 +115,9 @@ class Trainer:
         self.callbacks = list(callbacks or [])
         self.state = TrainerState()
         self.interrupt: GracefulInterrupt | None = None
+        self.metrics = None
+        self._log_handler: logging.Handler | None = None
+        self._lock: RunLock | None = None
         self._setup_done = False
 
     @property
@@ -143,11 +147,20 @@ class Trainer:
         if self._setup_done:
             return
         cfg = self.config
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._log_handler = add_file_handler(self.run_dir.log_text)
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         self.dist = init_distributed(cfg.run.device if cfg.run.device != "auto" else None)
+        if self.dist.is_main:  # one run per output_dir: a second one is refused before it writes anything
+            self._lock = RunLock(self.output_dir).acquire()
+        try:
+            self._setup(cfg)
+        except BaseException:
+            self._release_run()
+            raise
+        self._setup_done = True
+
+    def _setup(self, cfg: TrainConfig) -> None:
+        self._log_handler = add_file_handler(self.run_dir.log_text)
         self.device = self.dist.device if self.dist.enabled else build.resolve_device(cfg.run.device)
         resume_dir = self.run_dir.resume_point(resume=cfg.run.resume, overwrite=cfg.run.overwrite_output_dir)
         if resume_dir is not None:
@@ -182,7 +195,6 @@ class Trainer:
                                       columns=csv_columns(self.method.log_columns()))
         else:
             self.metrics = _NullLog()
-        self._setup_done = True
 
     def _build_model(self, resume_dir: Path | None) -> None:
         """The encoder and the method on the device, their trainable parameters the same on every process."""
@@ -466,6 +478,17 @@ class Trainer:
 
     def _close_logs(self) -> None:
         if self._setup_done:
-            self.metrics.close()
-            remove_file_handler(self._log_handler)
+            self._release_run()
             self._setup_done = False
+
+    def _release_run(self) -> None:
+        """Close the logs and release the output_dir lock (also after a setup that failed half-way)."""
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self._log_handler is not None:
+            remove_file_handler(self._log_handler)
+            self._log_handler = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
