@@ -25,6 +25,7 @@ import yaml
 from fastprompt.choices import (BACKENDS, DECODE_ERROR_MODES, MLP_MODES, POOLERS, PRECISIONS, PREFIX_MODES,
                                 TRAIN_FORMATS)
 from fastprompt.fields import flat_key, option, validate_fields
+from fastprompt.io import write_text_atomic
 from fastprompt.model.config import PromptConfig
 from fastprompt.objectives.config import ObjectiveConfig
 
@@ -342,4 +343,5 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list
 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
+    """Write the flat config as YAML, atomically (a crash mid-write keeps the previous file)."""
+    write_text_atomic(path, yaml.safe_dump(config.to_dict(), sort_keys=False))
