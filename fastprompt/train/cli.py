@@ -68,7 +68,7 @@ def run_train(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         summary = Trainer(config).train()
-    except TrainingDiverged as exc:
+    except TrainingDiverged as exc:  # TrainingCollapsed too
         logger.error("%s", exc)
         return 3
     except OutputDirLocked as exc:

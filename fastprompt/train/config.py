@@ -118,6 +118,8 @@ class LargeBatchConfig(_Section):
                                              ge=0)
     gradient_checkpointing: bool = option(False, "recompute backbone layers in backward (same gradients, less "
                                           "memory)")
+    check_memory: bool = option(True, "refuse to start when one step's estimated activation memory exceeds the "
+                                "free memory (RAM, or the GPU's)")
 
     @property
     def enabled(self) -> bool:
@@ -142,6 +144,11 @@ class RunConfig(_Section):
     log_every: int = option(10, "steps per row of train_log.csv", gt=0)
     tensorboard: bool = option(True, "also log to <output_dir>/tensorboard when tensorboard is installed")
     progress_bar: bool | None = option(None, "show a progress bar; null: only on a terminal")
+    collapse_ratio: float = option(1e-2, "the probe sentences' embeddings count as collapsed (all one direction) "
+                                   "when their emb_spread falls below this fraction of its value before training; "
+                                   "0 disables the check", ge=0.0, lt=1.0)
+    collapse_patience: int = option(3, "stop after this many train_log.csv rows in a row with collapsed "
+                                    "embeddings (a warning at the first); 0 = warn only", ge=0)
 
     def validate(self):
         super().validate()

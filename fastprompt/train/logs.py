@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 
 from fastprompt.io import write_text_atomic
+from fastprompt.train.collapse import SPREAD_STAT
 
 logger = logging.getLogger(__name__)
 
@@ -17,8 +18,9 @@ TRAILING_COLUMNS = ("skipped", "tokens_per_s", "stsb_dev", "elapsed_s")
 
 
 def csv_columns(method_columns: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The header of train_log.csv for a method that logs ``method_columns``."""
-    return LEADING_COLUMNS + tuple(method_columns) + TRAILING_COLUMNS
+    """The header of train_log.csv for a method that logs ``method_columns`` (then every run's ``emb_spread``:
+    :mod:`fastprompt.train.collapse`)."""
+    return LEADING_COLUMNS + tuple(method_columns) + (SPREAD_STAT,) + TRAILING_COLUMNS
 
 
 class MetricsLog:
