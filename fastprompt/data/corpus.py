@@ -107,7 +107,12 @@ def read_pair_csv(path: str | Path) -> TrainExamples:
         lineno = path.read_bytes()[: e.start].count(b"\n") + 1
         raise ValueError(f"{path}: not valid UTF-8 at line {lineno} (byte {e.start})") from None
     reader = csv.reader(io.StringIO(text, newline=""))
-    header = next(reader, None)
+    try:
+        records = list(reader)
+    except csv.Error as exc:  # NUL bytes, a giant field
+        raise ValueError(f"{path}: not a readable CSV file (line {reader.line_num}: {exc}); the training file must "
+                         "be a sent0,sent1[,hard_neg] CSV or a .txt corpus") from None
+    header = records.pop(0) if records else None
     if header is None:
         raise ValueError(f"training file {path} is empty (expected a CSV header sent0,sent1[,hard_neg])")
     header = [h.strip() for h in header]
@@ -124,7 +129,7 @@ def read_pair_csv(path: str | Path) -> TrainExamples:
         logger.info("%s: ignoring extra CSV column(s) %s", path, ignored)
     rows: list[tuple[str, ...]] = []
     n_incomplete = 0
-    for record in reader:
+    for record in records:
         if not any(cell.strip() for cell in record):
             continue  # blank line
         cells = tuple(record[i].strip() if i < len(record) else "" for i in index)
@@ -142,7 +147,10 @@ def read_pair_csv(path: str | Path) -> TrainExamples:
 def _looks_like_csv(path: Path) -> bool:
     with open(path, "rb") as f:
         first = f.readline().decode("utf-8-sig", errors="replace").strip()
-    cells = [c.strip() for c in next(csv.reader([first]), [])]
+    try:
+        cells = [c.strip() for c in next(csv.reader([first]), [])]
+    except csv.Error:
+        return False
     return cells[: len(PAIR_COLUMNS)] == list(PAIR_COLUMNS)
 
 
@@ -164,6 +172,10 @@ def load_train_file(path: str | Path, *, fmt: str = "auto", on_decode_error: str
             f"training file not found: {path} (relative paths are resolved against the current directory "
             f"{Path.cwd()}; use {BUILTIN_WIKI!r} for the corpus embedded in the gensim package)"
         )
+    with open(path, "rb") as f:
+        if b"\x00" in f.read(1 << 16):  # text never holds NUL bytes; a model file or archive does
+            raise ValueError(f"{path} is a binary file (it holds NUL bytes), not a text corpus or CSV; the training "
+                             "file must be a .txt corpus (one sentence per line) or a sent0,sent1[,hard_neg] CSV")
     if fmt == "auto":
         suffix = path.suffix.lower()
         fmt = "csv" if suffix == ".csv" else "text" if suffix == ".txt" else ("csv" if _looks_like_csv(path) else "text")

@@ -169,6 +169,12 @@ class EvalConfig(_Section):
     eval_at_start: bool = option(False, "also evaluate before the first step")
     final_eval: bool = option(True, "seven-task STS test table of the best checkpoint at the end (needs sts_dir)")
 
+    def validate(self):
+        if isinstance(self.eval_steps, int) and not isinstance(self.eval_steps, bool) and self.eval_steps <= 0:
+            raise ValueError(f"eval_steps must be > 0, got {self.eval_steps}; to turn evaluation off, leave sts_dir "
+                             "unset (null)")
+        return super().validate()
+
 
 #: Section attribute -> (dataclass, title), in the order of the config reference and of to_dict().
 SECTIONS: dict[str, tuple[type, str]] = {

@@ -32,7 +32,7 @@ from tqdm.auto import tqdm
 
 from fastprompt.data import Batch, TrainExamples
 from fastprompt.objectives.base import TokenTerm
-from fastprompt.train import build
+from fastprompt.train import build, preflight
 from fastprompt.train.checkpoints import RunDirectory
 from fastprompt.train.collapse import SPREAD_STAT, CollapseMonitor, embedding_spread
 from fastprompt.train.config import TrainConfig, load_config, save_config
@@ -161,6 +161,7 @@ class Trainer:
             torch.set_num_threads(cfg.run.num_threads)
         self.dist = init_distributed(cfg.run.device if cfg.run.device != "auto" else None)
         if self.dist.is_main:  # one run per output_dir: a second one is refused before it writes anything
+            preflight.check_output_dir(self.output_dir)
             self._lock = RunLock(self.output_dir).acquire()
         try:
             self._setup(cfg)
@@ -184,6 +185,7 @@ class Trainer:
 
         torch.manual_seed(cfg.run.seed)  # prompt initialisation
         self._build_model(resume_dir)
+        preflight.check_max_length(cfg, self.encoder)
         self.collator = build.build_collator(cfg, self.encoder, self.examples, self.method)
         if cfg.large_batch.check_memory:
             self._check_memory()
@@ -194,6 +196,7 @@ class Trainer:
                              loss_scale=self.scaler.scale if self.scaler is not None else None)
         self.step = build.build_step(cfg, loss_side)
         self.dev_data = build.load_dev_data(cfg)
+        preflight.check_sts_files(cfg)  # the final evaluation's files, read now rather than after training
 
         if resume_dir is not None:
             saved = load_training_state(resume_dir, optimizer=self.optimizer, scheduler=self.scheduler,
