@@ -39,6 +39,7 @@ from fastprompt.train.config import TrainConfig, load_config, save_config
 from fastprompt.train.distributed import init_distributed
 from fastprompt.train.logs import MetricsLog, add_file_handler, csv_columns, remove_file_handler
 from fastprompt.train.memory import ModelShape, available_bytes, check_step_memory
+from fastprompt.train.progress import LoggedEncoder
 from fastprompt.train.run_lock import RunLock
 from fastprompt.train.signals import GracefulInterrupt
 from fastprompt.train.state import load_training_state
@@ -354,9 +355,13 @@ class Trainer:
         are back in place afterwards)."""
         from fastprompt.eval.sts import evaluate_sts
 
+        show = self.config.run.progress_bar if self.config.run.progress_bar is not None else sys.stderr.isatty()
+        logger.info("final evaluation of %s on the STS test sets", checkpoint)
+        # without a progress bar (a log file, a batch job) the minutes of encoding are logged instead
+        model = self.encoder if show else LoggedEncoder(self.encoder, "final evaluation")
         with self.encoder.using_weights(checkpoint), self.autocast():
-            return evaluate_sts(self.encoder, self.config.evaluation.sts_dir,
-                                batch_size=self.config.evaluation.eval_batch_size)
+            return evaluate_sts(model, self.config.evaluation.sts_dir,
+                                batch_size=self.config.evaluation.eval_batch_size, show_progress_bar=show)
 
     def save_last(self) -> Path:
         """Write ``last/``: prompt checkpoint + everything needed to resume exactly (main process only)."""
