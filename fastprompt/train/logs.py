@@ -1,4 +1,4 @@
-"""Training logs: a CSV of metrics (append-only, truncated atomically on resume), TensorBoard when installed, a text log."""
+"""Training logs: a CSV of metrics (appended; truncated atomically on resume), TensorBoard if installed, a text log."""
 from __future__ import annotations
 
 import csv
