@@ -115,7 +115,8 @@ def read_pair_csv(path: str | Path) -> TrainExamples:
     try:
         records = list(reader)
     except csv.Error as exc:  # e.g. a quoted field that never closes
-        raise ValueError(f"{path}: not a valid CSV file (line {reader.line_num}: {exc})") from None
+        raise ValueError(f"{path}: not a valid CSV file (line {reader.line_num}: {exc}); the training file must "
+                         "be a sent0,sent1[,hard_neg] CSV or a .txt corpus") from None
     header = records.pop(0) if records else None
     if header is None:
         raise ValueError(f"training file {path} is empty (expected a CSV header sent0,sent1[,hard_neg])")
@@ -151,7 +152,10 @@ def read_pair_csv(path: str | Path) -> TrainExamples:
 def _looks_like_csv(path: Path) -> bool:
     with open(path, "rb") as f:
         first = f.readline().decode("utf-8-sig", errors="replace").strip()
-    cells = [c.strip() for c in next(csv.reader([first]), [])]
+    try:
+        cells = [c.strip() for c in next(csv.reader([first]), [])]
+    except csv.Error:
+        return False
     return cells[: len(PAIR_COLUMNS)] == list(PAIR_COLUMNS)
 
 

@@ -17,6 +17,7 @@ _LAZY = {
     "StepOutput": "fastprompt.train.trainer",
     "Trainer": "fastprompt.train.trainer",
     "TrainerState": "fastprompt.train.trainer",
+    "TrainingCollapsed": "fastprompt.train.trainer",
     "TrainingDiverged": "fastprompt.train.trainer",
     "step_seed": "fastprompt.train.trainer",
 }

@@ -50,6 +50,12 @@ def build_sampler(cfg: TrainConfig, examples: TrainExamples, dist: DistributedCo
     sampler = UniqueBatchSampler(sentence_keys(examples.rows), cfg.optim.batch_size, seed=cfg.run.seed,
                                  drop_last=cfg.data.drop_last or dist.enabled)
     if sampler.num_batches(0) == 0:
+        distinct = len({s for row in examples.rows for s in row})
+        if distinct < min(len(examples), cfg.optim.batch_size):  # duplicates, not the corpus size, are the cause
+            raise ValueError(f"{examples.source or 'the training data'} has {len(examples)} rows but only {distinct} "
+                             f"distinct sentence(s): a batch never holds a sentence twice (it would be its own "
+                             f"negative), so no batch of batch_size={cfg.optim.batch_size} can be formed; "
+                             "deduplicate the corpus or add sentences")
         raise ValueError(f"{len(examples)} training rows make no batch of batch_size={cfg.optim.batch_size} "
                          f"(drop_last={cfg.data.drop_last}); use a smaller batch_size or more data")
     return sampler

@@ -61,15 +61,19 @@ def run_train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0
+    from fastprompt.train.run_lock import OutputDirLocked
     from fastprompt.train.trainer import Trainer, TrainingDiverged
 
     # SIGTERM would otherwise kill us before Trainer installs its handler; from here on it is graceful.
     signal.signal(signal.SIGTERM, signal.default_int_handler)
     try:
         summary = Trainer(config).train()
-    except TrainingDiverged as exc:
+    except TrainingDiverged as exc:  # TrainingCollapsed too
         logger.error("%s", exc)
         return 3
+    except OutputDirLocked as exc:
+        print(f"fastprompt train: error: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:  # before training started (loading data/model) or a second Ctrl-C
         logger.warning("interrupted; checkpoints already in %s are intact", config.output_dir)
         return 130

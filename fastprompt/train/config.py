@@ -25,7 +25,7 @@ import yaml
 from fastprompt.choices import (BACKENDS, DECODE_ERROR_MODES, MLP_MODES, POOLERS, PRECISIONS, PREFIX_MODES,
                                 TRAIN_FORMATS)
 from fastprompt.fields import flat_key, option, validate_fields
-from fastprompt.io import reject_binary
+from fastprompt.io import reject_binary, write_text_atomic
 from fastprompt.model.config import PromptConfig
 from fastprompt.objectives.config import ObjectiveConfig
 
@@ -118,6 +118,8 @@ class LargeBatchConfig(_Section):
                                              ge=0)
     gradient_checkpointing: bool = option(False, "recompute backbone layers in backward (same gradients, less "
                                           "memory)")
+    check_memory: bool = option(True, "refuse to start when one step's estimated activation memory exceeds the "
+                                "free memory (RAM, or the GPU's)")
 
     @property
     def enabled(self) -> bool:
@@ -142,6 +144,11 @@ class RunConfig(_Section):
     log_every: int = option(10, "steps per row of train_log.csv", gt=0)
     tensorboard: bool = option(True, "also log to <output_dir>/tensorboard when tensorboard is installed")
     progress_bar: bool | None = option(None, "show a progress bar; null: only on a terminal")
+    collapse_ratio: float = option(1e-2, "the probe sentences' embeddings count as collapsed (all one direction) "
+                                   "when their emb_spread falls below this fraction of its value before training; "
+                                   "0 disables the check", ge=0.0, lt=1.0)
+    collapse_patience: int = option(3, "stop after this many train_log.csv rows in a row with collapsed "
+                                    "embeddings (a warning at the first); 0 = warn only", ge=0)
 
     def validate(self):
         super().validate()
@@ -163,6 +170,12 @@ class EvalConfig(_Section):
     final_eval: bool = option(True, "seven-task STS test table of the best checkpoint at the end (needs sts_dir)")
     frozen_baseline: bool = option(False, "with final_eval, also score the untouched base model (same pooler, no "
                                    "prompt) on STS-B dev and the seven tasks, so the summary shows the gain")
+
+    def validate(self):
+        if isinstance(self.eval_steps, int) and not isinstance(self.eval_steps, bool) and self.eval_steps <= 0:
+            raise ValueError(f"eval_steps must be > 0, got {self.eval_steps}; to turn evaluation off, leave sts_dir "
+                             "unset (null)")
+        return super().validate()
 
 
 #: Section attribute -> (dataclass, title), in the order of the config reference and of to_dict().
@@ -350,4 +363,5 @@ def load_config(path: str | Path | None = None, overrides: dict[str, Any] | list
 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:
-    Path(path).write_text(yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
+    """Write the flat config as YAML, atomically (a crash mid-write keeps the previous file)."""
+    write_text_atomic(path, yaml.safe_dump(config.to_dict(), sort_keys=False))

@@ -1,10 +1,14 @@
-"""Training logs: a CSV of metrics (append-only, truncated on resume), TensorBoard when installed, a text log."""
+"""Training logs: a CSV of metrics (appended; truncated atomically on resume), TensorBoard if installed, a text log."""
 from __future__ import annotations
 
 import csv
+import io
 import logging
 import math
 from pathlib import Path
+
+from fastprompt.io import write_text_atomic
+from fastprompt.train.collapse import SPREAD_STAT
 
 logger = logging.getLogger(__name__)
 
@@ -14,8 +18,9 @@ TRAILING_COLUMNS = ("skipped", "tokens_per_s", "stsb_dev", "elapsed_s")
 
 
 def csv_columns(method_columns: tuple[str, ...] = ()) -> tuple[str, ...]:
-    """The header of train_log.csv for a method that logs ``method_columns``."""
-    return LEADING_COLUMNS + tuple(method_columns) + TRAILING_COLUMNS
+    """The header of train_log.csv for a method that logs ``method_columns`` (then every run's ``emb_spread``:
+    :mod:`fastprompt.train.collapse`)."""
+    return LEADING_COLUMNS + tuple(method_columns) + (SPREAD_STAT,) + TRAILING_COLUMNS
 
 
 class MetricsLog:
@@ -31,8 +36,7 @@ class MetricsLog:
         self.path = Path(output_dir) / "train_log.csv"
         self.columns = tuple(columns) if columns is not None else csv_columns()
         if resume_step is None or not self.path.is_file():
-            with open(self.path, "w", newline="", encoding="utf-8") as f:
-                csv.writer(f).writerow(self.columns)
+            write_text_atomic(self.path, _csv_text(self.columns, []))
         else:
             self._truncate_after(resume_step)
         self._file = open(self.path, "a", newline="", encoding="utf-8")
@@ -47,12 +51,10 @@ class MetricsLog:
                 self.tb = SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=resume_step)
 
     def _truncate_after(self, step: int) -> None:
+        # Rewritten atomically: a crash here leaves the whole previous log, never a truncated one.
         with open(self.path, newline="", encoding="utf-8") as f:
             rows = [r for r in csv.DictReader(f) if r.get("step", "").isdigit() and int(r["step"]) <= step]
-        with open(self.path, "w", newline="", encoding="utf-8") as f:
-            w = csv.DictWriter(f, self.columns, extrasaction="ignore")
-            w.writeheader()
-            w.writerows(rows)
+        write_text_atomic(self.path, _csv_text(self.columns, rows))
 
     def write(self, row: dict) -> None:
         clean = {k: (f"{v:.6g}" if isinstance(v, float) and math.isfinite(v) else v) for k, v in row.items()}
@@ -68,6 +70,14 @@ class MetricsLog:
         self._file.close()
         if self.tb is not None:
             self.tb.close()
+
+
+def _csv_text(columns: tuple[str, ...], rows: list[dict]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, columns, extrasaction="ignore")
+    w.writeheader()
+    w.writerows(rows)
+    return buf.getvalue()
 
 
 def add_file_handler(path: str | Path) -> logging.Handler:

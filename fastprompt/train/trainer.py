@@ -32,22 +32,33 @@ from tqdm.auto import tqdm
 
 from fastprompt.data import Batch, TrainExamples
 from fastprompt.objectives.base import TokenTerm
-from fastprompt.train import build
+from fastprompt.train import build, preflight
 from fastprompt.train.checkpoints import RunDirectory
+from fastprompt.train.collapse import SPREAD_STAT, CollapseMonitor, embedding_spread
 from fastprompt.train.config import TrainConfig, load_config, save_config
 from fastprompt.train.distributed import init_distributed
 from fastprompt.train.logs import MetricsLog, add_file_handler, csv_columns, remove_file_handler
+from fastprompt.train.memory import ModelShape, available_bytes, check_step_memory
+from fastprompt.train.progress import LoggedEncoder
+from fastprompt.train.run_lock import RunLock
 from fastprompt.train.signals import GracefulInterrupt
 from fastprompt.train.state import load_training_state
 from fastprompt.train.steps import LossSide, StepLosses, extras_generators, step_seed
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["StepOutput", "Trainer", "TrainerState", "TrainingDiverged", "step_seed"]
+__all__ = ["StepOutput", "Trainer", "TrainerState", "TrainingCollapsed", "TrainingDiverged", "step_seed"]
+
+#: Distinct training sentences embedded at every log row to watch for collapse (fastprompt.train.collapse).
+PROBE_SENTENCES = 32
 
 
 class TrainingDiverged(RuntimeError):
     """Raised after ``max_nonfinite_steps`` consecutive non-finite losses/gradients (checkpoints are intact)."""
+
+
+class TrainingCollapsed(TrainingDiverged):
+    """Raised after ``collapse_patience`` consecutive log rows whose probe sentences all embed alike."""
 
 
 @dataclass
@@ -63,6 +74,7 @@ class TrainerState:
     nonfinite_total: int = 0
     train_seconds: float = 0.0
     dev_history: list = field(default_factory=list)  # [[step, stsb_dev], ...]
+    probe_spread_start: float | None = None  # emb_spread of the collapse probe before the first step
 
 
 @dataclass
@@ -114,6 +126,9 @@ class Trainer:
         self.callbacks = list(callbacks or [])
         self.state = TrainerState()
         self.interrupt: GracefulInterrupt | None = None
+        self.metrics = None
+        self._log_handler: logging.Handler | None = None
+        self._lock: RunLock | None = None
         self._setup_done = False
 
     @property
@@ -143,11 +158,21 @@ class Trainer:
         if self._setup_done:
             return
         cfg = self.config
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        self._log_handler = add_file_handler(self.run_dir.log_text)
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         self.dist = init_distributed(cfg.run.device if cfg.run.device != "auto" else None)
+        if self.dist.is_main:  # one run per output_dir: a second one is refused before it writes anything
+            preflight.check_output_dir(self.output_dir)
+            self._lock = RunLock(self.output_dir).acquire()
+        try:
+            self._setup(cfg)
+        except BaseException:
+            self._release_run()
+            raise
+        self._setup_done = True
+
+    def _setup(self, cfg: TrainConfig) -> None:
+        self._log_handler = add_file_handler(self.run_dir.log_text)
         self.device = self.dist.device if self.dist.enabled else build.resolve_device(cfg.run.device)
         resume_dir = self.run_dir.resume_point(resume=cfg.run.resume, overwrite=cfg.run.overwrite_output_dir)
         if resume_dir is not None:
@@ -156,11 +181,15 @@ class Trainer:
         if self.examples is None:
             self.examples = build.load_examples(cfg)
         self.sampler = build.build_sampler(cfg, self.examples, self.dist)
+        self.probe = list(dict.fromkeys(row[0] for row in self.examples.rows))[:PROBE_SENTENCES]
         self.total_steps = build.count_total_steps(cfg, self.sampler)
 
         torch.manual_seed(cfg.run.seed)  # prompt initialisation
         self._build_model(resume_dir)
+        preflight.check_max_length(cfg, self.encoder)
         self.collator = build.build_collator(cfg, self.encoder, self.examples, self.method)
+        if cfg.large_batch.check_memory:
+            self._check_memory()
         opt = build.build_optimization(cfg, self.params, self.total_steps, self.device)
         self.optimizer, self.scheduler, self.scaler = opt.optimizer, opt.scheduler, opt.scaler
         self.autocast = build.autocast_factory(cfg, self.device)
@@ -168,6 +197,7 @@ class Trainer:
                              loss_scale=self.scaler.scale if self.scaler is not None else None)
         self.step = build.build_step(cfg, loss_side)
         self.dev_data = build.load_dev_data(cfg)
+        preflight.check_sts_files(cfg)  # the final evaluation's files, read now rather than after training
 
         if resume_dir is not None:
             saved = load_training_state(resume_dir, optimizer=self.optimizer, scheduler=self.scheduler,
@@ -182,7 +212,6 @@ class Trainer:
                                       columns=csv_columns(self.method.log_columns()))
         else:
             self.metrics = _NullLog()
-        self._setup_done = True
 
     def _build_model(self, resume_dir: Path | None) -> None:
         """The encoder and the method on the device, their trainable parameters the same on every process."""
@@ -207,6 +236,17 @@ class Trainer:
         total = sum(p.numel() for p in self.encoder.parameters())
         trained = sum(p.numel() for p in self.params)
         logger.info("trainable parameters: %d (%.3f%% of %d)", trained, 100.0 * trained / total, total)
+
+    def _check_memory(self) -> None:
+        """Refuse a batch whose activations cannot fit in memory (:mod:`fastprompt.train.memory`)."""
+        cfg, lb = self.config, self.config.large_batch
+        rows = min(cfg.optim.batch_size, len(self.examples)) // self.dist.world_size
+        micro = lb.micro_batch_size or (lb.max_tokens_per_micro_batch // cfg.data.max_length) or None
+        check_step_memory(ModelShape.of(self.encoder), rows=rows,
+                          views=len(self.method.sentence.views_for(self.examples.columns)),
+                          max_length=cfg.data.max_length, element_size=4 if cfg.run.precision == "fp32" else 2,
+                          micro_batch_rows=micro, gradient_checkpointing=lb.gradient_checkpointing,
+                          available=available_bytes(self.device))
 
     # ------------------------------------------------------------------ one step
     def seed_step(self, step: int) -> int:
@@ -282,6 +322,22 @@ class Trainer:
         return rows[self.dist.rank * n:(self.dist.rank + 1) * n]
 
     # ------------------------------------------------------------------ evaluation and checkpoints
+    def probe_spread(self) -> float | None:
+        """``emb_spread`` of the probe sentences embedded as a user would (eval mode, no gradient); None when
+        the check is off. Reads no random numbers and changes no state, so resuming stays bit for bit."""
+        if not self.config.run.collapse_ratio or len(self.probe) < 2:
+            return None
+        with self.autocast():
+            z = self.encoder.encode(self.probe, batch_size=len(self.probe), normalize=False, convert_to_numpy=False,
+                                    show_progress_bar=False, max_length=self.config.data.max_length)
+        return embedding_spread(z)
+
+    def _agree(self, flag: bool) -> bool:
+        """A stop decision every process takes together (true if any process's is)."""
+        if not self.dist.enabled:
+            return flag
+        return bool(self.dist.sum(torch.tensor(float(flag), device=self.device)) > 0)
+
     def evaluate_dev(self) -> float | None:
         """STS-B dev Spearman x 100 of the current prompt (None without ``sts_dir``)."""
         if self.dev_data is None:
@@ -299,9 +355,13 @@ class Trainer:
         are back in place afterwards)."""
         from fastprompt.eval.sts import evaluate_sts
 
+        show = self.config.run.progress_bar if self.config.run.progress_bar is not None else sys.stderr.isatty()
+        logger.info("final evaluation of %s on the STS test sets", checkpoint)
+        # without a progress bar (a log file, a batch job) the minutes of encoding are logged instead
+        model = self.encoder if show else LoggedEncoder(self.encoder, "final evaluation")
         with self.encoder.using_weights(checkpoint), self.autocast():
-            return evaluate_sts(self.encoder, self.config.evaluation.sts_dir,
-                                batch_size=self.config.evaluation.eval_batch_size)
+            return evaluate_sts(model, self.config.evaluation.sts_dir,
+                                batch_size=self.config.evaluation.eval_batch_size, show_progress_bar=show)
 
     def evaluate_frozen_baseline(self) -> dict[str, Any]:
         """STS-B dev and the seven test tasks of the base model as a user gets it: same pooler, no prompt, no
@@ -376,6 +436,10 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=st.global_step, desc="train", disable=not show,
                    dynamic_ncols=True)
         window: list[StepOutput] = []
+        if st.probe_spread_start is None:  # a fresh run (or one saved before the probe existed)
+            st.probe_spread_start = self.probe_spread()
+        self.collapse = CollapseMonitor(cfg.run.collapse_ratio, cfg.run.collapse_patience, st.probe_spread_start)
+        self._collapsed = False
         try:
             with GracefulInterrupt() as self.interrupt:
                 if cfg.evaluation.eval_at_start and st.global_step == 0:
@@ -399,6 +463,8 @@ class Trainer:
                             window = []
                         if st.nonfinite_streak >= cfg.run.max_nonfinite_steps:
                             status = "diverged"
+                        elif self._collapsed:
+                            status = "collapsed"
                         elif st.global_step % cfg.evaluation.eval_steps == 0 or st.global_step == self.total_steps:
                             self._evaluate_and_select(bar)
                         if st.global_step % save_every == 0 and status == "completed":
@@ -424,6 +490,8 @@ class Trainer:
             logger.warning("training interrupted at step %d; resume with the same command (last checkpoint: %s)",
                            st.global_step, self.last_dir)
         summary = self._finish(status)
+        if status == "collapsed":
+            raise TrainingCollapsed(self.collapse.message(st.global_step))
         if status == "diverged":
             raise TrainingDiverged(
                 f"stopped at step {st.global_step} after {st.nonfinite_streak} consecutive non-finite losses or "
@@ -445,6 +513,8 @@ class Trainer:
                 row["grad_norm"] = float(np.mean(norms))
             for key in finite[0].stats:
                 row[key] = float(np.mean([w.stats[key] for w in finite]))
+        row[SPREAD_STAT] = self.probe_spread()
+        self._collapsed = self._collapsed or self._agree(self.collapse.update(st.global_step, row[SPREAD_STAT]))
         self.metrics.write(row)
         logger.debug("step %d: %s", st.global_step, row)
 
@@ -486,6 +556,17 @@ class Trainer:
 
     def _close_logs(self) -> None:
         if self._setup_done:
-            self.metrics.close()
-            remove_file_handler(self._log_handler)
+            self._release_run()
             self._setup_done = False
+
+    def _release_run(self) -> None:
+        """Close the logs and release the output_dir lock (also after a setup that failed half-way)."""
+        if self.metrics is not None:
+            self.metrics.close()
+            self.metrics = None
+        if self._log_handler is not None:
+            remove_file_handler(self._log_handler)
+            self._log_handler = None
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None

@@ -105,14 +105,16 @@ def _handler(state: FakeOpenAI):
                 chat = self.path.endswith("chat/completions")
                 prompt = body["messages"][-1]["content"] if chat else body["prompt"]
                 text, finish = state.answer(prompt)
-                choice = {"index": 0, "finish_reason": finish}
-                choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
-                self._send(200, {"id": "x", "object": "chat.completion" if chat else "text_completion",
-                                 "model": body["model"], "choices": [choice],
-                                 "usage": {"completion_tokens": len(text.split())}})
             finally:
+                # counted out before the answer is sent: once the client has it, it may send its next request
+                # before this thread runs again, and that request must not be counted beside this one
                 with state.lock:
                     state.in_flight -= 1
+            choice = {"index": 0, "finish_reason": finish}
+            choice.update({"message": {"role": "assistant", "content": text}} if chat else {"text": text})
+            self._send(200, {"id": "x", "object": "chat.completion" if chat else "text_completion",
+                             "model": body["model"], "choices": [choice],
+                             "usage": {"completion_tokens": len(text.split())}})
 
     return Handler
 

@@ -44,3 +44,29 @@ def test_tensorboard_scalars(tmp_path, monkeypatch):
     log.close()
     assert calls == [("init", str(tmp_path / "tensorboard"), None), ("train/loss", 0.25, 4),
                      ("eval/stsb_dev", 81.5, 4), ("close",)]
+
+
+def test_resume_rewrite_is_atomic(tmp_path, monkeypatch):
+    """A crash while the log is truncated on resume (here: the disk fills up) keeps the whole history."""
+    import errno
+
+    import fastprompt.io
+
+    log = MetricsLog(tmp_path, resume_step=None, tensorboard=False)
+    for step in range(1, 6):
+        log.write({"step": step, "loss": 1.0})
+    log.close()
+    before = (tmp_path / "train_log.csv").read_bytes()
+
+    def full_disk(fd):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(fastprompt.io.os, "fsync", full_disk)
+    try:
+        MetricsLog(tmp_path, resume_step=3, tensorboard=False)
+    except OSError as exc:
+        assert exc.errno == errno.ENOSPC
+    else:
+        raise AssertionError("the failed write was not reported")
+    assert (tmp_path / "train_log.csv").read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["train_log.csv"]  # no temporary file left

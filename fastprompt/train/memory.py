@@ -1,0 +1,106 @@
+"""An up-front estimate of one training step's activation memory, checked against the free memory.
+
+A batch far too large for the machine (``batch_size=1000000`` on a 16k-sentence corpus: one batch of every
+sentence) is otherwise OOM-killed mid-step with no message. Before the first step the trainer estimates the
+activations one step keeps alive for its backward pass and refuses to start when they exceed the memory
+available, suggesting the gradient cache (``micro_batch_size``), which keeps one micro-batch's activations
+alive at a time and gives the same gradients.
+
+The estimate is per transformer layer and token, after Korthikanti et al. 2022 ("Reducing activation
+recomputation in large transformer models", section 4.1): ``34 h`` bytes of 16-bit activations for the
+attention and MLP blocks (LayerNorms, projections, GELU input, dropout masks) plus ``5 a k`` bytes of attention
+scores (scores, softmax, dropout mask), with ``k`` keys (the sentence plus the prefix). In units of the
+activation element size ``e`` (4 in fp32, 2 under autocast) that is ``17 e h + a k (2 e + 1)``. Gradient
+checkpointing keeps each layer's input plus one layer's activations. The frozen backbone's weights carry no
+gradient and are not counted; neither are the (small) prompt and optimizer state. It is an estimate of the
+order of magnitude: the check refuses only runs that cannot fit, and ``check_memory=false`` turns it off.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+GiB = 1024 ** 3
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What activation memory depends on: the backbone's layers, width and heads (keys include the prefix)."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    prefix_length: int = 0
+
+    @classmethod
+    def of(cls, encoder) -> "ModelShape":
+        c = encoder.backbone.config
+        prefix = int(getattr(getattr(encoder, "prompt_config", None), "prompt_length", 0) or 0)
+        return cls(int(c.num_hidden_layers), int(c.hidden_size), int(c.num_attention_heads), prefix)
+
+
+def activation_bytes(shape: ModelShape, sequences: int, seq_len: int, *, element_size: int = 4,
+                     gradient_checkpointing: bool = False) -> int:
+    """Activations kept for the backward pass of ``sequences`` sequences of ``seq_len`` tokens."""
+    h, a, k = shape.hidden_size, shape.num_heads, seq_len + shape.prefix_length
+    per_token_layer = 17 * element_size * h + a * k * (2 * element_size + 1)
+    tokens = sequences * seq_len
+    if gradient_checkpointing:  # each layer's input, plus one layer recomputed at a time
+        return tokens * (shape.num_layers * element_size * h + per_token_layer)
+    return tokens * shape.num_layers * per_token_layer
+
+
+def _size(n: int) -> str:
+    return f"{n / GiB:.1f} GiB" if n >= GiB // 10 else f"{n / 1024 ** 2:.1f} MiB"
+
+
+def available_bytes(device) -> int | None:
+    """Memory a step can still use: free CUDA memory, else available RAM (psutil, else /proc/meminfo);
+    None when unknown."""
+    if getattr(device, "type", str(device)) == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        return int(psutil.virtual_memory().available)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_step_memory(shape: ModelShape, *, rows: int, views: int, max_length: int, element_size: int,
+                      micro_batch_rows: int | None, gradient_checkpointing: bool, available: int | None) -> int:
+    """Raise a ValueError when one step's estimated activations exceed ``available`` bytes; returns the
+    estimate. ``rows``: this process's rows per step; ``micro_batch_rows``: the gradient cache's rows per
+    micro-batch (None: off)."""
+    per_pass = min(rows, micro_batch_rows) if micro_batch_rows else rows
+    need = activation_bytes(shape, per_pass * views, max_length, element_size=element_size,
+                            gradient_checkpointing=gradient_checkpointing)
+    if micro_batch_rows:  # the cached vectors and their gradients, for the whole batch
+        need += 2 * rows * views * shape.hidden_size * 4
+    logger.info("estimated activation memory of one step: %s%s", _size(need),
+                f" of {_size(available)} available" if available is not None else "")
+    if available is None or need <= available:
+        return need
+    per_row = activation_bytes(shape, views, max_length, element_size=element_size,
+                               gradient_checkpointing=gradient_checkpointing)
+    fit = max(1, int(available // 2 // per_row))
+    suggestion = 2 ** int(math.log2(fit)) if fit >= 2 else 1
+    what = f"micro_batch_size={micro_batch_rows}" if micro_batch_rows else f"a batch of {rows} rows"
+    raise ValueError(
+        f"{what} x {views} views x {max_length} tokens needs about {_size(need)} of activation memory per "
+        f"step (estimate), more than the {_size(available)} available; set micro_batch_size={suggestion} "
+        "(the gradient cache: same gradients, one micro-batch in memory at a time), lower batch_size or "
+        "max_length, or set check_memory=false to try anyway")

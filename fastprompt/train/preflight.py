@@ -1,0 +1,54 @@
+"""Checks a run makes before its first step, so that bad input fails in seconds with one line, not after
+minutes of training (or hours, for a corrupt STS test file that the final evaluation would read last).
+
+The config itself is validated when it is built (:mod:`fastprompt.train.config`); here are the checks that
+need the file system or the loaded model: the output folder, every file the run will read, and limits that
+come from the model.
+"""
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from fastprompt.train.config import TrainConfig
+
+
+def check_output_dir(path: str | os.PathLike) -> Path:
+    """``path`` is (or can be made) a writable folder; a one-line ValueError otherwise. Returns it."""
+    root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"output_dir {root} is a file, not a folder; choose another output_dir")
+    ancestor = root
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if ancestor != root and not ancestor.is_dir():
+        raise ValueError(f"output_dir {root} is under {ancestor}, which is a file; choose another output_dir")
+    probe = root / f".fastprompt-write-test-{os.getpid()}"
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        reason = exc.strerror or errno.errorcode.get(exc.errno or 0, str(exc))
+        raise ValueError(f"output_dir {root} is not writable ({reason}); choose another output_dir") from None
+    return root
+
+
+def check_sts_files(cfg: TrainConfig) -> None:
+    """Read every STS file the run will evaluate on (the dev split is loaded by the trainer itself): a missing
+    or corrupt test file fails now, not after training."""
+    ev = cfg.evaluation
+    if ev.sts_dir is None or not ev.final_eval:
+        return
+    from fastprompt.eval.sts import load_sts_tasks
+
+    load_sts_tasks(ev.sts_dir)
+
+
+def check_max_length(cfg: TrainConfig, encoder) -> None:
+    """``max_length`` within the positions the model has (a template's sentences are cut to fit already)."""
+    limit = encoder.model_max_tokens()
+    if getattr(encoder, "_template", None) is None and cfg.data.max_length > limit:
+        raise ValueError(f"max_length={cfg.data.max_length} is more than {cfg.encoder.model} allows ({limit} tokens, "
+                         f"special tokens included, with this prompt's positions); set max_length <= {limit}")
