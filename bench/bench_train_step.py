@@ -107,7 +107,9 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
         labels = torch.arange(pairs, device=device)
 
         def loss_of():  # forward and backward, as a PEFT user writes them
-            cls = model_(input_ids=inputs["input_ids"], attention_mask=inputs["attention_mask"]).last_hidden_state[:, 0]
+            # no token_type_ids: PEFT's prefix tuning drops them (with a warning); single sentences have zeros
+            ids, mask = inputs["input_ids"], inputs["attention_mask"]
+            cls = model_(input_ids=ids, attention_mask=mask).last_hidden_state[:, 0]
             z1, z2 = cls.view(2, pairs, -1)
             sim = F.cosine_similarity(z1[:, None, :], z2[None, :, :], dim=-1) / TEMPERATURE
             loss = F.cross_entropy(sim, labels)

@@ -42,7 +42,7 @@ run() {  # run NAME CMD...: log the command, keep going on failure, remember wha
 }
 export TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ "${QUICK:-0}" = 1 ]; then
-    PA=(--batches 64,256 --repeats 10); CL=(--n 1024 4096 --d 384 768); TS=(--batches 64 --steps 5)
+    PA=(--batches 64,256 --repeats 10); CL=(--n 1024 4096 --d 384 768); TS=(--batches 64 --repeats 3)
 else
     PA=(); CL=(); TS=()
 fi
