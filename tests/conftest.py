@@ -17,6 +17,31 @@ ROOT = Path(__file__).resolve().parents[1]
 SHARED_DATA = ROOT.parent / "shared" / "data"
 
 
+def _cuda_skip_reason() -> str | None:
+    """Why the tests marked ``cuda`` cannot run here (None when they can)."""
+    import importlib.util
+
+    import torch
+
+    if not torch.cuda.is_available():
+        build = f"CUDA {torch.version.cuda} build" if torch.version.cuda else "a CPU-only build"
+        return f"needs a CUDA GPU (torch {torch.__version__} is {build} and sees none; see docs/gpu.md)"
+    if importlib.util.find_spec("triton") is None:
+        return "needs the triton package for the CUDA kernels"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return ("the Triton interpreter is on (TRITON_INTERPRET=1, set for the CPU tests); the CUDA kernels are "
+                "tested by `bash scripts/gpu_check.sh` (TRITON_INTERPRET=0 pytest -m cuda)")
+    return None
+
+
+def pytest_collection_modifyitems(config, items):
+    cuda_items = [item for item in items if item.get_closest_marker("cuda")]
+    reason = _cuda_skip_reason() if cuda_items else None
+    if reason:
+        for item in cuda_items:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """../shared/data, or a skip with the reason when it is absent (e.g. on a user's machine)."""

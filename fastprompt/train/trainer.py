@@ -224,6 +224,8 @@ class Trainer:
         self.encoder.to(self.device).train()
         if self.config.large_batch.gradient_checkpointing:
             self.encoder.gradient_checkpointing_enable()
+        if self.config.run.compile:  # in place: parameter names, checkpoints and the module stay as they are
+            self.encoder.compile()
         self.method = build.build_method(self.config, self.encoder, self.terms).to(self.device).train()
         if resume_dir is not None:
             RunDirectory.load_method(self.method, resume_dir)

@@ -1,0 +1,244 @@
+"""The compiled Triton kernels on a CUDA GPU against the plain-PyTorch references (the GPU validation kit's test
+subset: ``bash scripts/gpu_check.sh``, or ``TRITON_INTERPRET=0 pytest -m cuda``).
+
+Every test here is marked ``cuda``; tests/conftest.py skips them, with the reason, where there is no CUDA GPU or
+where the Triton interpreter is on (the normal test command sets TRITON_INTERPRET=1 for the CPU tests).
+
+Tolerances (atol = rtol), against the reference evaluated in float32 on the same rounded inputs:
+- fp32, 1e-5: the kernels multiply in IEEE fp32 (``input_precision="ieee"``; TF32 only if the user enabled it
+  for matmuls, which the kit does not) and accumulate in fp32; the only difference to the reference is the
+  summation order over at most P + S = 90 keys (or 40 columns), a few ulps (~1e-7 relative) of O(1) values.
+- fp16, 1e-3: products of fp16 inputs are exact in the fp32 accumulator; what differs is that probabilities
+  and gradient tiles are rounded to fp16 (unit roundoff 2^-11 = 4.9e-4) before the second product, and the
+  outputs and gradients are rounded to fp16 (another 4.9e-4 relative): ~1e-3 in the worst element.
+- bf16: the same two roundings at 2^-8 = 3.9e-3 each (attention: 2e-2, as under the interpreter; the loss,
+  whose inputs are reduced to cosines in fp32 first, 8e-3).
+These are the tolerances the same kernels meet under the CPU interpreter (tests/ops/test_prefix_attention.py,
+test_contrastive_loss_triton.py), where the arithmetic is emulated with the same roundings.
+"""
+import pytest
+import torch
+
+from fastprompt.backends import resolve_backend
+from fastprompt.ops import contrastive_loss, prefix_attention
+from fastprompt.ops.reference import prefix_attention_reference
+
+pytestmark = pytest.mark.cuda
+
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+ATTN_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}
+LOSS_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+GRAD_NAMES = ("dq", "dk", "dv", "dprefix_k", "dprefix_v")
+
+# (B, H, S, P, D, T): partial tiles (S = 37, 70, 129), P = 1, P > 16, D = 48 / 128, a (T, H, P, D) prefix
+# picked per example by prompt_index, and a BERT-base-like point.
+ATTN_SHAPES = [
+    (2, 2, 37, 5, 48, None),
+    (2, 1, 20, 1, 32, None),
+    (3, 2, 16, 3, 64, 3),
+    (1, 2, 70, 20, 64, None),
+    (2, 1, 33, 17, 128, 2),
+    (8, 12, 129, 16, 64, None),
+]
+
+
+def attn_inputs(B, H, S, P, D, T=None, dtype=torch.float32, seed=0):
+    """q/k/v laid out like transformers' ``view(B, S, H, D).transpose(1, 2)``; example 0 is all padding."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(B, S, H, D, generator=g).to("cuda", dtype).transpose(1, 2).requires_grad_()
+               for _ in range(3))
+    shape = (H, P, D) if T is None else (T, H, P, D)
+    pk, pv = (torch.randn(*shape, generator=g).to("cuda", dtype).requires_grad_() for _ in range(2))
+    mask = torch.rand(B, S, generator=g) > 0.3
+    mask[0] = False
+    mask[-1, 0] = True
+    pidx = None if T is None else (torch.arange(B) % T).cuda()
+    return q, k, v, pk, pv, mask.cuda(), pidx
+
+
+def attn_run(q, k, v, pk, pv, mask, pidx, dout=None, **kw):
+    out = prefix_attention(q, k, v, pk, pv, mask, prompt_index=pidx, backend="triton", **kw)
+    if dout is None:
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to("cuda", q.dtype)
+    return out, torch.autograd.grad(out, (q, k, v, pk, pv), dout), dout
+
+
+def attn_reference(q, k, v, pk, pv, mask, pidx, dout, **kw):
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v, pk, pv)]
+    out = prefix_attention_reference(*leaves, mask, prompt_index=pidx, **kw)
+    return out, torch.autograd.grad(out, leaves, dout.float())
+
+
+def close(name, got, want, tol):
+    """|got - want| <= tol * (|want| + max(1, max |want|)): a rounding error is relative to the largest terms
+    that were summed, which are of the order of the largest entry, not of each (possibly cancelled) entry."""
+    assert torch.isfinite(got).all(), f"{name}: non-finite values"
+    atol = tol * max(1.0, want.abs().max().item()) if want.numel() else tol
+    torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=tol, msg=lambda m: f"{name}: {m}")
+
+
+def keep_mask(B, H, S, P, seed, p):
+    """Read back the kernel's dropout keep-mask: with q = 0 every visible key has probability 1 / (P + S), and
+    one-hot values make out[b, h, i, j] = keep[b, h, i, j] / ((P + S)(1 - p))."""
+    n = P + S
+    eye = torch.eye(n, device="cuda")
+    q, k = torch.zeros(B, H, S, n, device="cuda"), torch.zeros(B, H, S, n, device="cuda")
+    pk, pv = torch.zeros(H, P, n, device="cuda"), eye[:P].expand(H, P, n).contiguous()
+    v = eye[P:].expand(B, H, S, n).contiguous()
+    out = prefix_attention(q, k, v, pk, pv, None, scale=1.0, dropout_p=p, seed=seed, backend="triton")
+    kept = out[out != 0]
+    torch.testing.assert_close(kept, torch.full_like(kept, 1.0 / (n * (1 - p))))
+    return out != 0
+
+
+# ------------------------------------------------------------------------------------------------ attention
+
+
+def test_auto_backends_pick_triton_on_cuda():
+    q = torch.zeros(1, 1, 4, 64, device="cuda")
+    assert resolve_backend("prefix_attention", q, "auto") == "triton"
+    z = torch.randn(4, 8, device="cuda")
+    assert resolve_backend("contrastive_loss", z, "auto") == "triton"
+    ref = contrastive_loss(z, z.flip(0), backend="reference")
+    torch.testing.assert_close(contrastive_loss(z, z.flip(0)), ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", ATTN_SHAPES, ids=lambda s: "B{}H{}S{}P{}D{}T{}".format(*s))
+def test_prefix_attention_matches_reference(shape, dtype):
+    q, k, v, pk, pv, mask, pidx = attn_inputs(*shape, dtype=dtype)
+    out, grads, dout = attn_run(q, k, v, pk, pv, mask, pidx)
+    r_out, r_grads = attn_reference(q, k, v, pk, pv, mask, pidx, dout)
+    assert out.dtype == dtype and out.transpose(1, 2).is_contiguous()
+    close("out", out, r_out, ATTN_TOL[dtype])
+    for name, g, r, x in zip(GRAD_NAMES, grads, r_grads, (q, k, v, pk, pv)):
+        assert g.dtype == x.dtype and g.shape == x.shape, name
+        close(name, g, r, ATTN_TOL[dtype])
+
+
+def test_prefix_attention_mixed_prompts_equal_one_prompt_at_a_time():
+    """prompt_index: a batch mixing T = 3 prompts gives each example what its own (H, P, D) prompt gives."""
+    q, k, v, pk, pv, mask, _ = attn_inputs(6, 2, 24, 4, 64, T=3)
+    pidx = torch.tensor([2, 0, 1, 1, 0, 2], device="cuda")
+    out, grads, dout = attn_run(q, k, v, pk, pv, mask, pidx)
+    for t in range(3):
+        rows = (pidx == t).nonzero().flatten()
+        sub = [x.detach()[rows].requires_grad_() for x in (q, k, v)]
+        pkt, pvt = (x.detach()[t].requires_grad_() for x in (pk, pv))
+        o, g, _ = attn_run(*sub, pkt, pvt, mask[rows], None, dout=dout[rows])
+        close(f"out[prompt {t}]", out[rows], o, 1e-5)
+        for name, got, want in zip(GRAD_NAMES[:3], grads[:3], g[:3]):
+            close(f"{name}[prompt {t}]", got[rows], want, 1e-5)
+        # the prompt's gradient sums over its own examples only
+        close(f"dprefix_k[{t}]", grads[3][t], g[3], 1e-5)
+        close(f"dprefix_v[{t}]", grads[4][t], g[4], 1e-5)
+
+
+def test_prefix_attention_backward_is_deterministic():
+    """Prefix gradients are per-program partial sums reduced in a fixed order: bitwise equal across runs."""
+    q, k, v, pk, pv, mask, pidx = attn_inputs(16, 4, 100, 16, 64, T=2)
+    _, g1, dout = attn_run(q, k, v, pk, pv, mask, pidx)
+    _, g2, _ = attn_run(q, k, v, pk, pv, mask, pidx, dout=dout)
+    for name, a, b in zip(GRAD_NAMES, g1, g2):
+        assert torch.equal(a, b), name
+
+
+def test_dropout_mask_is_a_function_of_the_seed():
+    B, H, S, P, p = 2, 2, 37, 6, 0.3
+    m1, m2, m3 = (keep_mask(B, H, S, P, seed, p) for seed in (7, 7, 8))
+    assert torch.equal(m1, m2)
+    assert (m1 != m3).float().mean() > 0.2  # independent masks differ in ~2p(1-p) = 42% of places
+    kept, n = m1.float().mean().item(), m1.numel()
+    assert abs(kept - (1 - p)) < 4 * (p * (1 - p) / n) ** 0.5 + 1e-3, kept
+    assert not torch.equal(m1, keep_mask(B, H, S, P, 7 + (1 << 40), p))  # the high word of the seed counts
+
+
+@pytest.mark.parametrize("T", [None, 2])
+def test_dropout_gradient_replays_the_forward_mask(T):
+    B, H, S, P, D, p, seed = 2, 2, 37, 6, 32, 0.25, 1234
+    keep = keep_mask(B, H, S, P, seed, p)
+    q, k, v, pk, pv, mask, pidx = attn_inputs(B, H, S, P, D, T)
+    out, grads, dout = attn_run(q, k, v, pk, pv, mask, pidx, dropout_p=p, seed=seed)
+    r_out, r_grads = attn_reference(q, k, v, pk, pv, mask, pidx, dout, dropout_p=p, dropout_mask=keep)
+    close("out", out, r_out, 1e-5)
+    for name, g, r in zip(GRAD_NAMES, grads, r_grads):
+        close(name, g, r, 1e-5)
+    again, grads2, _ = attn_run(q, k, v, pk, pv, mask, pidx, dout=dout, dropout_p=p, seed=seed)
+    assert torch.equal(out, again)
+    for name, a, b in zip(GRAD_NAMES, grads, grads2):
+        assert torch.equal(a, b), name
+
+
+def test_dropout_seed_none_replays_from_the_torch_rng_state():
+    q, k, v, pk, pv, mask, _ = attn_inputs(2, 2, 20, 3, 32)
+    run = lambda: prefix_attention(q, k, v, pk, pv, mask, dropout_p=0.4, backend="triton")  # noqa: E731
+    state = torch.get_rng_state()
+    a = run()
+    torch.set_rng_state(state)
+    assert torch.equal(a, run())
+    assert not torch.equal(a, run())
+
+
+def test_encoder_attention_path_matches_the_cache_path(tiny_bert_dir):
+    """The prompted encoder on CUDA: fused Triton attention vs the DynamicCache reference, dropout off."""
+    from fastprompt.model import PromptConfig, PromptEncoder
+
+    torch.manual_seed(0)
+    enc = {mode: PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(prompt_length=5),
+                                               prefix_mode=mode).cuda().eval() for mode in ("attention", "cache")}
+    enc["cache"].load_state_dict(enc["attention"].state_dict())
+    batch = {k: v.cuda() for k, v in enc["attention"].tokenize(["a man plays the guitar", "the dog"]).items()}
+    outs, grads = {}, {}
+    for mode, e in enc.items():
+        outs[mode] = e(**batch)
+        grads[mode] = torch.autograd.grad(outs[mode].square().sum(), e.prompt.prefix)[0]
+    close("embeddings", outs["attention"], outs["cache"], 1e-5)
+    close("prefix gradient", grads["attention"], grads["cache"], 1e-4)
+
+
+# ------------------------------------------------------------------------------------------------ loss
+
+LOSS_CASES = [
+    # n, m2, d, z3, offset, options
+    (1, 1, 5, True, 0, dict(hinge_weight=1.0)),
+    (17, 40, 33, True, 9, dict(symmetric=True, hinge_weight=10.0, hard_negative_weight=0.5, reduction="none")),
+    (33, 33, 70, True, 0, dict(hinge_weight=10.0, hard_negative_weight=-0.3)),
+    (5, 37, 100, False, 32, dict(reduction="sum", hinge_weight=2.0, hinge_margin=0.6)),
+    (300, 300, 384, True, 0, dict(hinge_weight=10.0)),
+]
+
+
+def loss_and_grads(zs, backend, **kw):
+    zs = [z.detach().requires_grad_() for z in zs]
+    loss, stats = contrastive_loss(*zs, backend=backend, return_stats=True, **kw)
+    w = torch.rand(loss.shape, generator=torch.Generator().manual_seed(1)).to("cuda", loss.dtype) + 0.5
+    grads = torch.autograd.grad((loss * w).sum(), zs)
+    return loss.detach(), stats, grads
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n,m2,d,z3,offset,kw", LOSS_CASES)
+def test_contrastive_loss_matches_reference(n, m2, d, z3, offset, kw, dtype):
+    g = torch.Generator().manual_seed(0)
+    zs = [torch.randn(rows, d, generator=g).to("cuda", dtype) for rows in (n, m2, m2)[:3 if z3 else 2]]
+    ref = loss_and_grads(zs, "reference", positive_offset=offset, **kw)
+    out = loss_and_grads(zs, "triton", positive_offset=offset, **kw)
+    tol = LOSS_TOL[dtype]
+    close("loss", out[0], ref[0], tol)
+    for name in ("lse", "pos_sim", "hardest_neg_sim"):
+        close(name, getattr(out[1], name), getattr(ref[1], name), tol)
+    if dtype == torch.float32:  # in half precision near-ties may legitimately resolve differently
+        assert torch.equal(out[1].hardest_neg_index, ref[1].hardest_neg_index)
+    for name, a, b, z in zip(("dz1", "dz2", "dz3"), out[2], ref[2], zs):
+        assert a.dtype == z.dtype, name
+        close(name, a, b, tol)
+
+
+def test_contrastive_loss_backward_is_deterministic():
+    g = torch.Generator().manual_seed(0)
+    zs = [torch.randn(513, 768, generator=g).cuda() for _ in range(3)]
+    a = loss_and_grads(zs, "triton", hinge_weight=10.0)
+    b = loss_and_grads(zs, "triton", hinge_weight=10.0)
+    assert torch.equal(a[0], b[0])
+    for x, y in zip(a[2], b[2]):
+        assert torch.equal(x, y)
