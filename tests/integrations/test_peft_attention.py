@@ -155,6 +155,13 @@ def test_adapter_saved_and_loaded_by_peft(tiny_bert_dir, tmp_path):
         torch.testing.assert_close(accelerate_peft(loaded)(**inputs).last_hidden_state, expected, **TOL)
 
 
+def test_exported_from_fastprompt():
+    import fastprompt
+    import fastprompt.integrations
+
+    assert fastprompt.accelerate_peft is accelerate_peft is fastprompt.integrations.accelerate_peft
+
+
 def test_restore_and_reaccelerate(tiny_bert_dir):
     model = _peft_model(tiny_bert_dir)
     base = model.get_base_model()

@@ -216,6 +216,28 @@ def test_cached_equals_plain_without_dropout(tiny_st_dir):
     _assert_same(*results)
 
 
+@pytest.mark.parametrize("cached", [False, True], ids=["mnrl", "cached"])
+def test_inside_matryoshka_loss(tiny_st_dir, cached):
+    """sentence-transformers' wrappers work unchanged: MatryoshkaLoss truncates the embeddings (patching the model's
+    forward for the plain loss, calculate_loss for the cached one) and sums the losses at each dimension. Weight
+    gradients are compared relative to their largest entry (the three losses add up gradients of order 10)."""
+    model = _st_model(tiny_st_dir).eval()
+    results = []
+    for module in (st_losses, st_loss):
+        inner = (module.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3) if cached
+                 else module.MultipleNegativesRankingLoss(model))
+        loss_fn = st_losses.MatryoshkaLoss(model, inner, matryoshka_dims=[32, 16, 8])
+        model.zero_grad()
+        loss = loss_fn(_features(model, 1), None)
+        loss.backward()
+        results.append((loss.detach(), _grads(model)))
+    (l1, g1), (l2, g2) = results
+    torch.testing.assert_close(l1, l2, **TOL)
+    scale = max(float(g.abs().max()) for g in g2)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a / scale, b / scale, **TOL)
+
+
 # ---------------------------------------------------------------- inside SentenceTransformerTrainer
 
 
