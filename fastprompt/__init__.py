@@ -7,6 +7,7 @@ Public API (imported lazily so ``import fastprompt`` stays cheap):
 - :func:`contrastive_loss`, :func:`prefix_attention` — the fused ops (``fastprompt.ops``)
 - :class:`Trainer`, :class:`TrainConfig` — the training loop (``fastprompt.train``)
 - :func:`evaluate_sts` — the STS evaluation protocol (``fastprompt.eval``)
+- :func:`accelerate_peft` — fused prefix attention under a PEFT prefix-tuning model (``fastprompt.integrations``)
 """
 import importlib
 
@@ -21,6 +22,7 @@ _LAZY = {
     "Trainer": "fastprompt.train",
     "TrainConfig": "fastprompt.train",
     "evaluate_sts": "fastprompt.eval",
+    "accelerate_peft": "fastprompt.integrations",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

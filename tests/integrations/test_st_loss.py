@@ -1,0 +1,337 @@
+"""fastprompt's sentence-transformers losses give sentence-transformers' own loss values and gradients.
+
+Tolerances (fp32): both sides compute cosines by normalising and a matrix product in float32, then a
+log-sum-exp of ``scale * cosine`` (scale 20). Each cosine has a rounding error of at most ~d·2^-24 (d = 24 or 32
+here: < 2e-6), so a logit differs by < 4e-5 in the worst case and by ~1e-6 in practice (errors of independent
+roundings do not line up); the loss (a difference of log-sum-exps, ~1..10) and its gradients (softmax
+probabilities minus one-hot, times scale / |z|, of order 1 / N) inherit errors of that size. We compare at
+rtol = atol = 1e-5 (the observed maxima are 3e-7 for gradients and 1e-6 for loss values), which any real
+difference in what is computed (a missed column, a wrong label, a scale off by a factor) exceeds by orders of
+magnitude. Gradients of a model's weights after a backward through the tiny BERT (2 layers) are compared at
+the same tolerance: the backward through the encoder is the same code on both sides, and amplifies the
+embedding-gradient difference only by the layers' norms (of order 1 at initialisation).
+"""
+import os
+import socket
+import time
+import warnings
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+st = pytest.importorskip("sentence_transformers")
+from sentence_transformers import SentenceTransformer  # noqa: E402
+from sentence_transformers.sentence_transformer import losses as st_losses  # noqa: E402
+from sentence_transformers.util import dot_score  # noqa: E402
+
+from fastprompt.integrations import st_loss  # noqa: E402
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+SYMMETRIC = dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction")
+
+ANCHORS = ["a man plays the guitar .", "the dog runs in the park", "two people sit at a table", "it is red",
+           "a woman eats food", "the cat sits", "one big ball", "water in the street"]
+POSITIVES = ["a man plays music", "a dog is running", "people sit", "the car is red", "someone is eating",
+             "a cat", "a small ball", "the street has water"]
+NEGATIVES = [["the cat runs", "nobody plays", "a table", "blue", "a man sits", "the dog eats", "two cars", "food"],
+             ["it is big", "a guitar", "the park", "red ball", "the woman", "one dog", "a sentence", "the table"]]
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread avoids OpenMP contention on a loaded 2-core machine (20x slower otherwise)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _embeddings(n, d, columns, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(n, d, generator=g).requires_grad_() for _ in range(columns)]
+
+
+def _loss_and_grads(loss_fn, embs):
+    loss = loss_fn.compute_loss_from_embeddings(embs, None)
+    return loss.detach(), torch.autograd.grad(loss, embs)
+
+
+def _assert_same(ours, theirs):
+    (l1, g1), (l2, g2) = ours, theirs
+    torch.testing.assert_close(l1, l2, **TOL)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a, b, **TOL)
+
+
+# ---------------------------------------------------------------- the loss on given embeddings
+
+
+@pytest.mark.parametrize("negatives", [0, 1, 2])
+@pytest.mark.parametrize("n", [1, 2, 7, 64])
+@pytest.mark.parametrize("symmetric", [False, True], ids=["mnrl", "symmetric"])
+def test_same_loss_and_gradients_as_sentence_transformers(negatives, n, symmetric):
+    kw = SYMMETRIC if symmetric else {}
+    embs = _embeddings(n, 24, 2 + negatives, seed=n + negatives)
+    theirs = _loss_and_grads(st_losses.MultipleNegativesRankingLoss(None, scale=20.0, **kw), embs)
+    ours = _loss_and_grads(st_loss.MultipleNegativesRankingLoss(None, scale=20.0, **kw), embs)
+    _assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("scale", [1.0, 50.0])
+def test_scale_is_inverse_temperature(scale):
+    embs = _embeddings(9, 24, 3)
+    theirs = _loss_and_grads(st_losses.MultipleNegativesRankingLoss(None, scale=scale), embs)
+    ours = _loss_and_grads(st_loss.MultipleNegativesRankingLoss(None, scale=scale), embs)
+    _assert_same(ours, theirs)
+
+
+def test_symmetric_class_matches_sentence_transformers():
+    embs = _embeddings(6, 24, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # sentence-transformers deprecates its class
+        theirs = _loss_and_grads(st_losses.MultipleNegativesSymmetricRankingLoss(None), embs)
+    ours = _loss_and_grads(st_loss.MultipleNegativesSymmetricRankingLoss(None), embs)
+    _assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("symmetric", [False, True], ids=["mnrl", "symmetric"])
+def test_hinge_adds_promcse_energy_term(symmetric):
+    """hinge_weight adds w * mean(relu(margin + cos(anchor, hardest other candidate) - cos(anchor, positive)))."""
+    kw = SYMMETRIC if symmetric else {}
+    n, d, w, m = 6, 24, 10.0, 0.2
+    embs = _embeddings(n, d, 3, seed=3)
+    anchors, cands = embs[0], torch.cat(embs[1:])
+    cos = torch.nn.functional.normalize(anchors, dim=1) @ torch.nn.functional.normalize(cands, dim=1).T
+    positive = cos.diagonal()
+    hardest = cos.masked_fill(torch.eye(n, cands.shape[0], dtype=torch.bool), float("-inf")).max(1).values
+    expected = (st_losses.MultipleNegativesRankingLoss(None, **kw).compute_loss_from_embeddings(embs, None)
+                + w * torch.relu(m + hardest - positive).mean())
+    theirs = expected.detach(), torch.autograd.grad(expected, embs)
+    ours = _loss_and_grads(st_loss.MultipleNegativesRankingLoss(None, hinge_weight=w, hinge_margin=m, **kw), embs)
+    _assert_same(ours, theirs)
+    assert float(torch.relu(m + hardest - positive).mean().detach()) > 1e-2  # the hinge is active on this batch
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(similarity_fct=dot_score), "cosine"),
+    (dict(directions=("query_to_doc", "query_to_query")), "directions"),
+    (dict(directions=("query_to_doc", "doc_to_query")), "per_direction"),
+    (dict(hardness_mode="hard_negatives", hardness_strength=5.0), "hardness"),
+    (dict(hinge_weight=-1.0), "hinge_weight"),
+    (dict(scale=0.0), "positive"),  # sentence-transformers' own validation still runs
+])
+def test_unsupported_settings_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        st_loss.MultipleNegativesRankingLoss(None, **kwargs)
+    with pytest.raises(ValueError, match=message):
+        st_loss.CachedMultipleNegativesRankingLoss(_TinyModelStub(), **kwargs)
+
+
+class _TinyModelStub(torch.nn.Module):
+    """Enough of a SentenceTransformer for the cached loss's constructor checks (no StaticEmbedding)."""
+
+    def __getitem__(self, i):
+        return torch.nn.Identity()
+
+
+def test_rows_must_match():
+    embs = [torch.randn(4, 8), torch.randn(3, 8)]
+    with pytest.raises(ValueError, match="as many rows"):
+        st_loss.MultipleNegativesRankingLoss(None).compute_loss_from_embeddings(embs, None)
+
+
+def test_config_dict_and_exports():
+    import fastprompt.integrations as integrations
+
+    loss = st_loss.CachedMultipleNegativesRankingLoss(_TinyModelStub(), scale=10.0, mini_batch_size=4,
+                                                      hinge_weight=2.0)
+    cfg = loss.get_config_dict()
+    assert cfg["scale"] == 10.0 and cfg["mini_batch_size"] == 4 and cfg["hinge_weight"] == 2.0
+    loss.hinge_weight = 3.0  # assignment reaches the wrapped loss, as sentence-transformers' own attributes do
+    assert loss.loss.hinge_weight == 3.0 and loss.temperature == 0.1
+    assert integrations.CachedMultipleNegativesRankingLoss is st_loss.CachedMultipleNegativesRankingLoss
+    assert isinstance(loss, st_losses.CachedMultipleNegativesRankingLoss)  # sentence-transformers' checks apply
+
+
+# ---------------------------------------------------------------- on a tiny SentenceTransformer
+
+
+@pytest.fixture(scope="module")
+def tiny_st_dir(tiny_bert_dir):
+    return str(tiny_bert_dir)
+
+
+def _st_model(path):
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return SentenceTransformer(path, device="cpu")  # Transformer + mean pooling, built from the local folder
+
+
+def _features(model, negatives):
+    columns = [ANCHORS, POSITIVES] + NEGATIVES[:negatives]
+    return [model.preprocess(texts) for texts in columns]
+
+
+def _grads(model):
+    """Every weight's gradient (zeros where it got none: BERT's pooler head is not used by mean pooling)."""
+    return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in model.parameters()]
+
+
+def _model_step(model, loss_fn, negatives, seed=1):
+    """One training forward/backward of ``loss_fn`` (dropout on), from a fixed RNG state."""
+    model.train()
+    model.zero_grad()
+    torch.manual_seed(seed)
+    loss = loss_fn(_features(model, negatives), None)
+    loss.backward()
+    return loss.detach(), _grads(model)
+
+
+@pytest.mark.parametrize("negatives", [0, 1, 2])
+@pytest.mark.parametrize("symmetric", [False, True], ids=["mnrl", "symmetric"])
+def test_cached_matches_sentence_transformers_cached(tiny_st_dir, negatives, symmetric):
+    """GradCache inside the loss (mini-batches of 3 over 8 rows, dropout replayed): same loss and weight
+    gradients as sentence-transformers' CachedMultipleNegativesRankingLoss, and as the plain MNRL in eval mode."""
+    kw = dict(mini_batch_size=3, **(SYMMETRIC if symmetric else {}))
+    model = _st_model(tiny_st_dir)
+    theirs = _model_step(model, st_losses.CachedMultipleNegativesRankingLoss(model, **kw), negatives)
+    ours = _model_step(model, st_loss.CachedMultipleNegativesRankingLoss(model, **kw), negatives)
+    _assert_same(ours, theirs)
+    assert max(float(g.abs().max()) for g in ours[1]) > 1e-4  # the gradients are not trivially zero
+
+
+def test_cached_equals_plain_without_dropout(tiny_st_dir):
+    model = _st_model(tiny_st_dir)
+    plain = st_loss.MultipleNegativesRankingLoss(model)
+    cached = st_loss.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3)
+    results = []
+    for loss_fn in (plain, cached):
+        model.eval()  # no dropout: the mini-batched embeddings equal the full-batch ones
+        model.zero_grad()
+        loss = loss_fn(_features(model, 1), None)
+        loss.backward()
+        results.append((loss.detach(), _grads(model)))
+    _assert_same(*results)
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["mnrl", "cached"])
+def test_inside_matryoshka_loss(tiny_st_dir, cached):
+    """sentence-transformers' wrappers work unchanged: MatryoshkaLoss truncates the embeddings (patching the model's
+    forward for the plain loss, calculate_loss for the cached one) and sums the losses at each dimension. Weight
+    gradients are compared relative to their largest entry (the three losses add up gradients of order 10)."""
+    model = _st_model(tiny_st_dir).eval()
+    results = []
+    for module in (st_losses, st_loss):
+        inner = (module.CachedMultipleNegativesRankingLoss(model, mini_batch_size=3) if cached
+                 else module.MultipleNegativesRankingLoss(model))
+        loss_fn = st_losses.MatryoshkaLoss(model, inner, matryoshka_dims=[32, 16, 8])
+        model.zero_grad()
+        loss = loss_fn(_features(model, 1), None)
+        loss.backward()
+        results.append((loss.detach(), _grads(model)))
+    (l1, g1), (l2, g2) = results
+    torch.testing.assert_close(l1, l2, **TOL)
+    scale = max(float(g.abs().max()) for g in g2)
+    for a, b in zip(g1, g2):
+        torch.testing.assert_close(a / scale, b / scale, **TOL)
+
+
+# ---------------------------------------------------------------- inside SentenceTransformerTrainer
+
+
+def _train(path, loss_name, module, tmp_path, steps=3, negatives=1, **loss_kwargs):
+    """``steps`` SentenceTransformerTrainer steps; returns the per-step losses, the step-0 weight gradients and
+    the trained model."""
+    from datasets import Dataset
+    from sentence_transformers import SentenceTransformerTrainer, SentenceTransformerTrainingArguments
+    from transformers import TrainerCallback
+
+    model = _st_model(path)
+    data = {"anchor": ANCHORS * 2, "positive": POSITIVES * 2}
+    for i in range(negatives):
+        data[f"negative_{i + 1}"] = NEGATIVES[i] * 2
+    loss_fn = getattr(module, loss_name)(model, **loss_kwargs)
+    losses, grads = [], []
+    loss_fn.register_forward_hook(lambda mod, inputs, out: losses.append(out.detach().clone()))
+
+    class StepZeroGradients(TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, **kwargs):
+            if state.global_step == 0:
+                grads.extend(_grads(model))
+
+    args = SentenceTransformerTrainingArguments(
+        output_dir=str(tmp_path / loss_name), max_steps=steps, per_device_train_batch_size=8, learning_rate=1e-3,
+        max_grad_norm=0.0, warmup_steps=0, logging_steps=1, save_strategy="no", report_to=[], seed=7,
+        use_cpu=True, dataloader_num_workers=0, disable_tqdm=True)
+    trainer = SentenceTransformerTrainer(model=model, args=args, train_dataset=Dataset.from_dict(data), loss=loss_fn,
+                                         callbacks=[StepZeroGradients()])
+    result = trainer.train()
+    assert trainer.state.global_step == steps
+    return losses, grads, model, result
+
+
+@pytest.mark.parametrize("loss_name, loss_kwargs", [
+    ("MultipleNegativesRankingLoss", {}),
+    ("CachedMultipleNegativesRankingLoss", dict(mini_batch_size=3)),
+], ids=["mnrl", "cached"])
+def test_sentence_transformer_trainer_step0_matches(tiny_st_dir, tmp_path, loss_name, loss_kwargs):
+    """A short SentenceTransformerTrainer run with fastprompt's loss: step 0 has sentence-transformers' loss and
+    weight gradients (same seed, so the same batches and dropout masks), and the run trains the model."""
+    ours_losses, ours_grads, trained, _ = _train(tiny_st_dir, loss_name, st_loss, tmp_path / "ours", **loss_kwargs)
+    st_losses_, st_grads, _, _ = _train(tiny_st_dir, loss_name, st_losses, tmp_path / "st", **loss_kwargs)
+    assert len(ours_losses) == 3 and all(torch.isfinite(x) for x in ours_losses)
+    _assert_same((ours_losses[0], ours_grads), (st_losses_[0], st_grads))
+    initial = _st_model(tiny_st_dir)
+    moved = [float((a - b).detach().abs().max()) for a, b in zip(trained.parameters(), initial.parameters())]
+    assert max(moved) > 1e-4  # the optimizer stepped with our gradients
+
+
+# ---------------------------------------------------------------- gather_across_devices (two gloo processes)
+
+
+def _gather_worker(rank, world, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        results = {}
+        for symmetric in (False, True):
+            for negatives in (0, 1):
+                kw = dict(gather_across_devices=True, **(SYMMETRIC if symmetric else {}))
+                embs = _embeddings(5, 24, 2 + negatives, seed=10 * rank + negatives)
+                for name, module in (("ours", st_loss), ("st", st_losses)):
+                    loss, grads = _loss_and_grads(module.MultipleNegativesRankingLoss(None, **kw), embs)
+                    for i, g in enumerate((loss.reshape(1),) + grads):
+                        results[f"{name}_{symmetric}_{negatives}_{i}"] = g.contiguous()
+        from safetensors.torch import save_file
+
+        save_file(results, os.path.join(out_dir, f"rank{rank}.safetensors"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_gather_across_devices_matches_sentence_transformers(tmp_path):
+    """Two gloo processes: each rank's loss and gradients equal sentence-transformers' gathered loss."""
+    from safetensors.torch import load_file
+
+    ctx = mp.spawn(_gather_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False)
+    deadline = time.monotonic() + 300
+    while not ctx.join(timeout=1):
+        if time.monotonic() > deadline:
+            for proc in ctx.processes:
+                proc.kill()
+            pytest.fail("gather workers still running after 300 s")
+    for rank in range(2):
+        res = load_file(str(tmp_path / f"rank{rank}.safetensors"))
+        ours = {k[5:]: v for k, v in res.items() if k.startswith("ours_")}
+        assert len(ours) == 2 * (3 + 4)
+        for key, value in ours.items():
+            torch.testing.assert_close(value, res["st_" + key], **TOL, msg=f"rank {rank} {key}")
