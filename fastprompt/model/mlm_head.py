@@ -106,9 +106,11 @@ def new_tied_mlm_head(backbone: nn.Module) -> nn.Module:
         elif isinstance(module, nn.LayerNorm):
             nn.init.ones_(module.weight)
             nn.init.zeros_(module.bias)
+    # the output bias lives in the decoder; the head's own ``bias`` (the tying slot of a checkpoint's head) is
+    # dropped so that no tensor is saved twice in the resume state
     owner = next(m for m in head.modules() if getattr(m, "decoder", None) is decoder)
-    nn.init.zeros_(owner.bias)
-    decoder.bias = owner.bias
+    owner.bias = None
+    nn.init.zeros_(decoder.bias)
     head = head.to(emb.dtype)
     decoder.weight = emb  # tied and frozen: part of the backbone
     return head

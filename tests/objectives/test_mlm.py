@@ -166,7 +166,7 @@ def test_a_backbone_without_head_needs_the_explicit_opt_in(tiny_bert_dir):
     decoder = term.head.predictions.decoder
     assert decoder.weight is emb and not decoder.weight.requires_grad
     trainable = {k for k, p in term.named_parameters() if p.requires_grad}
-    assert trainable == {"head.predictions.bias", "head.predictions.transform.dense.weight",
+    assert trainable == {"head.predictions.decoder.bias", "head.predictions.transform.dense.weight",
                          "head.predictions.transform.dense.bias", "head.predictions.transform.LayerNorm.weight",
                          "head.predictions.transform.LayerNorm.bias"}
     saved = Method(SimCSE(), [term]).resume_state()
