@@ -21,10 +21,18 @@ ATTN_IMPLEMENTATION = "fastprompt"
 class PrefixState:
     """Per-forward inputs of the prefix attention function."""
 
-    layers: list  # per layer: (prefix_k, prefix_v) of shape (H, P, D), or None
+    layers: list  # per layer: (prefix_k, prefix_v) of shape (H, P, D) or, one per example, (B, H, P, D); or None
     key_padding_mask: torch.Tensor  # (B, S) bool, True = real token
     backend: str = "auto"
     capture: dict | None = field(default=None)  # layer -> (k, v) of the first example; used by "vocab" init
+
+    @property
+    def prompt_index(self) -> torch.Tensor | None:
+        """arange(B) when the prefixes are per example (prompt dropout in training), else None."""
+        entry = next((e for e in self.layers if e is not None), None)
+        if entry is None or entry[0].dim() == 3:
+            return None
+        return torch.arange(self.key_padding_mask.shape[0], device=self.key_padding_mask.device)
 
 
 def prefix_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
@@ -42,7 +50,7 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
 
     pk, pv = (t.to(query.dtype) for t in entry)
     out = prefix_attention(query, key, value, pk, pv, state.key_padding_mask, scale=scaling,
-                           dropout_p=dropout, backend=state.backend)
+                           dropout_p=dropout, prompt_index=state.prompt_index, backend=state.backend)
     return out.transpose(1, 2), None
 
 
@@ -56,13 +64,13 @@ def register_attention() -> str:
 
 
 def build_prefix_cache(layers: list, batch_size: int) -> DynamicCache:
-    """The reference path: prefix keys/values expanded over the batch into a fresh DynamicCache."""
+    """The reference path: prefix keys/values expanded over the batch (unless already per example) into a
+    fresh DynamicCache."""
     cache = DynamicCache()
     for i, entry in enumerate(layers):
         if entry is None:
             raise ValueError("the DynamicCache reference path needs a prefix on every layer "
                              "(input_layer_only prompts are only supported by the attention path)")
-        k, v = entry
-        cache.update(k.unsqueeze(0).expand(batch_size, -1, -1, -1),
-                     v.unsqueeze(0).expand(batch_size, -1, -1, -1), i)
+        k, v = (t if t.dim() == 4 else t.unsqueeze(0).expand(batch_size, -1, -1, -1) for t in entry)
+        cache.update(k, v, i)
     return cache

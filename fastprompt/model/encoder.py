@@ -370,8 +370,11 @@ class PromptEncoder(nn.Module):
             return torch.where(attention_mask.bool(), positions + emb.padding_idx + 1 + shift, emb.padding_idx)
         return positions + shift
 
-    def _layer_prefixes(self):
-        return self.prompt.layer_prefixes() if self.prompt is not None else [None] * self.num_layers
+    def _layer_prefixes(self, batch_size: int | None = None):
+        """Each layer's prefix (k, v); per example (batch_size, ...) under prompt dropout in training."""
+        if self.prompt is None:
+            return [None] * self.num_layers
+        return self.prompt.layer_prefixes(batch_size=batch_size)
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       token_type_ids: torch.Tensor | None = None, *, positions: torch.Tensor | None = None,
@@ -406,7 +409,7 @@ class PromptEncoder(nn.Module):
                     token_type_ids = self._insert_mask(token_type_ids, fill=0)
             kwargs["inputs_embeds"] = embeds
         kwargs["token_type_ids"] = token_type_ids
-        layers = self._layer_prefixes()
+        layers = self._layer_prefixes(attention_mask.shape[0])
         if self.prefix_mode == "attention":
             state = PrefixState(layers, attention_mask.bool(), self.attn_backend, _capture)
             out = self.backbone(attention_mask=attention_mask, fastprompt_state=state, **kwargs)

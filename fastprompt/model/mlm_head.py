@@ -20,7 +20,7 @@ NO_HEAD_HINT = ("the topk pooler needs a checkpoint saved from a *ForMaskedLM mo
                 "roberta-base), or choose another pooler (mask, cls, mean)")
 
 
-def _safetensors_files(path: Path) -> list[Path]:
+def _safetensors_files(path: Path, hint: str = NO_HEAD_HINT) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
         import json
@@ -29,14 +29,14 @@ def _safetensors_files(path: Path) -> list[Path]:
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
-    raise FileNotFoundError(f"no model.safetensors in {path}: the MLM head is only read from safetensors; "
-                            + NO_HEAD_HINT)
+    raise FileNotFoundError(f"no model.safetensors in {path}: the MLM head is only read from safetensors; " + hint)
 
 
-def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module) -> nn.Module:
+def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module, hint: str = NO_HEAD_HINT) -> nn.Module:
     """The frozen MLM head of the checkpoint at ``model_path``, on the backbone's device and dtype.
 
-    ``head(hidden) -> logits`` over the vocabulary. A clear ``ValueError`` when the checkpoint has no head.
+    ``head(hidden) -> logits`` over the vocabulary. A clear ``ValueError`` when the checkpoint has no head
+    (``hint``: what the caller's user can do about it).
     """
     from transformers import AutoModelForMaskedLM
 
@@ -45,18 +45,19 @@ def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module) -> nn.Modu
         with torch.device("meta"):
             mlm = AutoModelForMaskedLM.from_config(backbone.config)
     except ValueError as exc:
-        raise ValueError(f"{backbone.config.model_type} has no masked-LM class in transformers: {exc}") from exc
+        raise ValueError(f"{backbone.config.model_type} has no masked-LM class in transformers: {exc}; "
+                         + hint) from exc
     name = next((a for a in HEAD_ATTRIBUTES if isinstance(getattr(mlm, a, None), nn.Module)), None)
     if name is None:
-        raise ValueError(f"{type(mlm).__name__} keeps its MLM head under none of {HEAD_ATTRIBUTES}; " + NO_HEAD_HINT)
+        raise ValueError(f"{type(mlm).__name__} keeps its MLM head under none of {HEAD_ATTRIBUTES}; " + hint)
     head = getattr(mlm, name)
     prefix = name + "."
     tensors = {}
-    for file in _safetensors_files(path):
+    for file in _safetensors_files(path, hint):
         with safe_open(str(file), framework="pt") as f:
             tensors.update({k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)})
     if not tensors:
-        raise ValueError(f"{path} holds no MLM head weights ({prefix}*): {NO_HEAD_HINT}")
+        raise ValueError(f"{path} holds no MLM head weights ({prefix}*): {hint}")
     emb = backbone.get_input_embeddings().weight
     head.to_empty(device=emb.device)
     decoder = head.get_output_embeddings() if hasattr(head, "get_output_embeddings") else None
@@ -73,3 +74,43 @@ def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module) -> nn.Modu
     if isinstance(getattr(owner, "bias", None), nn.Parameter) and not any(k.endswith("decoder.bias") for k in tensors):
         decoder.bias = owner.bias
     return head.to(emb.dtype).requires_grad_(False).eval()
+
+
+def new_tied_mlm_head(backbone: nn.Module) -> nn.Module:
+    """A freshly initialised MLM head of the backbone's family, its decoder tied to the (frozen) word embeddings.
+
+    For backbones saved without a head (sentence-transformers' all-MiniLM-L6-v2 keeps only ``BertModel``). The
+    transform (dense, activation, LayerNorm) and the output bias are new and trainable (normal(0,
+    initializer_range) weights, zero biases, unit LayerNorm, as Hugging Face initialises them); the decoder's
+    weight is the backbone's word embeddings and stays frozen. Not a pretrained head: training it is a
+    deviation from DCPCSE, which reuses the checkpoint's.
+    """
+    from transformers import AutoModelForMaskedLM
+
+    config = backbone.config
+    with torch.device("meta"):
+        mlm = AutoModelForMaskedLM.from_config(config)
+    name = next((a for a in HEAD_ATTRIBUTES if isinstance(getattr(mlm, a, None), nn.Module)), None)
+    if name is None:
+        raise ValueError(f"{type(mlm).__name__} keeps its MLM head under none of {HEAD_ATTRIBUTES}")
+    head = getattr(mlm, name)
+    emb = backbone.get_input_embeddings().weight
+    head.to_empty(device=emb.device)
+    std = getattr(config, "initializer_range", 0.02)
+    decoder = getattr(getattr(head, "predictions", head), "decoder")
+    for module in head.modules():
+        if isinstance(module, nn.Linear) and module is not decoder:
+            nn.init.normal_(module.weight, std=std)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.LayerNorm):
+            nn.init.ones_(module.weight)
+            nn.init.zeros_(module.bias)
+    # the output bias lives in the decoder; the head's own ``bias`` (the tying slot of a checkpoint's head) is
+    # dropped so that no tensor is saved twice in the resume state
+    owner = next(m for m in head.modules() if getattr(m, "decoder", None) is decoder)
+    owner.bias = None
+    nn.init.zeros_(decoder.bias)
+    head = head.to(emb.dtype)
+    decoder.weight = emb  # tied and frozen: part of the backbone
+    return head

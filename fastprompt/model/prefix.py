@@ -10,8 +10,12 @@ from .config import PromptConfig
 class PrefixPrompt(nn.Module):
     """Per-layer prefix key/values, stored once with shape (layers, 2, heads, P, head_dim).
 
-    The prefix is never expanded over the batch: :meth:`forward` returns the stored tensor (or the
-    output of the reparameterisation MLP) and attention broadcasts it. ``layers`` is 1 when the prompt is
+    The prefix is not expanded over the batch: :meth:`forward` returns the stored tensor (or the output of
+    the reparameterisation MLP) and attention broadcasts it. The one exception is prompt dropout in
+    training: as in P-tuning v2 / DCPCSE (``get_prompt`` expands the prefix over the batch, then applies
+    dropout), every example (every row, so every view) draws its own mask, so the prefix is expanded to
+    (batch, ...) before dropout; that costs batch x the prefix's size in activations (bert-base, P=16, 512
+    rows: ~300 MB fp32) and only happens when ``prompt_dropout > 0``. ``layers`` is 1 when the prompt is
     shared across layers or on the input layer only; :meth:`layer_prefixes` maps it onto every layer.
     """
 
@@ -58,19 +62,29 @@ class PrefixPrompt(nn.Module):
     def prompt_length(self) -> int:
         return self.config.prompt_length
 
-    def forward(self) -> torch.Tensor:
-        """The prefix, shape (stored_layers, 2, heads, P, head_dim), with prompt dropout applied."""
+    def forward(self, batch_size: int | None = None) -> torch.Tensor:
+        """The prefix, shape (stored_layers, 2, heads, P, head_dim), with prompt dropout applied.
+
+        With ``batch_size``, in training with ``prompt_dropout > 0``: (batch_size, stored_layers, 2, heads, P,
+        head_dim), an independent dropout mask per example.
+        """
         if self.config.prefix_projection:
             flat = self.projection(self.embedding(self.prefix_tokens))  # (P, stored_layers*2*hidden)
             P = self.config.prompt_length
             prefix = flat.view(P, self.stored_layers, 2, self.num_heads, self.head_dim).permute(1, 2, 3, 0, 4)
         else:
             prefix = self.prefix
+        if batch_size is not None and self.training and self.dropout.p > 0:
+            prefix = prefix.unsqueeze(0).expand(batch_size, *prefix.shape)
         return self.dropout(prefix)
 
-    def layer_prefixes(self, prefix: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
-        """(key, value) of shape (heads, P, head_dim) for each backbone layer, or None where it has no prefix."""
-        prefix = self.forward() if prefix is None else prefix
+    def layer_prefixes(self, prefix: torch.Tensor | None = None, batch_size: int | None = None
+                       ) -> list[tuple[torch.Tensor, torch.Tensor] | None]:
+        """(key, value) of shape (heads, P, head_dim) for each backbone layer, or None where it has no prefix;
+        (batch_size, heads, P, head_dim) when :meth:`forward` gave each example its own dropout mask."""
+        prefix = self.forward(batch_size) if prefix is None else prefix
+        if prefix.dim() == 6:  # (batch, layers, 2, heads, P, head_dim)
+            prefix = prefix.movedim(0, 2)  # (layers, 2, batch, heads, P, head_dim)
         if self.config.input_layer_only:
             return [(prefix[0, 0], prefix[0, 1])] + [None] * (self.num_layers - 1)
         if self.config.shared_across_layers:

@@ -17,6 +17,8 @@ _LAZY = {
     "Views": ".base",
     "WeightSchedule": ".base",
     "ObjectiveConfig": ".config",
+    "MLMConfig": ".config",
+    "MLMTerm": ".mlm",
     "PromCSEEH": ".promcse_eh",
     "SimCSE": ".simcse",
     "split_views": ".simcse",

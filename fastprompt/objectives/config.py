@@ -50,3 +50,34 @@ class ObjectiveConfig:
     def resolved_hinge_weight(self) -> float:
         """hinge_weight, or the objective's default when it is null."""
         return DEFAULT_HINGE_WEIGHT[self.name] if self.hinge_weight is None else self.hinge_weight
+
+
+#: Where the MLM term's head comes from: the backbone's checkpoint, or a new head tied to the word embeddings.
+MLM_HEADS = ("checkpoint", "tied_new")
+
+
+@dataclass
+class MLMConfig:
+    """DCPCSE's auxiliary masked-language-model term (``do_mlm``): ``weight(step) * MLM loss`` through the
+    prompted encoder, with the backbone's frozen MLM head."""
+
+    enabled: bool = option(False, "add the MLM token term (DCPCSE's do_mlm): 15% of each sentence's tokens "
+                           "predicted through the prompted encoder", key="do_mlm")
+    weight: float = option(0.1, "initial weight of the MLM term (DCPCSE's mlm_weight)", ge=0.0, key="mlm_weight")
+    decay_rate: float = option(0.95, "the MLM weight is mlm_weight * mlm_decay_rate ** (step / mlm_decay_steps)",
+                               gt=0.0, key="mlm_decay_rate")
+    decay_steps: int = option(100, "steps per decay of the MLM weight", gt=0, key="mlm_decay_steps")
+    probability: float = option(0.15, "share of each sentence's tokens chosen for the MLM term (80% masked, 10% "
+                                "random, 10% kept)", gt=0.0, lt=1.0, key="mlm_probability")
+    head: str = option("checkpoint", "MLM head: the checkpoint's (frozen), or tied_new: a new head tied to the word "
+                       "embeddings with a trainable transform (for backbones saved without one; not the paper)",
+                       choices=MLM_HEADS, key="mlm_head")
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> "MLMConfig":
+        validate_fields(self)
+        if self.decay_rate > 1:
+            raise ValueError(f"mlm_decay_rate must be in (0, 1], got {self.decay_rate}")
+        return self

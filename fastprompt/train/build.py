@@ -76,6 +76,14 @@ def build_encoder(cfg: TrainConfig, resume_dir: Path | None):
 def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> Method:
     """The config's sentence-level objective with ``terms`` (a term enabled by config keys is built here too,
     from its config section and the ``encoder`` it runs through: hidden size, tokenizer, heads)."""
+    terms = list(terms)
+    if cfg.mlm.enabled:
+        from fastprompt.objectives.base import WeightSchedule
+        from fastprompt.objectives.mlm import MLMTerm
+
+        m = cfg.mlm
+        terms.append(MLMTerm.for_encoder(encoder, m.head, probability=m.probability,
+                                         weight=WeightSchedule(m.weight, m.decay_rate, m.decay_steps)))
     return Method(objective_from_config(cfg.loss), terms)
 
 

@@ -27,7 +27,7 @@ from fastprompt.choices import (BACKENDS, DECODE_ERROR_MODES, MLP_MODES, POOLERS
 from fastprompt.fields import flat_key, option, validate_fields
 from fastprompt.io import reject_binary, write_text_atomic
 from fastprompt.model.config import PromptConfig
-from fastprompt.objectives.config import ObjectiveConfig
+from fastprompt.objectives.config import MLMConfig, ObjectiveConfig
 
 BASE_KEY = "base"
 
@@ -189,6 +189,7 @@ SECTIONS: dict[str, tuple[type, str]] = {
     "large_batch": (LargeBatchConfig, "large batches"),
     "run": (RunConfig, "run"),
     "evaluation": (EvalConfig, "evaluation"),
+    "mlm": (MLMConfig, "MLM term"),
 }
 #: flat key -> (section attribute, field name)
 KEYS: dict[str, tuple[str, str]] = {
@@ -214,6 +215,7 @@ class TrainConfig:
     large_batch: LargeBatchConfig
     run: RunConfig
     evaluation: EvalConfig
+    mlm: MLMConfig
 
     def __init__(self, **keys: Any):
         given = {name: keys.pop(name) for name in SECTIONS if name in keys}
