@@ -86,7 +86,7 @@ class CRTDTerm(TokenTerm):
     def forward(self, encoder, inputs, extras, h):
         ids, labels = extras[f"{self.name}_input_ids"], extras[f"{self.name}_labels"]
         mask, types = inputs["attention_mask"], inputs.get("token_type_ids")
-        with conditional_input(encoder.backbone, h):
+        with conditional_input(encoder.backbone, None if self.condition == "none" else h):
             if self.discriminator == "prompted":
                 hidden = encoder.hidden_states(ids, mask, types)
             else:
@@ -94,3 +94,22 @@ class CRTDTerm(TokenTerm):
         targets = labels != -100
         logits = self.classifier(hidden[targets].float())
         return F.cross_entropy(logits, labels[targets], reduction="sum")
+
+
+def build_crtd_term(cfg, encoder) -> CRTDTerm:
+    """The term a training config's ``rtd`` section (:class:`~fastprompt.objectives.config.CRTDConfig`)
+    describes, for ``encoder`` (its tokenizer and hidden size; the generator runs on its device)."""
+    from fastprompt.data.replacements import ReplacementTable, build_generator
+
+    if cfg.replacements_file is not None:
+        replacer = ReplacementTable(cfg.replacements_file)
+        made = replacer.settings
+        if made.get("masking_ratio") != cfg.masking_ratio or made.get("generator") != cfg.generator:
+            raise ValueError(f"{cfg.replacements_file} was made with generator={made.get('generator')!r}, "
+                             f"masking_ratio={made.get('masking_ratio')}; the config asks for "
+                             f"{cfg.generator!r}, {cfg.masking_ratio}")
+    else:
+        replacer = build_generator(cfg.generator, encoder.tokenizer, cfg.masking_ratio, cfg.sampling,
+                                   encoder.device)
+    weight = WeightSchedule(cfg.weight, cfg.decay_rate, cfg.decay_steps)
+    return CRTDTerm(encoder.hidden_size, replacer, weight, discriminator=cfg.discriminator, condition=cfg.condition)

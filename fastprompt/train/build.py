@@ -70,6 +70,11 @@ def build_encoder(cfg: TrainConfig, resume_dir: Path | None):
 def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> Method:
     """The config's sentence-level objective with ``terms`` (a term enabled by config keys is built here too,
     from its config section and the ``encoder`` it runs through: hidden size, tokenizer, heads)."""
+    terms = list(terms)
+    if cfg.rtd.enabled:
+        from fastprompt.objectives.crtd import build_crtd_term
+
+        terms.append(build_crtd_term(cfg.rtd, encoder))
     return Method(objective_from_config(cfg.loss), terms)
 
 

@@ -26,7 +26,7 @@ from fastprompt.choices import (BACKENDS, DECODE_ERROR_MODES, MLP_MODES, POOLERS
                                 TRAIN_FORMATS)
 from fastprompt.fields import flat_key, option, validate_fields
 from fastprompt.model.config import PromptConfig
-from fastprompt.objectives.config import ObjectiveConfig
+from fastprompt.objectives.config import CRTDConfig, ObjectiveConfig
 
 BASE_KEY = "base"
 
@@ -172,6 +172,7 @@ SECTIONS: dict[str, tuple[type, str]] = {
     "large_batch": (LargeBatchConfig, "large batches"),
     "run": (RunConfig, "run"),
     "evaluation": (EvalConfig, "evaluation"),
+    "rtd": (CRTDConfig, "replaced-token detection term"),
 }
 #: flat key -> (section attribute, field name)
 KEYS: dict[str, tuple[str, str]] = {
@@ -197,6 +198,7 @@ class TrainConfig:
     large_batch: LargeBatchConfig
     run: RunConfig
     evaluation: EvalConfig
+    rtd: CRTDConfig
 
     def __init__(self, **keys: Any):
         given = {name: keys.pop(name) for name in SECTIONS if name in keys}
