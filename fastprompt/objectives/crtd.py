@@ -27,10 +27,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastprompt.objectives.base import AFTER_HEAD, BEFORE_HEAD, TokenTerm, WeightSchedule
-
-DISCRIMINATORS = ("prompted", "plain")
-CONDITIONS = (AFTER_HEAD, BEFORE_HEAD, "none")
+from fastprompt.objectives.base import AFTER_HEAD, TokenTerm, WeightSchedule
+from fastprompt.objectives.config import RTD_CONDITIONS as CONDITIONS
+from fastprompt.objectives.config import RTD_DISCRIMINATORS as DISCRIMINATORS
 
 
 @contextlib.contextmanager
