@@ -32,6 +32,7 @@ SUBCOMMANDS: list[str] = [
     "fastprompt.integrations.cli:add_export_parser",
     "fastprompt.integrations.cli:add_import_parser",
     "fastprompt.data.ski.cli:add_generate_ski_parser",
+    "fastprompt.data.replacements_cli:add_make_replacements_parser",
 ]
 
 
@@ -118,6 +119,16 @@ Scores are Spearman x 100 of the cosine similarity (SentEval "all" setting for S
 """
 
 
+def _k_list(text: str) -> tuple[int, ...]:
+    try:
+        ks = tuple(int(k) for k in text.split(","))
+    except ValueError:
+        ks = ()
+    if not ks or any(k < 1 for k in ks):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return ks
+
+
 def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "eval", help="STS evaluation: STS12-16, STS-B, SICK-R (Spearman x 100) and their average",
@@ -141,7 +152,13 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     x = p.add_argument_group("extras (papers' diagnostics; on the STS-B --split for --geometry and --plot)")
     x.add_argument("--geometry", action="store_true",
-                   help="alignment and uniformity (Wang & Isola), anisotropy, retrieval recall@1/5/10")
+                   help="alignment and uniformity (Wang & Isola), anisotropy, retrieval recall@k")
+    x.add_argument("--retrieval-k", type=_k_list, default=(1, 5, 10), metavar="LIST",
+                   help="comma-separated k of --geometry's retrieval recall@k (default 1,5,10; D2CSE: 1,3,5)")
+    x.add_argument("--retrieval-threshold", type=float, default=4.0, metavar="SCORE",
+                   help="--geometry's retrieval queries: pairs with gold score >= SCORE (default 4)")
+    x.add_argument("--retrieval-exact", action="store_true",
+                   help="queries with gold score == --retrieval-threshold (D2CSE: exactly 5)")
     x.add_argument("--bootstrap", type=_positive_int, metavar="N",
                    help="95%% bootstrap confidence interval of every score from N resamples of the pairs")
     x.add_argument("--plot", metavar="FILE.png",
@@ -192,7 +209,8 @@ def run_eval(args: argparse.Namespace) -> int:
     if args.geometry:
         from fastprompt.eval.geometry import geometry_report
 
-        report = geometry_report(*pairs["_stsb"], stsb)
+        report = geometry_report(*pairs["_stsb"], stsb, ks=args.retrieval_k,
+                                 retrieval_threshold=args.retrieval_threshold, retrieval_exact=args.retrieval_exact)
         print(f"STS-B ({args.split}) geometry: " + ", ".join(f"{k} {v:.4f}" if "@" not in k else f"{k} {v:.2f}"
                                                            for k, v in report.items()))
         output["geometry"] = {"split": f"stsb-{args.split}", **{k: round(v, 4) for k, v in report.items()}}

@@ -159,3 +159,25 @@ def test_eval_frozen_minilm_all_seven(tmp_path, capsys, shared_data, minilm_dir,
             assert abs(res[task] - published) <= 0.01, task
     else:  # [CLS] is not what the model was trained for: worse on average (measured 73.69), still a sentence model
         assert abs(res["avg"] - 73.69) <= 0.01
+
+
+def test_eval_geometry_retrieval_options(tmp_path, capsys, sts_dir, tiny_bert_dir):
+    from fastprompt.eval.geometry import geometry_report
+    from fastprompt.eval.sts import load_stsb
+    from fastprompt.model import PromptEncoder
+
+    out_json = tmp_path / "r.json"
+    rc, out, err = _run(capsys, "--model", tiny_bert_dir, "--pooler", "mean", "--sts-dir", sts_dir, "--tasks",
+                        "stsb", "--preprocess", "none", "--geometry", "--retrieval-k", "1,3",
+                        "--retrieval-threshold", "2.5", "--retrieval-exact", "--output", out_json)
+    assert rc == 0, err
+    geo = json.loads(out_json.read_text())["geometry"]
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, pooler="mean").eval()
+    stsb = load_stsb(sts_dir, "test", preprocess="none")
+    rep = geometry_report(enc.encode(stsb.sentences1), enc.encode(stsb.sentences2), stsb, ks=(1, 3),
+                          retrieval_threshold=2.5, retrieval_exact=True)
+    assert {k for k in geo if k.startswith("recall@")} == {"recall@1", "recall@3"}
+    for k, v in rep.items():
+        assert geo[k] == pytest.approx(v, abs=2e-4), k
+    with pytest.raises(SystemExit):
+        cli.main(["eval", "--model", str(tiny_bert_dir), "--sts-dir", str(sts_dir), "--retrieval-k", "0,3"])

@@ -74,16 +74,20 @@ def anisotropy(x) -> float:
     return float((s @ s - np.einsum("ij,ij->", u, u)) / (n * (n - 1)))
 
 
-def retrieval_recall(e1, e2, data: STSData, ks: Sequence[int] = (1, 5, 10), threshold: float = 4.0) -> dict[str, float]:
-    """recall@k (x 100) of retrieving each high-score pair's second sentence among the split's second sentences."""
+def retrieval_recall(e1, e2, data: STSData, ks: Sequence[int] = (1, 5, 10), threshold: float = 4.0,
+                     exact: bool = False) -> dict[str, float]:
+    """recall@k (x 100) of retrieving each high-score pair's second sentence among the split's second sentences.
+
+    The queries are the pairs with gold score >= ``threshold`` (``exact``: == ``threshold``; D2CSE's protocol is
+    STS-B test, score exactly 5, recall@1/3/5)."""
     e1, e2 = np.asarray(e1), np.asarray(e2)
     if len(e1) != len(data) or len(e2) != len(data):
         raise ValueError(f"{len(e1)} / {len(e2)} embeddings for {len(data)} pairs")
     if not ks or any(k < 1 for k in ks):
         raise ValueError(f"ks must be positive integers, got {list(ks)}")
-    queries = np.flatnonzero(data.scores >= threshold)
+    queries = np.flatnonzero(data.scores == threshold if exact else data.scores >= threshold)
     if len(queries) == 0:
-        raise ValueError(f"no pair with gold score >= {threshold} to use as a retrieval query")
+        raise ValueError(f"no pair with gold score {'==' if exact else '>='} {threshold} to use as a retrieval query")
     column: dict[str, int] = {}  # one candidate per distinct second sentence
     rows = []
     for i, s in enumerate(data.sentences2):
@@ -130,10 +134,13 @@ def bootstrap_spearman(
     return float(low) * 100.0, float(high) * 100.0
 
 
-def geometry_report(e1, e2, data: STSData, *, threshold: float = 4.0, ks: Sequence[int] = (1, 5, 10)) -> dict[str, float]:
+def geometry_report(e1, e2, data: STSData, *, threshold: float = 4.0, ks: Sequence[int] = (1, 5, 10),
+                    retrieval_threshold: float | None = None, retrieval_exact: bool = False) -> dict[str, float]:
     """SimCSE's alignment/uniformity data choice on one STS split, plus anisotropy and retrieval recall@k.
 
-    alignment: pairs with gold >= ``threshold``; uniformity and anisotropy: every distinct sentence.
+    alignment: pairs with gold >= ``threshold``; uniformity and anisotropy: every distinct sentence; retrieval
+    (:func:`retrieval_recall`): queries with gold >= ``retrieval_threshold`` (== with ``retrieval_exact``;
+    None: ``threshold``), recall at each of ``ks``.
     """
     pos = data.scores >= threshold
     if not pos.any():
@@ -147,7 +154,8 @@ def geometry_report(e1, e2, data: STSData, *, threshold: float = 4.0, ks: Sequen
         "uniformity": uniformity(unique),
         "anisotropy": anisotropy(unique),
     }
-    report.update(retrieval_recall(e1, e2, data, ks=ks, threshold=threshold))
+    rt = threshold if retrieval_threshold is None else retrieval_threshold
+    report.update(retrieval_recall(e1, e2, data, ks=ks, threshold=rt, exact=retrieval_exact))
     return report
 
 

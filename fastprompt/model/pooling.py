@@ -6,7 +6,7 @@ from torch import nn
 
 from fastprompt.choices import MLP_MODES, POOLERS, check_choice
 
-__all__ = ["Pooler", "POOLERS", "MLP_MODES", "topk_token_representation"]
+__all__ = ["Pooler", "POOLERS", "MLP_MODES", "bn_mlp_head", "topk_token_representation"]
 
 
 class Pooler(nn.Module):
@@ -18,7 +18,8 @@ class Pooler(nn.Module):
     weighted by their normalised probabilities; see :func:`topk_token_representation`), "bn_mlp"
     ([CLS] state with D2CSE's BatchNorm MLP head).
     mlp: when the head is applied: "none", "train" (SimCSE's ``mlp_only_train``: training only) or "always".
-    The head is SimCSE's Linear + Tanh for cls/mean/mask and Linear-BN-ReLU-Linear for bn_mlp.
+    The head is SimCSE's Linear + Tanh for cls/mean/mask and DiffCSE's projection MLP for bn_mlp
+    (:func:`bn_mlp_head`).
 
     ``forward`` = :meth:`apply_head` of :meth:`pool`. Training calls the two apart: the encoder returns
     :meth:`pool`'s vectors and the trainer applies the head over the whole global batch (every view, every
@@ -35,8 +36,7 @@ class Pooler(nn.Module):
         if mlp == "none":
             self.head = None
         elif pooler == "bn_mlp":
-            self.head = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.BatchNorm1d(hidden_size),
-                                      nn.ReLU(), nn.Linear(hidden_size, hidden_size))
+            self.head = bn_mlp_head(hidden_size)
         else:
             self.head = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh())
 
@@ -74,6 +74,14 @@ class Pooler(nn.Module):
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
                 mask_token_id: int | None = None, mask_positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.apply_head(self.select(hidden, attention_mask, input_ids, mask_token_id, mask_positions))
+
+
+def bn_mlp_head(hidden_size: int) -> nn.Sequential:
+    """DiffCSE's ``ProjectionMLP`` (used by D2CSE): H -> 2H -> H, both Linear layers without bias, BatchNorm
+    after each (the first with affine parameters, the last with ``affine=False``), ReLU between them."""
+    return nn.Sequential(nn.Linear(hidden_size, 2 * hidden_size, bias=False), nn.BatchNorm1d(2 * hidden_size),
+                         nn.ReLU(), nn.Linear(2 * hidden_size, hidden_size, bias=False),
+                         nn.BatchNorm1d(hidden_size, affine=False))
 
 
 def topk_token_representation(mask_hidden: torch.Tensor, mlm_head: nn.Module, word_embeddings: torch.Tensor,

@@ -81,3 +81,49 @@ class MLMConfig:
         if self.decay_rate > 1:
             raise ValueError(f"mlm_decay_rate must be in (0, 1], got {self.decay_rate}")
         return self
+
+
+#: CRTD discriminator and conditional-input settings (fastprompt.objectives.crtd: D2CSE's designs).
+RTD_DISCRIMINATORS = ("prompted", "plain")
+RTD_CONDITIONS = ("after_head", "before_head", "none")
+RTD_SAMPLING = ("sample", "argmax")
+
+
+@dataclass
+class CRTDConfig:
+    """D2CSE's conditional replaced-token detection term (``rtd``); off while ``rtd_weight`` is 0."""
+
+    weight: float = option(0.0, "initial weight λ of the replaced-token-detection term (D2CSE: 0.005); 0 = off",
+                           ge=0.0, key="rtd_weight")
+    decay_rate: float = option(1.0, "λ decays as rtd_weight * rtd_decay_rate ** (step / rtd_decay_steps); "
+                               "1 = constant (D2CSE)", gt=0.0, key="rtd_decay_rate")
+    decay_steps: int = option(1, "steps per decay of λ", ge=1, key="rtd_decay_steps")
+    masking_ratio: float = option(0.3, "share of each sentence's real, non-special tokens the generator replaces",
+                                  gt=0.0, lt=1.0, key="rtd_masking_ratio")
+    generator: str = option("random", "the replacement generator: the path of a Hugging Face masked LM sharing "
+                            "the backbone's vocabulary (D2CSE: distilbert-base-uncased), or 'random' (uniform "
+                            "non-special tokens; for backbones with no such masked LM)", key="rtd_generator")
+    sampling: str = option("sample", "masked-LM generator: sample from its distribution, or take its argmax "
+                           "(DiffCSE's code)", choices=RTD_SAMPLING, key="rtd_sampling")
+    replacements_file: str | None = option(None, "replacements made ahead of training by `fastprompt "
+                                           "make-replacements`; null: generate them on the fly",
+                                           key="rtd_replacements_file")
+    discriminator: str = option("prompted", "discriminator: the backbone with the shared prompts (D2CSE design "
+                                "d) or without prompts (design a)", choices=RTD_DISCRIMINATORS,
+                                key="rtd_discriminator")
+    condition: str = option("after_head", "conditional input at position 0: the sentence embedding after or "
+                            "before the pooler head, or none (design c)", choices=RTD_CONDITIONS,
+                            key="rtd_condition")
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> "CRTDConfig":
+        validate_fields(self)
+        if self.decay_rate > 1:
+            raise ValueError(f"rtd_decay_rate must be in (0, 1], got {self.decay_rate}")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.weight > 0

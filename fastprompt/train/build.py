@@ -84,6 +84,10 @@ def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> 
         m = cfg.mlm
         terms.append(MLMTerm.for_encoder(encoder, m.head, probability=m.probability,
                                          weight=WeightSchedule(m.weight, m.decay_rate, m.decay_steps)))
+    if cfg.rtd.enabled:
+        from fastprompt.objectives.crtd import build_crtd_term
+
+        terms.append(build_crtd_term(cfg.rtd, encoder))
     return Method(objective_from_config(cfg.loss), terms)
 
 

@@ -27,7 +27,7 @@ from fastprompt.choices import (BACKENDS, DECODE_ERROR_MODES, MLP_MODES, POOLERS
 from fastprompt.fields import flat_key, option, validate_fields
 from fastprompt.io import reject_binary, write_text_atomic
 from fastprompt.model.config import PromptConfig
-from fastprompt.objectives.config import MLMConfig, ObjectiveConfig
+from fastprompt.objectives.config import CRTDConfig, MLMConfig, ObjectiveConfig
 
 BASE_KEY = "base"
 
@@ -190,6 +190,7 @@ SECTIONS: dict[str, tuple[type, str]] = {
     "run": (RunConfig, "run"),
     "evaluation": (EvalConfig, "evaluation"),
     "mlm": (MLMConfig, "MLM term"),
+    "rtd": (CRTDConfig, "replaced-token detection term"),
 }
 #: flat key -> (section attribute, field name)
 KEYS: dict[str, tuple[str, str]] = {
@@ -216,6 +217,7 @@ class TrainConfig:
     run: RunConfig
     evaluation: EvalConfig
     mlm: MLMConfig
+    rtd: CRTDConfig
 
     def __init__(self, **keys: Any):
         given = {name: keys.pop(name) for name in SECTIONS if name in keys}

@@ -144,3 +144,18 @@ def test_plot_without_matplotlib_says_how_to_install(tmp_path, monkeypatch):
     e1, e2, data = _toy_split()
     with pytest.raises(ImportError, match="pip install matplotlib"):
         plot_cosine_density(e1, e2, data, tmp_path / "d.png")
+
+
+def test_retrieval_exact_score_queries_d2cse_protocol():
+    """D2CSE: queries are the pairs with gold score exactly 5, recall@1/3/5."""
+    data = STSData("stsb", ["q0", "q1", "q2", "low"], ["c0", "c1", "c2", "c0"], np.array([5.0, 4.2, 5.0, 1.0]))
+    e2 = np.array([[1.0, 0, 0], [0, 1.0, 0], [0, 0, 1.0], [1.0, 0, 0]])
+    e1 = np.array([[0.9, 0.1, 0.0], [0.6, 0.5, 0.0], [0.5, 0.4, 0.3], [0.0, 0.0, 1.0]])
+    # q0 rank 1, q2 rank 3; q1 (4.2) is a query only with >=
+    assert retrieval_recall(e1, e2, data, ks=(1, 3, 5), threshold=5.0, exact=True) == pytest.approx(
+        {"recall@1": 50.0, "recall@3": 100.0, "recall@5": 100.0})
+    assert retrieval_recall(e1, e2, data, ks=(1,), threshold=4.0)["recall@1"] == pytest.approx(100 / 3)
+    rep = geometry_report(e1, e2, data, ks=(1, 3), retrieval_threshold=5.0, retrieval_exact=True)
+    assert rep["recall@1"] == 50.0 and set(rep) == {"alignment", "uniformity", "anisotropy", "recall@1", "recall@3"}
+    with pytest.raises(ValueError, match="no pair with gold score == 4.5"):
+        retrieval_recall(e1, e2, data, threshold=4.5, exact=True)

@@ -193,7 +193,8 @@ def test_base_errors(tmp_path):
 
 
 def test_paper_recipes_are_a_base_plus_a_few_lines():
-    paper = [p for p in CONFIGS if p.name.startswith(("dcpcse-", "promcse-"))]
+    # the papers' own settings (the MiniLM recipes are fastprompt's and may differ in more keys)
+    paper = [p for p in CONFIGS if p.name.startswith(("dcpcse-", "promcse-")) and "minilm" not in p.name]
     assert len(paper) == 16
     for path in paper:
         keys = [k for k in yaml.safe_load(path.read_text(encoding="utf-8")) if k != "base"]

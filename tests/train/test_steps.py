@@ -87,17 +87,19 @@ def _assert_same(got, ref):
     ("roberta", dict(max_tokens=40), "before_head")])
 def test_cached_step_equals_reference_with_token_term_and_batchnorm_head(request, model, budget, h):
     enc, method, batch = _setup(request.getfixturevalue(f"tiny_{model}_dir"), h=h)
-    assert sum(isinstance(m, torch.nn.BatchNorm1d) for m in enc.pooler.head) == 1
+    bns = [m for m in enc.pooler.head if isinstance(m, torch.nn.BatchNorm1d)]
+    assert len(bns) == 2  # DiffCSE's projection MLP: BatchNorm after each Linear
     groups = plan_micro_batches(batch.attention_mask, budget.get("micro_batch_size"), budget.get("max_tokens"))
     assert len(groups) > 1
     enc.zero_grad(set_to_none=True)
-    bn = enc.pooler.head[1]
-    stats_before = bn.running_mean.clone()
+    stats_before = [(bn.running_mean.clone(), bn.running_var.clone()) for bn in bns]
     ref_loss = _reference(enc, method, batch, groups)
-    ref, ref_stats = _grads(enc, method), bn.running_mean.clone()
+    ref, ref_stats = _grads(enc, method), [(bn.running_mean.clone(), bn.running_var.clone()) for bn in bns]
     rng_after_ref = torch.get_rng_state()
-    bn.running_mean.copy_(stats_before)
-    bn.num_batches_tracked.zero_()
+    for bn, (mean, var) in zip(bns, stats_before):
+        bn.running_mean.copy_(mean)
+        bn.running_var.copy_(var)
+        bn.num_batches_tracked.zero_()
 
     enc.zero_grad(set_to_none=True)
     method.zero_grad(set_to_none=True)
@@ -110,8 +112,10 @@ def test_cached_step_equals_reference_with_token_term_and_batchnorm_head(request
     # prefix, head (Linear, BatchNorm, Linear) and the term's own projection
     assert {"prompt.prefix", "pooler.head.1.weight", "method.terms.0.proj.weight"} <= set(got)
     _assert_same(got, ref)
-    torch.testing.assert_close(bn.running_mean, ref_stats, atol=1e-6, rtol=1e-6)
-    assert not torch.equal(ref_stats, stats_before)
+    for bn, ref_bn, before in zip(bns, ref_stats, stats_before):
+        for got_stat, ref_stat, old in zip((bn.running_mean, bn.running_var), ref_bn, before):
+            torch.testing.assert_close(got_stat, ref_stat, atol=1e-6, rtol=1e-6)
+            assert not torch.equal(ref_stat, old)
     # the token term ran on its own RNG stream: the step leaves the generator where the reference left it
     assert torch.equal(torch.get_rng_state(), rng_after_ref)
     assert out.stats["w_recon"] == pytest.approx(0.5 * 0.9 ** 2)

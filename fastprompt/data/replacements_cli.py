@@ -1,0 +1,54 @@
+"""``fastprompt make-replacements``: D2CSE's generator run ahead of training, into a replacement file."""
+from __future__ import annotations
+
+import argparse
+
+EPILOG = """\
+examples:
+  fastprompt make-replacements --config configs/d2cse-unsup-minilm.yaml --output runs/wiki-rtd.jsonl
+  fastprompt train --config configs/d2cse-unsup-minilm.yaml --set rtd_replacements_file=runs/wiki-rtd.jsonl
+
+Tokenises every sentence of the config's train_file as training does (model, template, max_length), and
+writes one JSON line per distinct tokenised sentence with the generator's replacements (rtd_generator,
+rtd_masking_ratio, rtd_sampling), seeded by --seed and the sentence. Run it again to resume a killed run.
+"""
+
+
+def add_make_replacements_parser(subparsers) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "make-replacements", help="D2CSE's replaced tokens for a training file, ahead of training",
+        description="Run the replaced-token-detection generator of a training config over its training data "
+                    "and write the corrupted sentences to a file that training reads (rtd_replacements_file).",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", "-c", required=True, help="the training recipe (YAML)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable)")
+    p.add_argument("--output", required=True, metavar="FILE.jsonl", help="replacement file (appended to on resume)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the replacements (0)")
+    p.add_argument("--batch-size", type=int, default=256, metavar="N", help="sentences tokenised at a time (256)")
+    p.set_defaults(func=run_make_replacements)
+    return p
+
+
+def run_make_replacements(args: argparse.Namespace) -> int:
+    from fastprompt.train.config import load_config, parse_overrides
+
+    cfg = load_config(args.config, parse_overrides(args.overrides))
+    from fastprompt.data.replacements import build_generator, write_replacement_file
+    from fastprompt.train import build
+
+    examples = build.load_examples(cfg)
+    encoder = build.build_encoder(cfg, None)
+    texts = list(dict.fromkeys(s for row in examples.rows for s in row))
+    sentences = []
+    for start in range(0, len(texts), args.batch_size):
+        tok = encoder.tokenize(texts[start:start + args.batch_size], cfg.data.max_length)
+        for ids, mask in zip(tok["input_ids"], tok["attention_mask"]):
+            sentences.append(ids[:int(mask.sum())].tolist())
+    rtd = cfg.rtd
+    gen = build_generator(rtd.generator, encoder.tokenizer, rtd.masking_ratio, rtd.sampling)
+    settings = {"generator": rtd.generator, "masking_ratio": rtd.masking_ratio, "sampling": rtd.sampling,
+                "model": str(cfg.encoder.model), "max_length": cfg.data.max_length}
+    added = write_replacement_file(args.output, sentences, gen, seed=args.seed, settings=settings)
+    print(f"{args.output}: {added} sentences added ({len(set(map(tuple, sentences)))} distinct in the data)")
+    return 0

@@ -1,0 +1,114 @@
+"""D2CSE's conditional replaced-token detection (CRTD) as a token-level term.
+
+The term (name ``rtd``: log columns ``loss_rtd``, ``w_rtd``) corrupts every row of the batch (each view: anchor
+and positive, and the hard negative when the data has one) with a frozen generator
+(:mod:`fastprompt.data.replacements`: on the fly, or read from a file made ahead of training), and a
+**discriminator** reads the corrupted row with its position-0 ([CLS]/<s>) input replaced by the sentence
+embedding ``h`` of the original row (DiffCSE's ``cls_input``: the output of the backbone's embedding layer at
+position 0 is ``h``). A small trainable classifier (``Linear(hidden, 2)``, DiffCSE's ``electra_head``) predicts
+replaced/original at every real token but position 0; the term is the cross-entropy **sum** over those tokens.
+The gradient flows into ``h`` (the trainer carries it back into the sentence forwards and the pooler head) and,
+with the shared discriminator, into the prompts.
+
+D2CSE's designs (its Figure/Table of discriminator variants), as two settings:
+
+- ``discriminator="prompted"``, ``condition="after_head"``: design (d), the paper's best: the discriminator is
+  the same frozen backbone with the **shared** prompts; ``h`` is what the sentence objective sees;
+- ``discriminator="plain"``: design (a): prompts on the sentence encoder only, the discriminator is the frozen
+  backbone without prompts (only ``h`` and the classifier carry its gradient);
+- ``condition="none"``: design (c): no conditional input (position 0 keeps its token), shared prompts;
+- ``condition="before_head"``: the pooled vector before the pooler head (DiffCSE's ``--before_mlp``).
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from fastprompt.objectives.base import AFTER_HEAD, TokenTerm, WeightSchedule
+from fastprompt.objectives.config import RTD_CONDITIONS as CONDITIONS
+from fastprompt.objectives.config import RTD_DISCRIMINATORS as DISCRIMINATORS
+
+
+@contextlib.contextmanager
+def conditional_input(backbone: nn.Module, h: torch.Tensor | None):
+    """While active, the backbone's embedding layer outputs ``h`` (rows, hidden) at position 0 (nothing when
+    ``h`` is None)."""
+    if h is None:
+        yield
+        return
+    embeddings = getattr(backbone, "embeddings", None)
+    if not isinstance(embeddings, nn.Module):
+        raise ValueError(f"{type(backbone).__name__} has no 'embeddings' module: the conditional input needs a "
+                         "BERT-style backbone")
+
+    def hook(module, args, out):
+        return torch.cat([h.to(out.dtype).unsqueeze(1), out[:, 1:]], dim=1)
+
+    handle = embeddings.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+class CRTDTerm(TokenTerm):
+    """Conditional replaced-token detection (see the module docstring).
+
+    replacer: a :class:`~fastprompt.data.replacements.ReplacementGenerator` (on the fly) or a
+    :class:`~fastprompt.data.replacements.ReplacementTable` (a file made ahead of training).
+    """
+
+    def __init__(self, hidden_size: int, replacer, weight: WeightSchedule = WeightSchedule(0.005), *,
+                 discriminator: str = "prompted", condition: str = AFTER_HEAD, name: str = "rtd"):
+        if discriminator not in DISCRIMINATORS:
+            raise ValueError(f"discriminator must be one of {DISCRIMINATORS}, got {discriminator!r}")
+        if condition not in CONDITIONS:
+            raise ValueError(f"condition must be one of {CONDITIONS}, got {condition!r}")
+        self.sentence_embedding = None if condition == "none" else condition
+        super().__init__(name, weight)
+        self.replacer, self.discriminator, self.condition = replacer, discriminator, condition
+        self.classifier = nn.Linear(hidden_size, 2)
+
+    def make_extras(self, batch, generator):
+        if hasattr(self.replacer, "table"):
+            corrupted, labels = self.replacer.corrupt(batch.input_ids, batch.attention_mask)
+        else:
+            corrupted, labels = self.replacer.corrupt(batch.input_ids, batch.attention_mask, generator)
+        return {f"{self.name}_input_ids": corrupted, f"{self.name}_labels": labels}
+
+    def num_targets(self, extras):
+        return (extras[f"{self.name}_labels"] != -100).sum()
+
+    def forward(self, encoder, inputs, extras, h):
+        ids, labels = extras[f"{self.name}_input_ids"], extras[f"{self.name}_labels"]
+        mask, types = inputs["attention_mask"], inputs.get("token_type_ids")
+        with conditional_input(encoder.backbone, None if self.condition == "none" else h):
+            if self.discriminator == "prompted":
+                hidden = encoder.hidden_states(ids, mask, types)
+            else:
+                hidden = encoder.backbone(input_ids=ids, attention_mask=mask, token_type_ids=types).last_hidden_state
+        targets = labels != -100
+        logits = self.classifier(hidden[targets].float())
+        return F.cross_entropy(logits, labels[targets], reduction="sum")
+
+
+def build_crtd_term(cfg, encoder) -> CRTDTerm:
+    """The term a training config's ``rtd`` section (:class:`~fastprompt.objectives.config.CRTDConfig`)
+    describes, for ``encoder`` (its tokenizer and hidden size; the generator runs on its device)."""
+    from fastprompt.data.replacements import ReplacementTable, build_generator
+
+    if cfg.replacements_file is not None:
+        replacer = ReplacementTable(cfg.replacements_file)
+        made = replacer.settings
+        if made.get("masking_ratio") != cfg.masking_ratio or made.get("generator") != cfg.generator:
+            raise ValueError(f"{cfg.replacements_file} was made with generator={made.get('generator')!r}, "
+                             f"masking_ratio={made.get('masking_ratio')}; the config asks for "
+                             f"{cfg.generator!r}, {cfg.masking_ratio}")
+    else:
+        replacer = build_generator(cfg.generator, encoder.tokenizer, cfg.masking_ratio, cfg.sampling,
+                                   encoder.device)
+    weight = WeightSchedule(cfg.weight, cfg.decay_rate, cfg.decay_steps)
+    return CRTDTerm(encoder.hidden_size, replacer, weight, discriminator=cfg.discriminator, condition=cfg.condition)
