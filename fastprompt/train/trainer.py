@@ -172,7 +172,8 @@ class Trainer:
         self._setup_done = True
 
     def _setup(self, cfg: TrainConfig) -> None:
-        self._log_handler = add_file_handler(self.run_dir.log_text)
+        # train.log is the main process's (the output folder is only made by it, in setup)
+        self._log_handler = add_file_handler(self.run_dir.log_text) if self.dist.is_main else None
         self.device = self.dist.device if self.dist.enabled else build.resolve_device(cfg.run.device)
         resume_dir = self.run_dir.resume_point(resume=cfg.run.resume, overwrite=cfg.run.overwrite_output_dir)
         if resume_dir is not None:

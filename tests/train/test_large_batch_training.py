@@ -92,10 +92,18 @@ def _conditioning(embeddings, temperature, margin):
 class _GradRecorder(Trainer):
     """A Trainer that keeps every step's embeddings and gradients (taken just before the optimizer uses them)."""
 
-    def compute_loss(self, embeddings):
-        self.embeddings = getattr(self, "embeddings", [])
-        self.embeddings.append(embeddings.detach().clone())
-        return super().compute_loss(embeddings)
+    def _setup(self, cfg):
+        super()._setup(cfg)
+        self.embeddings = []
+        side = self.step.loss_side
+        sentence = side.sentence
+
+        def keep(reps, batch):  # the (views, B, H) post-head embeddings the sentence objective sees
+            loss, out, emb = sentence(reps, batch)
+            self.embeddings.append(emb.detach().clone().view(batch.n_views, batch.batch_size, -1))
+            return loss, out, emb
+
+        side.sentence = keep
 
     def optimizer_step(self):
         self.recorded = getattr(self, "recorded", [])
