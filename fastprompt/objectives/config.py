@@ -38,7 +38,8 @@ class ObjectiveConfig:
     """The sentence-level contrastive objective and the settings of its fused loss."""
 
     name: str = option("simcse", "sentence-level objective: SimCSE's InfoNCE, PromCSE's InfoNCE + energy-based "
-                       "hinge, or SKICSE's InfoNCE + SKI terms (needs a ski column)", choices=OBJECTIVE_NAMES, key="objective")
+                       "hinge, or SKICSE's InfoNCE + SKI terms (needs a ski column)", choices=OBJECTIVE_NAMES,
+                       key="objective")
     temperature: float = option(0.05, "temperature of the cosine-similarity softmax", gt=0.0)
     hard_negative_weight: float = option(0.0, "added to each anchor's own hard-negative logit (log of SimCSE's "
                                          "weight; 0 = weight 1)")

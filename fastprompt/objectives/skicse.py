@@ -19,10 +19,10 @@ Supervised (``sent0,sent1,hard_neg,ski`` rows)::
     L_ski2: anchor k_i, positive h_i+, columns {h_j+} ∪ {h_j-}     (the SKI must also entail the hypothesis)
 
 L_ski2's denominator holds no knowledge sentence: the SKIs are its anchors, never its columns, so a SKI is
-neither a negative of itself nor of another SKI (the paper's Eq. 6 sums over the hypotheses and the
-contradictions only). Every denominator does hold its own positive (the standard InfoNCE form), so each term
-is ``-log softmax`` of its positive, >= 0. ``hard_negative_weight`` applies to the terms with contradiction
-columns (L_sup, L_ski2).
+neither a negative of itself nor of another SKI: our reading of the paper's Eq. 6, which leaves the knowledge
+sentence out of its own denominator (docs/ski.md, "Losses", says why). Every denominator does hold its own
+positive (the standard InfoNCE form), so each term is ``-log softmax`` of its positive, >= 0.
+``hard_negative_weight`` applies to the terms with contradiction columns (L_sup, L_ski2).
 """
 from __future__ import annotations
 

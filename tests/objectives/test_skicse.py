@@ -108,7 +108,8 @@ def test_zero_weights_reduce_to_simcse():
     for names, lam in ((("sent0", "sent0", "ski"), dict(ski_weight=0.0)),
                        (("sent0", "sent1", "hard_neg", "ski"), dict(ski1_weight=0.0, ski2_weight=0.0))):
         gathered = _gathered(names, 8, seed=3).detach()
-        got = SKICSE(temperature=TAU, hard_negative_weight=0.5, backend="reference", **lam)(Views.single(gathered, names))
+        obj = SKICSE(temperature=TAU, hard_negative_weight=0.5, backend="reference", **lam)
+        got = obj(Views.single(gathered, names))
         plain_names = tuple(n for n in names if n != "ski")
         want = SimCSE(temperature=TAU, hard_negative_weight=0.5, backend="reference")(
             Views.single(gathered[:len(plain_names)], plain_names))
