@@ -30,7 +30,7 @@ POSITION_MODES = ("standard", "shifted")
 #: Training precision (autocast dtype).
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: Training objectives by name.
-OBJECTIVE_NAMES = ("simcse", "promcse_eh")
+OBJECTIVE_NAMES = ("simcse", "promcse_eh", "skicse")
 #: Reductions of the contrastive loss over anchors.
 REDUCTIONS = ("mean", "sum", "none")
 #: Training-file formats.

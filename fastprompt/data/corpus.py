@@ -18,6 +18,9 @@ logger = logging.getLogger(__name__)
 #: Column layouts accepted in a CSV header (SimCSE's NLI layout and its pair variant).
 PAIR_COLUMNS = ("sent0", "sent1")
 TRIPLET_COLUMNS = ("sent0", "sent1", "hard_neg")
+#: The column of a sentence's SKI (SKICSE's "sentence knowable information"): ``sent0,ski`` files written by
+#: ``fastprompt generate-ski``, or NLI rows with the SKI of their premise appended (``fastprompt.data.ski``).
+SKI_COLUMN = "ski"
 #: The ``train_file`` value that selects the corpus embedded in the gensim wheel (see ``builtin.py``).
 BUILTIN_WIKI = "builtin:gensim-wiki"
 
@@ -44,7 +47,7 @@ class TrainExamples:
 
     @property
     def has_hard_negatives(self) -> bool:
-        return len(self.columns) == 3
+        return "hard_neg" in self.columns
 
 
 def _check_not_empty(path: Path, n: int, what: str, skipped: dict[str, int]) -> None:
@@ -97,7 +100,8 @@ def read_text_corpus(path: str | Path, *, on_decode_error: str = "error") -> Tra
 
 
 def read_pair_csv(path: str | Path) -> TrainExamples:
-    """Read a CSV with a header: ``sent0,sent1`` (pairs) or ``sent0,sent1,hard_neg`` (triplets).
+    """Read a CSV with a header: ``sent0,sent1`` (pairs) or ``sent0,sent1,hard_neg`` (triplets), with a ``ski``
+    column kept when present; a ``sent0,ski`` file is read by :func:`fastprompt.data.ski.read_ski_csv`.
 
     Other columns are ignored. Rows with an empty required cell are skipped and counted.
     """
@@ -121,6 +125,10 @@ def read_pair_csv(path: str | Path) -> TrainExamples:
     if header is None:
         raise ValueError(f"training file {path} is empty (expected a CSV header sent0,sent1[,hard_neg])")
     header = [h.strip() for h in header]
+    if SKI_COLUMN in header and "sent1" not in header:
+        from fastprompt.data.ski.files import read_ski_csv
+
+        return read_ski_csv(path)  # sent0,ski: unsupervised SKICSE
     missing = [c for c in PAIR_COLUMNS if c not in header]
     if missing:
         raise ValueError(
@@ -128,6 +136,8 @@ def read_pair_csv(path: str | Path) -> TrainExamples:
             f"(triplets, SimCSE's NLI layout); found columns {header}, missing {missing}"
         )
     columns = TRIPLET_COLUMNS if "hard_neg" in header else PAIR_COLUMNS
+    if SKI_COLUMN in header:
+        columns += (SKI_COLUMN,)  # NLI rows with the SKI of their premise: supervised SKICSE
     index = [header.index(c) for c in columns]
     ignored = [h for h in header if h not in columns]
     if ignored:
@@ -156,7 +166,7 @@ def _looks_like_csv(path: Path) -> bool:
         cells = [c.strip() for c in next(csv.reader([first]), [])]
     except csv.Error:
         return False
-    return cells[: len(PAIR_COLUMNS)] == list(PAIR_COLUMNS)
+    return cells[:2] in (list(PAIR_COLUMNS), ["sent0", SKI_COLUMN])
 
 
 def load_train_file(path: str | Path, *, fmt: str = "auto", on_decode_error: str = "error") -> TrainExamples:

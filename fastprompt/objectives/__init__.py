@@ -1,7 +1,8 @@
 """Training objectives: the contract (:mod:`.base`), one module per method, each composing fastprompt.ops.
 
 A training method is a :class:`Method`: one sentence-level objective over pooled embeddings (:class:`SimCSE`,
-:class:`PromCSEEH`) plus token-level terms (:class:`TokenTerm`) with their own forwards and weight schedules.
+:class:`PromCSEEH`, :class:`SKICSE`) plus token-level terms (:class:`TokenTerm`) with their own forwards and weight
+schedules.
 See :mod:`fastprompt.objectives.base` and ``docs/objectives.md``.
 
 Imported lazily: :class:`~fastprompt.objectives.config.ObjectiveConfig` (standard library only) loads without
@@ -22,6 +23,7 @@ _LAZY = {
     "PromCSEEH": ".promcse_eh",
     "SimCSE": ".simcse",
     "split_views": ".simcse",
+    "SKICSE": ".skicse",
     "OBJECTIVES": ".registry",
     "build_objective": ".registry",
     "objective_from_config": ".registry",

@@ -8,9 +8,11 @@ from fastprompt.objectives.base import SentenceObjective
 from fastprompt.objectives.config import ObjectiveConfig
 from fastprompt.objectives.promcse_eh import PromCSEEH
 from fastprompt.objectives.simcse import SimCSE
+from fastprompt.objectives.skicse import SKICSE
 
 #: name -> class (the names are fastprompt.choices.OBJECTIVE_NAMES); every class is a dataclass.
-OBJECTIVES: dict[str, type[SentenceObjective]] = {"simcse": SimCSE, "promcse_eh": PromCSEEH}
+OBJECTIVES: dict[str, type[SentenceObjective]] = {"simcse": SimCSE, "promcse_eh": PromCSEEH,
+                                                 "skicse": SKICSE}
 assert tuple(OBJECTIVES) == OBJECTIVE_NAMES
 
 
@@ -27,4 +29,6 @@ def objective_from_config(config: ObjectiveConfig) -> SentenceObjective:
     """The sentence-level objective a training config's objective section describes."""
     return build_objective(config.name, temperature=config.temperature,
                            hard_negative_weight=config.hard_negative_weight, hinge_margin=config.hinge_margin,
-                           hinge_weight=config.resolved_hinge_weight, backend=config.loss_backend)
+                           hinge_weight=config.resolved_hinge_weight, backend=config.loss_backend,
+                           ski_weight=config.ski_weight, ski1_weight=config.ski1_weight,
+                           ski2_weight=config.ski2_weight)

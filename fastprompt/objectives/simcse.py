@@ -47,6 +47,10 @@ class SimCSE(SentenceObjective):
     def stat_names(self) -> tuple[str, ...]:
         return ("pos_cos", "hard_neg_cos", "acc") + (("loss_cl", "loss_eh") if self.hinge_weight else ())
 
+    def views_for(self, columns: tuple[str, ...]) -> tuple[str, ...]:
+        """As the base class, leaving out a ``ski`` column (only objective=skicse reads the SKI)."""
+        return super().views_for(tuple(c for c in columns if c != "ski"))
+
     def loss(self, views: Views) -> ObjectiveOutput:
         z1, z2, z3 = split_views(views)
         return self.from_views(z1, z2, z3, positive_offset=views.positive_offset)

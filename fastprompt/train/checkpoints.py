@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 RUN_IDENTITY_KEYS = ("model", "pooler", "mlp", "prompt_length", "prefix_projection", "projection_hidden_size",
                      "shared_across_layers", "input_layer_only", "cls_prompt", "objective", "train_file",
                      "batch_size", "seed", "max_length", "do_mlm", "mlm_head",
-                     "rtd_weight", "rtd_masking_ratio", "rtd_generator", "rtd_discriminator", "rtd_condition")
+                     "rtd_weight", "rtd_masking_ratio", "rtd_generator", "rtd_discriminator", "rtd_condition",
+                     "ski_weight", "ski1_weight", "ski2_weight")
 #: Keys that only say how to start, never what the run is.
 _START_KEYS = ("resume", "overwrite_output_dir")
 METHOD_FILE = "method.safetensors"

@@ -64,7 +64,7 @@ def test_eh_is_zero_when_positives_win_by_the_margin():
 
 
 def test_registry_and_errors():
-    assert set(OBJECTIVES) == {"simcse", "promcse_eh"}
+    assert set(OBJECTIVES) == {"simcse", "promcse_eh", "skicse"}
     obj = build_objective("promcse_eh", temperature=0.1, learning_rate=3.0, backend="reference")
     assert isinstance(obj, PromCSEEH) and obj.temperature == 0.1 and obj.hinge_weight == 10.0
     with pytest.raises(ValueError, match="unknown objective 'infonce'"):

@@ -1,0 +1,104 @@
+"""SKICSE: a sentence's "sentence knowable information" (SKI, generated offline by an LLM) as an extra positive.
+
+The SKI is one more view of each row, named ``ski`` (see ``docs/ski.md`` for the data layouts). With ``h_i``
+the anchor (view 0, ``sent0``), ``h_i'`` its second dropout view, ``k_i`` its SKI, and for NLI rows ``h_i+``
+the entailment and ``h_i-`` the contradiction, every term is an in-batch InfoNCE (cosine / temperature,
+columns gathered over every process) computed by :func:`fastprompt.ops.contrastive_loss`:
+
+Unsupervised (``sent0,ski`` rows; views ``sent0, sent0, ski``)::
+
+    L = (1 - λ) L_simcse + λ L_ski                      λ = ski_weight (0.15)
+    L_simcse: anchor h_i, positive h_i', columns {h_j'}  (SimCSE)
+    L_ski:    anchor h_i, positive k_i,  columns {k_j}   (each sentence against its SKI, the other SKIs negative)
+
+Supervised (``sent0,sent1,hard_neg,ski`` rows)::
+
+    L = (1 - λ1 - λ2) L_sup + λ1 L_ski1 + λ2 L_ski2      λ1 = ski1_weight (0.1), λ2 = ski2_weight (0.3)
+    L_sup:  anchor h_i, positive h_i+, columns {h_j+} ∪ {h_j-}     (supervised SimCSE)
+    L_ski1: anchor h_i, positive k_i,  columns {k_j}               (as L_ski)
+    L_ski2: anchor k_i, positive h_i+, columns {h_j+} ∪ {h_j-}     (the SKI must also entail the hypothesis)
+
+L_ski2's denominator holds no knowledge sentence: the SKIs are its anchors, never its columns, so a SKI is
+neither a negative of itself nor of another SKI: our reading of the paper's Eq. 6, which leaves the knowledge
+sentence out of its own denominator (docs/ski.md, "Losses", says why). Every denominator does hold its own
+positive (the standard InfoNCE form), so each term is ``-log softmax`` of its positive, >= 0.
+``hard_negative_weight`` applies to the terms with contradiction columns (L_sup, L_ski2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastprompt.objectives.base import ObjectiveOutput, SentenceObjective, Views
+from fastprompt.objectives.config import check_ski_weights
+from fastprompt.ops import contrastive_loss
+
+SKI_VIEW = "ski"
+HARD_NEGATIVE_VIEW = "hard_neg"
+
+
+@dataclass
+class SKICSE(SentenceObjective):
+    """(1 - λ) L_simcse + λ L_ski (unsupervised) or (1 - λ1 - λ2) L_sup + λ1 L_ski1 + λ2 L_ski2 (supervised)."""
+
+    temperature: float = 0.05
+    hard_negative_weight: float = 0.0
+    ski_weight: float = 0.15
+    ski1_weight: float = 0.1
+    ski2_weight: float = 0.3
+    backend: str = "auto"
+
+    name = "skicse"
+    # loss_ski is L_ski (unsupervised) or L_ski1; loss_ski2 is left empty in unsupervised runs.
+    stat_names = ("pos_cos", "hard_neg_cos", "acc", "loss_cl", "loss_ski", "ski_cos", "loss_ski2")
+
+    def __post_init__(self):
+        check_ski_weights(self.ski_weight, self.ski1_weight, self.ski2_weight)
+
+    def views_for(self, columns: tuple[str, ...]) -> tuple[str, ...]:
+        """``sent0,ski`` -> ``sent0, sent0, ski`` (two dropout views and the SKI); NLI rows with a ``ski`` column
+        are read as they are."""
+        if SKI_VIEW not in columns:
+            raise ValueError(f"objective=skicse needs a {SKI_VIEW!r} column, the data has {columns}: train on a "
+                             "file written by `fastprompt generate-ski` (sent0,ski) or NLI rows joined with "
+                             "fastprompt.data.join_ski (sent0,sent1,hard_neg,ski)")
+        if columns == ("sent0", SKI_VIEW):
+            return ("sent0", "sent0", SKI_VIEW)
+        if columns[:2] != ("sent0", "sent1"):
+            raise ValueError(f"objective=skicse reads sent0,ski or sent0,sent1[,hard_neg],ski rows, got {columns}")
+        return columns
+
+    def _term(self, z1, z2, z3, offset):
+        return contrastive_loss(z1, z2, z3, temperature=self.temperature,
+                                hard_negative_weight=self.hard_negative_weight if z3 is not None else 0.0,
+                                positive_offset=offset, backend=self.backend, return_stats=True, check_finite=False)
+
+    def loss(self, views: Views) -> ObjectiveOutput:
+        names = views.names
+        if SKI_VIEW not in names or len(names) not in (3, 4) or names[0] != "sent0":
+            raise ValueError(f"skicse needs the views sent0, sent0|sent1[, {HARD_NEGATIVE_VIEW}], {SKI_VIEW}; got "
+                             f"{names}")
+        if views.gathered.shape[1] < 2:
+            raise ValueError("a batch of one row has no in-batch negative: use batch_size >= 2")
+        off, local, gathered = views.positive_offset, views.local, views.gathered
+        ski = views.index(SKI_VIEW)
+        supervised = names[1] == "sent1"
+        hard = gathered[views.index(HARD_NEGATIVE_VIEW)] if HARD_NEGATIVE_VIEW in names else None
+        anchor = local[0]
+        main, st = self._term(anchor, gathered[1], hard, off)
+        ski1, st1 = self._term(anchor, gathered[ski], None, off)
+        stats = {
+            "pos_cos": float(st.pos_sim.mean()),
+            "hard_neg_cos": float(st.hardest_neg_sim.mean()),
+            "acc": float((st.pos_sim > st.hardest_neg_sim).float().mean()),
+            "loss_cl": float(main.detach()),
+            "loss_ski": float(ski1.detach()),
+            "ski_cos": float(st1.pos_sim.mean()),
+        }
+        if not supervised:
+            total = (1.0 - self.ski_weight) * main + self.ski_weight * ski1
+            return ObjectiveOutput(total, stats)
+        ski2, _ = self._term(local[ski], gathered[1], hard, off)
+        stats["loss_ski2"] = float(ski2.detach())
+        total = (1.0 - self.ski1_weight - self.ski2_weight) * main + self.ski1_weight * ski1 + self.ski2_weight * ski2
+        return ObjectiveOutput(total, stats)
+
