@@ -23,7 +23,8 @@ logger = logging.getLogger(__name__)
 #: two runs). Other changed keys are allowed, with a warning.
 RUN_IDENTITY_KEYS = ("model", "pooler", "mlp", "prompt_length", "prefix_projection", "projection_hidden_size",
                      "shared_across_layers", "input_layer_only", "cls_prompt", "objective", "train_file",
-                     "batch_size", "seed", "max_length")
+                     "batch_size", "seed", "max_length",
+                     "template", "second_template", "denoise", "train_backbone")
 #: Keys that only say how to start, never what the run is.
 _START_KEYS = ("resume", "overwrite_output_dir")
 METHOD_FILE = "method.safetensors"

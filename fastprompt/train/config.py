@@ -26,6 +26,7 @@ from fastprompt.choices import (BACKENDS, DECODE_ERROR_MODES, MLP_MODES, POOLERS
                                 TRAIN_FORMATS)
 from fastprompt.fields import flat_key, option, validate_fields
 from fastprompt.model.config import PromptConfig
+from fastprompt.train.model_sections import BackboneConfig, TemplateConfig, check_template_settings
 from fastprompt.objectives.config import ObjectiveConfig
 
 BASE_KEY = "base"
@@ -172,6 +173,8 @@ SECTIONS: dict[str, tuple[type, str]] = {
     "large_batch": (LargeBatchConfig, "large batches"),
     "run": (RunConfig, "run"),
     "evaluation": (EvalConfig, "evaluation"),
+    "templates": (TemplateConfig, "templates (PromptBERT)"),
+    "backbone": (BackboneConfig, "backbone (full fine-tuning)"),
 }
 #: flat key -> (section attribute, field name)
 KEYS: dict[str, tuple[str, str]] = {
@@ -197,6 +200,8 @@ class TrainConfig:
     large_batch: LargeBatchConfig
     run: RunConfig
     evaluation: EvalConfig
+    templates: TemplateConfig
+    backbone: BackboneConfig
 
     def __init__(self, **keys: Any):
         given = {name: keys.pop(name) for name in SECTIONS if name in keys}
@@ -246,9 +251,12 @@ class TrainConfig:
 
     def _check_across_sections(self) -> None:
         budget, max_length = self.large_batch.max_tokens_per_micro_batch, self.data.max_length
+        # With a template, max_length counts the sentence's tokens only and the template's come on top: the
+        # budget is checked again against the tokenised templates when the run is built (train.promptbert).
         if 0 < budget < max_length:
             raise ValueError(f"max_tokens_per_micro_batch={budget} must be >= max_length ({max_length}): a "
                              "micro-batch holds at least one whole sequence")
+        check_template_settings(self)
 
     # ------------------------------------------------------------------ conversions
     def to_dict(self) -> dict[str, Any]:
@@ -263,6 +271,11 @@ class TrainConfig:
             if key not in KEYS:
                 raise ValueError(_unknown_key_message(str(key), source))
         return cls(**data)
+
+    @property
+    def uses_template(self) -> bool:
+        """Whether sentences are wrapped in a template (set, or the mask/topk poolers' default)."""
+        return self.templates.template is not None or self.encoder.pooler in ("mask", "topk")
 
     @property
     def gradient_cache(self) -> bool:

@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from fastprompt.data import Batch, TrainExamples
 from fastprompt.objectives.base import TokenTerm
 from fastprompt.train import build
+from fastprompt.train.backbone import check_resume_mode
 from fastprompt.train.checkpoints import RunDirectory
 from fastprompt.train.config import TrainConfig, load_config, save_config
 from fastprompt.train.distributed import init_distributed
@@ -151,6 +152,7 @@ class Trainer:
         self.device = self.dist.device if self.dist.enabled else build.resolve_device(cfg.run.device)
         resume_dir = self.run_dir.resume_point(resume=cfg.run.resume, overwrite=cfg.run.overwrite_output_dir)
         if resume_dir is not None:
+            check_resume_mode(resume_dir, cfg)
             self.run_dir.check_same_run(resume_dir, cfg.to_dict())
 
         if self.examples is None:
@@ -161,11 +163,12 @@ class Trainer:
         torch.manual_seed(cfg.run.seed)  # prompt initialisation
         self._build_model(resume_dir)
         self.collator = build.build_collator(cfg, self.encoder, self.examples, self.method)
-        opt = build.build_optimization(cfg, self.params, self.total_steps, self.device)
+        opt = build.build_optimization(cfg, self.params, self.total_steps, self.device, encoder=self.encoder)
         self.optimizer, self.scheduler, self.scaler = opt.optimizer, opt.scheduler, opt.scaler
         self.autocast = build.autocast_factory(cfg, self.device)
         loss_side = LossSide(self.method, self.encoder, self.dist, autocast=self.autocast,
-                             loss_scale=self.scaler.scale if self.scaler is not None else None)
+                             loss_scale=self.scaler.scale if self.scaler is not None else None,
+                             embed=build.build_embed(cfg, self.encoder, self.examples, self.method))
         self.step = build.build_step(cfg, loss_side)
         self.dev_data = build.load_dev_data(cfg)
 
@@ -193,6 +196,8 @@ class Trainer:
 
             load_checkpoint_weights(self.encoder, resume_dir, read_checkpoint_config(resume_dir))
         self.encoder.to(self.device).train()
+        if self.config.backbone.train_backbone:
+            self.encoder.train_backbone()
         if self.config.large_batch.gradient_checkpointing:
             self.encoder.gradient_checkpointing_enable()
         self.method = build.build_method(self.config, self.encoder, self.terms).to(self.device).train()
