@@ -169,7 +169,8 @@ class PromptEncoder(nn.Module):
         if (pooler or "cls") == "topk":
             from .mlm_head import load_mlm_head
 
-            mlm_head = load_mlm_head(path, backbone)
+            # the base model's head (a saved fine-tuned backbone has none), tied to this backbone's embeddings
+            mlm_head = load_mlm_head(resolve_model_path(model_name_or_path), backbone)
         encoder = cls(backbone, tokenizer, prompt_config, pooler=pooler or "cls", mlp=mlp or "none",
                       max_length=max_length, template=template, denoise=bool(denoise), topk=topk or 10,
                       mlm_head=mlm_head, attn_backend=attn_backend,

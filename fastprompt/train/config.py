@@ -71,7 +71,8 @@ class DataConfig(_Section):
     train_format: str = option("auto", "format of train_file (auto: by extension)", choices=TRAIN_FORMATS)
     on_decode_error: str = option("error", "what to do with lines of a text corpus that are not UTF-8",
                                   choices=DECODE_ERROR_MODES)
-    max_length: int = option(32, "tokens per sentence, special tokens included (longer ones are truncated)", ge=2)
+    max_length: int = option(32, "tokens per sentence, special tokens included (longer ones are truncated); with a "
+                             "template: the sentence's own tokens, the template's come on top", ge=2)
     drop_last: bool = option(False, "drop the last incomplete batch of an epoch")
 
     def validate(self):
