@@ -134,8 +134,9 @@ def build_optimization(cfg: TrainConfig, params: list[torch.nn.Parameter], total
 
     opt = cfg.optim
     warmup = opt.warmup_steps or int(math.ceil(opt.warmup_ratio * total_steps))
-    optimizer = torch.optim.AdamW(optimizer_groups(cfg, params, encoder), lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2),
-                                  eps=opt.adam_epsilon, weight_decay=opt.weight_decay)
+    optimizer = torch.optim.AdamW(optimizer_groups(cfg, params, encoder), lr=opt.learning_rate,
+                                  betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_epsilon,
+                                  weight_decay=opt.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(warmup, total_steps))
     scaler = torch.amp.GradScaler(device.type) if cfg.run.precision == "fp16" else None
     return Optimization(optimizer, scheduler, scaler)
