@@ -25,6 +25,9 @@ class Batch:
     ``extras``: per-row tensors of token-level objective terms (masked-token ids, labels, ...), first
     dimension ``n_views * batch_size`` in the same view-major order, sliced along with the token ids when a
     step splits the batch into micro-batches. Label tensors use -100 for rows/tokens a term ignores.
+
+    ``template_index``: (rows,) which of the run's templates each row was wrapped in, when views use different
+    templates (PromptBERT); it travels with the model inputs, so a micro-batch knows its rows' templates.
     """
 
     input_ids: torch.Tensor
@@ -34,6 +37,7 @@ class Batch:
     batch_size: int
     view_names: tuple[str, ...] = ()
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
+    template_index: torch.Tensor | None = None
 
     def __post_init__(self):
         self.view_names = tuple(self.view_names) or self.default_view_names(self.n_views)
@@ -61,12 +65,15 @@ class Batch:
     def to(self, device: torch.device | str) -> "Batch":
         tt = self.token_type_ids.to(device) if self.token_type_ids is not None else None
         return Batch(self.input_ids.to(device), self.attention_mask.to(device), tt, self.n_views, self.batch_size,
-                     self.view_names, {k: v.to(device) for k, v in self.extras.items()})
+                     self.view_names, {k: v.to(device) for k, v in self.extras.items()},
+                     self.template_index.to(device) if self.template_index is not None else None)
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
         if self.token_type_ids is not None:
             out["token_type_ids"] = self.token_type_ids
+        if self.template_index is not None:
+            out["template_index"] = self.template_index
         return out
 
     @property

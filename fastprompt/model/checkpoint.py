@@ -1,13 +1,19 @@
-"""Prompt-only checkpoints: ``prompt.safetensors`` (the trainable tensors) + ``fastprompt_config.json``.
+"""Prompt checkpoints: ``prompt.safetensors`` (the trainable tensors) + ``fastprompt_config.json``.
 
 Only safetensors and JSON are ever read. A checkpoint names its base model and records the backbone's
 shape, so loading onto a different backbone fails with a message instead of a shape error deep inside.
+
+A fully fine-tuned encoder (:meth:`PromptEncoder.train_backbone`) also writes its backbone and tokenizer in the
+Hugging Face layout into the same folder (``config.json``, ``model.safetensors``, tokenizer files), so
+``transformers.AutoModel.from_pretrained(checkpoint_dir)`` loads the backbone; ``backbone_weights: true`` in the
+config says so. The whole folder is written atomically.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
+import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
@@ -68,12 +74,42 @@ def save_checkpoint(encoder, checkpoint_dir: str | os.PathLike, overwrite: bool 
         "template": encoder.template,
         "denoise": encoder.denoise,
         "topk": encoder.topk,
+        "backbone_weights": bool(encoder.backbone_trained),
     }
     tensors = {k: v.detach().contiguous().cpu() for k, v in encoder.prompt_state_dict().items()}
     with atomic_directory(checkpoint_dir) as tmp:
+        if encoder.backbone_trained:
+            encoder.backbone.save_pretrained(tmp, safe_serialization=True)
+            encoder.tokenizer.save_pretrained(tmp)
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": FORMAT})
         write_json_atomic(tmp / CONFIG_NAME, config)
     return Path(checkpoint_dir)
+
+
+def holds_backbone_weights(config: dict) -> bool:
+    """Whether a checkpoint (its ``fastprompt_config.json``) holds a fine-tuned backbone."""
+    return bool(config.get("backbone_weights", False))
+
+
+def _load_backbone(encoder, path: Path) -> None:
+    """The Hugging Face weights files of ``path`` (one file or shards) into ``encoder.backbone``, in place."""
+    files = sorted(f for f in path.glob("model*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"checkpoint {path} says it holds the backbone but has no model*.safetensors")
+    state = {}
+    for f in files:
+        try:
+            state.update(load_file(str(f)))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise ValueError(f"backbone weights {f} are corrupt or not a safetensors file: {exc}") from exc
+    own = encoder.backbone.state_dict()
+    missing, unexpected = sorted(set(own) - set(state)), sorted(set(state) - set(own))
+    if missing or unexpected:
+        raise ValueError(f"backbone weights in {path} do not match the backbone (missing {missing[:5]}, "
+                         f"unexpected {unexpected[:5]})")
+    with torch.no_grad():
+        for k, v in own.items():
+            v.copy_(state[k])
 
 
 def read_checkpoint_config(checkpoint_dir: str | os.PathLike) -> dict:
@@ -93,7 +129,9 @@ def read_checkpoint_config(checkpoint_dir: str | os.PathLike) -> dict:
     return config
 
 
-def load_checkpoint_weights(encoder, checkpoint_dir: str | os.PathLike, config: dict) -> None:
+def load_checkpoint_weights(encoder, checkpoint_dir: str | os.PathLike, config: dict, *,
+                            backbone: bool = True) -> None:
+    """Load a checkpoint's prompt (and, with ``backbone`` and when it holds one, its backbone) in place."""
     path = Path(checkpoint_dir)
     expected, actual = config["backbone"], _backbone_shape(encoder)
     diffs = [f"{k}: checkpoint {expected.get(k)} vs model {actual[k]}"
@@ -117,4 +155,6 @@ def load_checkpoint_weights(encoder, checkpoint_dir: str | os.PathLike, config: 
            if tensors[k].shape != v.shape]
     if bad:
         raise ValueError(f"prompt weights {weights} have wrong shapes: " + "; ".join(bad))
+    if backbone and holds_backbone_weights(config):
+        _load_backbone(encoder, path)
     encoder.load_state_dict(tensors, strict=False)

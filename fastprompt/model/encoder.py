@@ -60,6 +60,7 @@ class PromptEncoder(nn.Module):
                 raise ValueError(f"backbone config has no {attr!r}: only encoder models with standard "
                                  "self-attention (BERT, RoBERTa, ...) are supported")
         self.backbone = backbone.requires_grad_(False)
+        self.backbone_trained = False  # full fine-tuning: checkpoints then hold the backbone (train_backbone)
         if getattr(cfg, "use_cache", False):
             # an encoder keeps no key/value cache (the "cache" prefix mode asks for one explicitly); with
             # the config's default True, transformers warns under gradient checkpointing
@@ -138,9 +139,9 @@ class PromptEncoder(nn.Module):
         the checkpoint's choice. ``topk``: k of the ``topk`` pooler (10; the MLM head is read from the model
         folder, see :mod:`fastprompt.model.mlm_head`).
         """
-        saved = None
+        saved, holds_backbone = None, False
         if prompt is not None:
-            from .checkpoint import read_checkpoint_config
+            from .checkpoint import holds_backbone_weights, read_checkpoint_config
 
             saved = read_checkpoint_config(prompt)
             if prompt_config is not None:
@@ -157,16 +158,21 @@ class PromptEncoder(nn.Module):
             template = template or saved.get("template")
             denoise = saved.get("denoise", False) if denoise is None else denoise
             topk = topk or saved.get("topk")
+            holds_backbone = holds_backbone_weights(saved)
         elif isinstance(prompt_config, dict):
             prompt_config = PromptConfig.from_dict(prompt_config)
         _check_options(pooler or "cls", mlp or "none", attn_backend, prefix_mode)  # before any weights load
         attn = register_attention() if prefix_mode == "attention" else "sdpa"
-        tokenizer, backbone = load_backbone(model_name_or_path, attn_implementation=attn, dtype=torch_dtype)
+        # a fully fine-tuned checkpoint holds its backbone (and tokenizer) in the Hugging Face layout: load them
+        # from there; the base model is only named
+        tokenizer, backbone = load_backbone(prompt if holds_backbone else model_name_or_path,
+                                            attn_implementation=attn, dtype=torch_dtype)
         mlm_head = None
         if (pooler or "cls") == "topk":
             from .mlm_head import load_mlm_head
             from .resolve import resolve_model_path
 
+            # the base model's head (a saved fine-tuned backbone has none), tied to this backbone's embeddings
             mlm_head = load_mlm_head(resolve_model_path(model_name_or_path), backbone)
         encoder = cls(backbone, tokenizer, prompt_config, pooler=pooler or "cls", mlp=mlp or "none",
                       max_length=max_length, template=template, denoise=bool(denoise), topk=topk or 10,
@@ -175,7 +181,8 @@ class PromptEncoder(nn.Module):
         if saved is not None:
             from .checkpoint import load_checkpoint_weights
 
-            load_checkpoint_weights(encoder, prompt, saved)
+            load_checkpoint_weights(encoder, prompt, saved, backbone=False)  # the backbone is loaded above
+            encoder.backbone_trained = holds_backbone
         return encoder
 
     @classmethod
@@ -242,15 +249,21 @@ class PromptEncoder(nn.Module):
         loaded in place, so an optimizer holding these parameters keeps working after the block; the
         train/eval mode is restored too. The checkpoint must describe a prompt of this encoder's shape.
         """
-        from .checkpoint import load_checkpoint_weights, read_checkpoint_config
+        from .checkpoint import holds_backbone_weights, load_checkpoint_weights, read_checkpoint_config
 
+        saved = read_checkpoint_config(checkpoint_dir)
         current = {k: v.detach().clone() for k, v in self.prompt_state_dict().items()}
+        if self.backbone_trained or holds_backbone_weights(saved):
+            current.update({f"backbone.{k}": v.detach().clone() for k, v in self.backbone.state_dict().items()})
         was_training = self.training
-        load_checkpoint_weights(self, checkpoint_dir, read_checkpoint_config(checkpoint_dir))
+        load_checkpoint_weights(self, checkpoint_dir, saved)
         try:
             yield self
         finally:
-            self.load_state_dict(current, strict=False)
+            with torch.no_grad():  # in place, so an optimizer holding these parameters keeps working
+                for k, v in self.state_dict().items():
+                    if k in current:
+                        v.copy_(current[k])
             self.train(was_training)
 
     def gradient_checkpointing_enable(self, enable: bool = True) -> "PromptEncoder":
@@ -282,8 +295,18 @@ class PromptEncoder(nn.Module):
 
     # ------------------------------------------------------------------ parameters
     def trainable_parameters(self) -> list[nn.Parameter]:
-        """The prompt, [CLS] prompt and pooler-head parameters (the backbone is frozen)."""
+        """The prompt, [CLS] prompt and pooler-head parameters, and the backbone's after :meth:`train_backbone`."""
         return [p for p in self.parameters() if p.requires_grad]
+
+    def train_backbone(self, enable: bool = True) -> "PromptEncoder":
+        """Full fine-tuning: make the backbone's weights trainable (the MLM head of ``topk`` stays frozen).
+
+        From then on :meth:`save` writes the backbone too, in the Hugging Face layout
+        (``AutoModel.from_pretrained(checkpoint_dir)`` loads it), next to the prompt files.
+        """
+        self.backbone.requires_grad_(enable)
+        self.backbone_trained = self.backbone_trained or enable
+        return self
 
     def prompt_state_dict(self) -> dict[str, torch.Tensor]:
         """Everything a checkpoint stores: all parameters and buffers outside the frozen backbone."""

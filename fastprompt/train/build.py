@@ -69,8 +69,10 @@ def build_encoder(cfg: TrainConfig, resume_dir: Path | None):
     if resume_dir is not None:
         return PromptEncoder.from_pretrained(enc.model, prompt=resume_dir, attn_backend=enc.attn_backend,
                                              prefix_mode=enc.prefix_mode)
+    tpl = cfg.templates
     return PromptEncoder.from_pretrained(enc.model, prompt_config=dataclasses.replace(cfg.prompt), pooler=enc.pooler,
-                                         mlp=enc.mlp, attn_backend=enc.attn_backend, prefix_mode=enc.prefix_mode)
+                                         mlp=enc.mlp, attn_backend=enc.attn_backend, prefix_mode=enc.prefix_mode,
+                                         template=tpl.template, denoise=tpl.resolved_eval_denoise, topk=tpl.topk)
 
 
 def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> Method:
@@ -92,9 +94,23 @@ def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> 
 
 
 def build_collator(cfg: TrainConfig, encoder, examples: TrainExamples, method: Method) -> Collator:
+    if cfg.uses_template:  # each view wrapped in its template (PromptBERT)
+        from fastprompt.train.promptbert import template_collator
+
+        return template_collator(cfg, encoder, examples.columns, method.sentence.views_for(examples.columns))
     pad = encoder.tokenizer.pad_token_id
     return Collator(encoder.tokenize, cfg.data.max_length, columns=examples.columns,
                     views=method.sentence.views_for(examples.columns), pad_token_id=pad if pad is not None else 0)
+
+
+def build_embed(cfg: TrainConfig, encoder, examples: TrainExamples, method: Method) -> Callable | None:
+    """The training forward, model inputs -> pre-head vectors; None: the encoder's own (``head=False``).
+    With templates, each row is pooled at its own template's [MASK] and denoised per ``denoise``."""
+    if not cfg.uses_template:
+        return None
+    from fastprompt.train.promptbert import template_embedder
+
+    return template_embedder(cfg, encoder, method.sentence.views_for(examples.columns))
 
 
 def count_total_steps(cfg: TrainConfig, sampler: UniqueBatchSampler) -> int:
@@ -129,11 +145,16 @@ class Optimization:
 
 
 def build_optimization(cfg: TrainConfig, params: list[torch.nn.Parameter], total_steps: int,
-                       device: torch.device) -> Optimization:
+                       device: torch.device, encoder=None) -> Optimization:
+    """AdamW + linear schedule (+ fp16 scaler); with ``train_backbone``, the backbone's weights of ``encoder``
+    form their own group (:func:`fastprompt.train.backbone.optimizer_groups`)."""
+    from fastprompt.train.backbone import optimizer_groups
+
     opt = cfg.optim
     warmup = opt.warmup_steps or int(math.ceil(opt.warmup_ratio * total_steps))
-    optimizer = torch.optim.AdamW(params, lr=opt.learning_rate, betas=(opt.adam_beta1, opt.adam_beta2),
-                                  eps=opt.adam_epsilon, weight_decay=opt.weight_decay)
+    optimizer = torch.optim.AdamW(optimizer_groups(cfg, params, encoder), lr=opt.learning_rate,
+                                  betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_epsilon,
+                                  weight_decay=opt.weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(warmup, total_steps))
     scaler = torch.amp.GradScaler(device.type) if cfg.run.precision == "fp16" else None
     return Optimization(optimizer, scheduler, scaler)

@@ -25,7 +25,8 @@ RUN_IDENTITY_KEYS = ("model", "pooler", "mlp", "prompt_length", "prefix_projecti
                      "shared_across_layers", "input_layer_only", "cls_prompt", "objective", "train_file",
                      "batch_size", "seed", "max_length", "do_mlm", "mlm_head",
                      "rtd_weight", "rtd_masking_ratio", "rtd_generator", "rtd_discriminator", "rtd_condition",
-                     "ski_weight", "ski1_weight", "ski2_weight")
+                     "ski_weight", "ski1_weight", "ski2_weight",
+                     "template", "second_template", "denoise", "train_backbone")
 #: Keys that only say how to start, never what the run is.
 _START_KEYS = ("resume", "overwrite_output_dir")
 METHOD_FILE = "method.safetensors"

@@ -28,6 +28,7 @@ from fastprompt.fields import flat_key, option, validate_fields
 from fastprompt.io import reject_binary, write_text_atomic
 from fastprompt.model.config import PromptConfig
 from fastprompt.objectives.config import CRTDConfig, MLMConfig, ObjectiveConfig
+from fastprompt.train.model_sections import BackboneConfig, TemplateConfig, check_template_settings
 
 BASE_KEY = "base"
 
@@ -71,7 +72,8 @@ class DataConfig(_Section):
     train_format: str = option("auto", "format of train_file (auto: by extension)", choices=TRAIN_FORMATS)
     on_decode_error: str = option("error", "what to do with lines of a text corpus that are not UTF-8",
                                   choices=DECODE_ERROR_MODES)
-    max_length: int = option(32, "tokens per sentence, special tokens included (longer ones are truncated)", ge=2)
+    max_length: int = option(32, "tokens per sentence, special tokens included (longer ones are truncated); with a "
+                             "template: the sentence's own tokens, the template's come on top", ge=2)
     drop_last: bool = option(False, "drop the last incomplete batch of an epoch")
 
     def validate(self):
@@ -191,6 +193,8 @@ SECTIONS: dict[str, tuple[type, str]] = {
     "evaluation": (EvalConfig, "evaluation"),
     "mlm": (MLMConfig, "MLM term"),
     "rtd": (CRTDConfig, "replaced-token detection term"),
+    "templates": (TemplateConfig, "templates (PromptBERT)"),
+    "backbone": (BackboneConfig, "backbone (full fine-tuning)"),
 }
 #: flat key -> (section attribute, field name)
 KEYS: dict[str, tuple[str, str]] = {
@@ -218,6 +222,8 @@ class TrainConfig:
     evaluation: EvalConfig
     mlm: MLMConfig
     rtd: CRTDConfig
+    templates: TemplateConfig
+    backbone: BackboneConfig
 
     def __init__(self, **keys: Any):
         given = {name: keys.pop(name) for name in SECTIONS if name in keys}
@@ -267,9 +273,12 @@ class TrainConfig:
 
     def _check_across_sections(self) -> None:
         budget, max_length = self.large_batch.max_tokens_per_micro_batch, self.data.max_length
+        # With a template, max_length counts the sentence's tokens only and the template's come on top: the
+        # budget is checked again against the tokenised templates when the run is built (train.promptbert).
         if 0 < budget < max_length:
             raise ValueError(f"max_tokens_per_micro_batch={budget} must be >= max_length ({max_length}): a "
                              "micro-batch holds at least one whole sequence")
+        check_template_settings(self)
 
     # ------------------------------------------------------------------ conversions
     def to_dict(self) -> dict[str, Any]:
@@ -284,6 +293,11 @@ class TrainConfig:
             if key not in KEYS:
                 raise ValueError(_unknown_key_message(str(key), source))
         return cls(**data)
+
+    @property
+    def uses_template(self) -> bool:
+        """Whether sentences are wrapped in a template (set, or the mask/topk poolers' default)."""
+        return self.templates.template is not None or self.encoder.pooler in ("mask", "topk")
 
     @property
     def gradient_cache(self) -> bool:

@@ -67,7 +67,9 @@ def make_micro_batches(inputs: dict[str, torch.Tensor], groups: list[torch.Tenso
         rows_dev = rows.to(mask.device)
         width = max(int(mask[rows_dev].sum(1).max()), 1)
         # Padding sits on the right (dynamic right-padding), so the first `width` columns hold every real token.
-        out.append(MicroBatch(rows, {k: v[rows_dev, :width] for k, v in inputs.items() if v is not None},
+        # 1-D inputs are per-row values (a row's template index): sliced by row only.
+        out.append(MicroBatch(rows, {k: v[rows_dev, :width] if v.dim() > 1 else v[rows_dev]
+                                     for k, v in inputs.items() if v is not None},
                               {k: v[rows_dev, :width] for k, v in (extras or {}).items()}))
     return out
 

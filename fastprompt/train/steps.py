@@ -93,8 +93,11 @@ class LossSide:
 
     def __init__(self, method: Method, encoder, dist: DistributedContext, *,
                  autocast: AutocastFactory = contextlib.nullcontext,
-                 loss_scale: Callable[[torch.Tensor], torch.Tensor] | None = None):
+                 loss_scale: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 embed: Callable[..., torch.Tensor] | None = None):
         self.method, self.encoder, self.dist = method, encoder, dist
+        # model inputs -> pre-head vectors (rows, H); PromptBERT's views pool each row at its own template
+        self.embed = embed or functools.partial(encoder, head=False)
         self.autocast = autocast
         self.loss_scale = loss_scale or (lambda loss: loss)
 
@@ -152,7 +155,7 @@ class PlainStep:
         side = self.loss_side
         inputs = batch.model_inputs()
         with side.autocast():
-            reps = side.encoder(**inputs, head=False)
+            reps = side.embed(**inputs)
         share, out, emb = side.sentence(reps.float(), batch)
         sentence_total = side.dist.sum(share)
         if not math.isfinite(float(sentence_total)):  # the same decision on every process
@@ -180,7 +183,7 @@ class CachedStep:
         inputs = batch.model_inputs()
         groups = plan_micro_batches(inputs["attention_mask"], self.micro_batch_size, self.max_tokens)
         micro = make_micro_batches(inputs, groups, batch.extras)
-        encode = functools.partial(side.encoder, head=False)
+        encode = side.embed
         reps, replay = embed_without_graph(encode, micro, batch.rows, side.autocast)  # 1)
         reps.requires_grad_(True)
 

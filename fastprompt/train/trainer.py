@@ -33,6 +33,7 @@ from tqdm.auto import tqdm
 from fastprompt.data import Batch, TrainExamples
 from fastprompt.objectives.base import TokenTerm
 from fastprompt.train import build, preflight
+from fastprompt.train.backbone import check_resume_mode
 from fastprompt.train.checkpoints import RunDirectory
 from fastprompt.train.collapse import SPREAD_STAT, CollapseMonitor, embedding_spread
 from fastprompt.train.config import TrainConfig, load_config, save_config
@@ -177,6 +178,7 @@ class Trainer:
         self.device = self.dist.device if self.dist.enabled else build.resolve_device(cfg.run.device)
         resume_dir = self.run_dir.resume_point(resume=cfg.run.resume, overwrite=cfg.run.overwrite_output_dir)
         if resume_dir is not None:
+            check_resume_mode(resume_dir, cfg)
             self.run_dir.check_same_run(resume_dir, cfg.to_dict())
 
         if self.examples is None:
@@ -191,11 +193,12 @@ class Trainer:
         self.collator = build.build_collator(cfg, self.encoder, self.examples, self.method)
         if cfg.large_batch.check_memory:
             self._check_memory()
-        opt = build.build_optimization(cfg, self.params, self.total_steps, self.device)
+        opt = build.build_optimization(cfg, self.params, self.total_steps, self.device, encoder=self.encoder)
         self.optimizer, self.scheduler, self.scaler = opt.optimizer, opt.scheduler, opt.scaler
         self.autocast = build.autocast_factory(cfg, self.device)
         loss_side = LossSide(self.method, self.encoder, self.dist, autocast=self.autocast,
-                             loss_scale=self.scaler.scale if self.scaler is not None else None)
+                             loss_scale=self.scaler.scale if self.scaler is not None else None,
+                             embed=build.build_embed(cfg, self.encoder, self.examples, self.method))
         self.step = build.build_step(cfg, loss_side)
         self.dev_data = build.load_dev_data(cfg)
         preflight.check_sts_files(cfg)  # the final evaluation's files, read now rather than after training
@@ -223,6 +226,8 @@ class Trainer:
 
             load_checkpoint_weights(self.encoder, resume_dir, read_checkpoint_config(resume_dir))
         self.encoder.to(self.device).train()
+        if self.config.backbone.train_backbone:
+            self.encoder.train_backbone()
         if self.config.large_batch.gradient_checkpointing:
             self.encoder.gradient_checkpointing_enable()
         if self.config.run.compile:  # in place: parameter names, checkpoints and the module stay as they are

@@ -1,0 +1,42 @@
+"""Full fine-tuning (``train_backbone``): the backbone's own optimizer group, and resume only in the same mode.
+
+With ``train_backbone: true`` the backbone's weights are trained next to the prompt and the pooler head, with
+their own learning rate and weight decay (``backbone_learning_rate``, ``backbone_weight_decay``; the linear
+schedule scales both groups alike). Checkpoints then hold the backbone in the Hugging Face layout
+(:mod:`fastprompt.model.checkpoint`). The gradient cache, gradient checkpointing, autocast and several processes
+need nothing more: they act on whatever parameters require grad.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from fastprompt.io import read_json
+
+
+def optimizer_groups(cfg, params: list[torch.nn.Parameter], encoder=None) -> list[dict]:
+    """AdamW parameter groups: the backbone's weights (when trained) apart from the rest, each with its own
+    learning rate and weight decay."""
+    if encoder is None or not cfg.backbone.train_backbone:
+        return [{"params": params}]
+    in_backbone = {id(p) for p in encoder.backbone.parameters()}
+    backbone = [p for p in params if id(p) in in_backbone]
+    rest = [p for p in params if id(p) not in in_backbone]
+    groups = [{"params": rest}] if rest else []
+    groups.append({"params": backbone, "lr": cfg.backbone.backbone_learning_rate,
+                   "weight_decay": cfg.backbone.backbone_weight_decay})
+    return groups
+
+
+def check_resume_mode(resume_dir: Path, cfg) -> None:
+    """Refuse to resume a prompt-only run as a full fine-tuning one, or the reverse."""
+    from fastprompt.model.checkpoint import CONFIG_NAME, holds_backbone_weights
+
+    saved = holds_backbone_weights(read_json(Path(resume_dir) / CONFIG_NAME, what="prompt checkpoint config"))
+    wanted = cfg.backbone.train_backbone
+    if saved != wanted:
+        was = "full fine-tuning (train_backbone=true)" if saved else "prompt-only (train_backbone=false)"
+        raise ValueError(f"{resume_dir} was written by a {was} run and cannot be resumed with "
+                         f"train_backbone={str(wanted).lower()}; use another output_dir, or resume=false "
+                         "overwrite_output_dir=true to start over")

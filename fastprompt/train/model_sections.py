@@ -1,0 +1,86 @@
+"""Config sections for PromptBERT's templates and for training the backbone (full fine-tuning).
+
+Standard library only, like every section of :class:`~fastprompt.train.config.TrainConfig`: a bad template
+setting fails before torch loads. The training side is :mod:`fastprompt.train.promptbert` (views wrapped in
+templates, denoised) and :mod:`fastprompt.train.backbone` (optimizer groups, checkpoint mode checks).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fastprompt.fields import option, validate_fields
+
+SENTENCE, MASK = "[X]", "[MASK]"
+
+
+def _check_template(key: str, text: str | None) -> None:
+    if text is None:
+        return
+    if text.count(SENTENCE) != 1:
+        raise ValueError(f"{key} must hold exactly one {SENTENCE} (where the sentence goes), got {text!r}")
+    if text.count(MASK) > 1:
+        raise ValueError(f"{key} may hold at most one {MASK}, got {text!r}")
+
+
+@dataclass
+class TemplateConfig:
+    """PromptBERT: the template every sentence is wrapped in, the views' templates and template denoising."""
+
+    template: str | None = option(None, "the encoder's template, with one [X] (the sentence) and one [MASK]; "
+                                  "evaluation and the first view use it; null: none (pooler mask/topk: "
+                                  "PromptBERT's BERT template)")
+    second_template: str | None = option(None, "template of every view after the first (unsupervised: the "
+                                         "positive; supervised: entailment and contradiction); null: the same "
+                                         "template, so views differ by dropout only")
+    denoise: bool = option(False, "subtract each training view's template bias, the template fed alone with the "
+                           "positions it has around the sentence (PromptBERT's template denoising; pooler mask)")
+    eval_denoise: bool | None = option(None, "denoise in evaluation and in the saved checkpoint; null: as "
+                                       "denoise (PromptBERT's unsupervised runs train denoised but evaluate "
+                                       "without)")
+    topk: int = option(10, "k of the topk pooler (PromptBERT Eq. 3)", ge=1)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> "TemplateConfig":
+        validate_fields(self)
+        _check_template("template", self.template)
+        _check_template("second_template", self.second_template)
+        return self
+
+    @property
+    def resolved_eval_denoise(self) -> bool:
+        return self.denoise if self.eval_denoise is None else self.eval_denoise
+
+
+@dataclass
+class BackboneConfig:
+    """Full fine-tuning: the backbone trained next to the prompt, with its own learning rate and decay."""
+
+    train_backbone: bool = option(False, "train the backbone's weights too (full fine-tuning; checkpoints then "
+                                  "hold the backbone in the Hugging Face layout)")
+    backbone_learning_rate: float = option(3e-5, "peak AdamW learning rate of the backbone's weights "
+                                           "(train_backbone)", gt=0.0)
+    backbone_weight_decay: float = option(0.0, "AdamW weight decay of the backbone's weights (train_backbone)",
+                                          ge=0.0)
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> "BackboneConfig":
+        validate_fields(self)
+        return self
+
+
+def check_template_settings(config) -> None:
+    """The rules between the template section and the others (``config``: a TrainConfig)."""
+    tpl, pooler = config.templates, config.encoder.pooler
+    if (tpl.denoise or tpl.resolved_eval_denoise) and pooler != "mask":
+        raise ValueError(f"denoise/eval_denoise subtract the template's [MASK] state: they need pooler=mask, "
+                         f"got pooler={pooler}")
+    if tpl.second_template is not None and not config.uses_template:
+        raise ValueError("second_template wraps the other views in a template: set template (or pooler=mask/topk)")
+    if config.prompt.optiprompt and tpl.second_template not in (None, tpl.template):
+        raise ValueError("optiprompt trains the vectors of one template's words: second_template must be null")
+    if config.prompt.optiprompt and not config.uses_template:
+        raise ValueError("optiprompt makes the template's words trainable: set template (or pooler=mask/topk)")

@@ -1,0 +1,124 @@
+"""Full fine-tuning (train_backbone): gradient-cache equality with trainable weights, own optimizer group,
+Hugging Face layout checkpoints, exact resume, and resume refused across modes.
+
+Tolerance of the gradient comparison as in tests/train/test_steps.py: both sides run the same fp32 kernels on
+the same rows with the same dropout masks; only the summation order of the gradient contributions differs (a
+few float32 ulps on gradients of order 1e-3..1), so atol = rtol = 1e-5 leaves two orders of margin.
+"""
+import os
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from fastprompt.data import Collator
+from fastprompt.model import PromptConfig, PromptEncoder
+from fastprompt.objectives import Method, SimCSE
+from fastprompt.train import Trainer
+from fastprompt.train.distributed import DistributedContext
+from fastprompt.train.grad_cache import make_micro_batches, plan_micro_batches
+from fastprompt.train.steps import CachedStep, LossSide
+
+SENTS = ["a man plays the guitar .", "the dog runs", "two people sit at a big table with water .", "it",
+         "a woman is eating food in the park", "the cat sits"]
+SEED = 5
+
+
+@pytest.mark.parametrize("model,checkpointing", [("bert", False), ("roberta", False), ("bert", True)])
+def test_cached_gradients_equal_full_batch_with_a_trainable_backbone(request, model, checkpointing):
+    torch.manual_seed(0)
+    enc = PromptEncoder.from_pretrained(request.getfixturevalue(f"tiny_{model}_dir"),
+                                        prompt_config=PromptConfig(3, prompt_dropout=0.1), pooler="cls",
+                                        mlp="train").train_backbone().train()
+    if checkpointing:
+        enc.gradient_checkpointing_enable()
+    method = Method(SimCSE(temperature=0.05, backend="reference"))
+    batch = Collator(enc.tokenize, 32)([(s,) for s in SENTS])
+    groups = plan_micro_batches(batch.attention_mask, 4)
+    assert len(groups) > 1
+
+    torch.manual_seed(SEED)
+    reps = torch.empty(batch.rows, enc.hidden_size)
+    for mb in make_micro_batches(batch.model_inputs(), groups):
+        reps = reps.index_put((mb.rows,), enc(**mb.inputs, head=False))
+    ref_loss = method.sentence(enc.pooler.head(reps).view(2, len(SENTS), -1)).loss
+    ref_loss.backward()
+    ref = {n: p.grad.clone() for n, p in enc.named_parameters() if p.grad is not None}
+    assert "backbone.encoder.layer.0.attention.self.query.weight" in ref and "prompt.prefix" in ref
+
+    enc.zero_grad(set_to_none=True)
+    torch.manual_seed(SEED)
+    out = CachedStep(LossSide(method, enc, DistributedContext()), micro_batch_size=4, max_tokens=None)(batch, 0, SEED)
+    torch.testing.assert_close(torch.tensor(out.loss), ref_loss.detach(), atol=1e-5, rtol=1e-5)
+    got = {n: p.grad.clone() for n, p in enc.named_parameters() if p.grad is not None}
+    assert set(got) == set(ref)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+    assert sum(float(g.abs().sum()) for n, g in ref.items() if n.startswith("backbone.")) > 0
+
+
+def _full_config(base_config, **extra):
+    keys = dict(train_backbone=True, backbone_learning_rate=1e-3, backbone_weight_decay=0.01, mlp="train",
+                max_steps=6, eval_steps=100, save_steps=2, log_every=1, prompt_dropout=0.1)
+    return base_config(**{**keys, **extra})
+
+
+def test_full_fine_tuning_trains_saves_hf_layout_and_loads(base_config, tiny_bert_dir):
+    from transformers import AutoModel
+
+    cfg = _full_config(base_config)
+    trainer = Trainer(cfg)
+    trainer.setup()
+    groups = trainer.optimizer.param_groups
+    assert len(groups) == 2
+    assert groups[1]["weight_decay"] == 0.01 and groups[0]["weight_decay"] == 0.0
+    assert groups[1]["initial_lr"] == 1e-3 and groups[0]["initial_lr"] == 1e-2
+    before = {k: v.clone() for k, v in trainer.encoder.backbone.state_dict().items()}
+    assert trainer.train()["status"] == "completed"
+    after = trainer.encoder.backbone.state_dict()
+    assert not torch.equal(before["encoder.layer.0.attention.self.query.weight"],
+                           after["encoder.layer.0.attention.self.query.weight"])
+    best = trainer.best_dir
+    hf = AutoModel.from_pretrained(best)
+    for k, v in hf.state_dict().items():
+        assert torch.equal(v, after[k]), k
+    assert not any(p.suffix in (".bin", ".pt", ".pkl") for p in Path(best).iterdir())
+    reloaded = PromptEncoder.load(best)
+    assert reloaded.backbone_trained
+    sents = ["a dog runs in the park", "two people sit"]
+    torch.testing.assert_close(reloaded.encode(sents), trainer.encoder.encode(sents))
+    # the base model on disk is untouched, and a prompt-only load of it gives other embeddings
+    base = AutoModel.from_pretrained(tiny_bert_dir)
+    assert torch.equal(base.state_dict()["encoder.layer.0.attention.self.query.weight"],
+                       before["encoder.layer.0.attention.self.query.weight"])
+
+
+def test_full_fine_tuning_resumes_bit_for_bit_with_gradient_cache(base_config, tmp_path):
+    ref_cfg = _full_config(base_config, micro_batch_size=3, output_dir=str(tmp_path / "ref"))
+    Trainer(ref_cfg).train()
+    cfg = dict(ref_cfg, output_dir=str(tmp_path / "run"))
+
+    def interrupt_at_step_3(trainer, out):
+        if trainer.state.global_step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    assert Trainer(cfg, callbacks=[interrupt_at_step_3]).train()["status"] == "interrupted"
+    assert Trainer(cfg).train()["status"] == "completed"
+    for name in ("model.safetensors", "prompt.safetensors", "training_state.safetensors"):
+        a, b = load_file(str(tmp_path / "run" / "last" / name)), load_file(str(tmp_path / "ref" / "last" / name))
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), f"{name}: {k}"
+
+
+def test_resume_refuses_the_other_mode(base_config):
+    cfg = base_config(max_steps=2, eval_steps=100)
+    Trainer(cfg).train()
+    with pytest.raises(ValueError, match=r"prompt-only \(train_backbone=false\) run .* train_backbone=true"):
+        Trainer(dict(cfg, max_steps=4, train_backbone=True)).setup()
+    full = _full_config(base_config, output_dir=cfg["output_dir"] + "-full", max_steps=2)
+    Trainer(full).train()
+    with pytest.raises(ValueError, match=r"full fine-tuning \(train_backbone=true\) run"):
+        Trainer(dict(full, max_steps=4, train_backbone=False)).setup()
