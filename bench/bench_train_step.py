@@ -41,7 +41,14 @@ import logging
 from pathlib import Path
 
 from _harness import (
-    ROOT, add_ratios, device_sync, machine, markdown_table, results_path, run_fresh, write_results,
+    ROOT,
+    add_ratios,
+    device_sync,
+    machine,
+    markdown_table,
+    results_path,
+    run_fresh,
+    write_results,
 )
 
 DEFAULT_CORPUS = ROOT.parent / "shared" / "data" / "corpus" / "wiki-sentences.txt"
@@ -163,17 +170,17 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
 def step_flops(cfg, pairs: int, seq: int, prompt_length: int) -> dict:
     """Floating-point operations (2 per multiply-add) of the matrix products one step cannot avoid, by part.
 
-    Per sequence of S tokens, per layer, with hidden size H, feed-forward size I and P prefix keys: the forward
-    runs the Q/K/V/output projections (4 S H^2 multiply-adds), the feed-forward (2 S H I) and attention (QK^T and
+    Per sequence of S tokens, per layer, with hidden size H, feed-forward size F and P prefix keys: the forward
+    runs the Q/K/V/output projections (4 S H^2 multiply-adds), the feed-forward (2 S H F) and attention (QK^T and
     PV over P + S keys: 2 S (P + S) H). The backward, with a frozen backbone, needs the gradient of each product's
     input only: one product per projection and four per attention (dP, dV, dQ, dK: 4 S (P + S) H), since the
     prefix's gradient flows back through every layer. Layer 0 needs less: its input comes from the frozen
     embeddings, so no gradient into its Q/K/V projections' input, no dQ, and dK, dV of the P prefix keys only
     (S (P + S) H + 2 S P H). The loss: the (B x B) cosine matrix over H and its two input gradients.
     """
-    H, I, L, S, P = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, seq, prompt_length
+    H, F, L, S, P = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, seq, prompt_length
     rows = 2 * pairs
-    proj, ffn, attn = 4 * S * H * H, 2 * S * H * I, 2 * S * (P + S) * H
+    proj, ffn, attn = 4 * S * H * H, 2 * S * H * F, 2 * S * (P + S) * H
     forward = rows * L * (proj + ffn + attn)
     layer0_saving = 3 * S * H * H + 3 * S * (P + S) * H - 2 * S * P * H
     backward = rows * (L * (proj + ffn + 2 * attn) - layer0_saving)
@@ -264,7 +271,6 @@ def main(argv=None):
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    import torch
     from transformers import AutoConfig
 
     from fastprompt.model.resolve import resolve_model_path

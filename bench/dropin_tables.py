@@ -86,7 +86,7 @@ def render(text: str) -> str:
         pattern = re.compile(rf"(<!-- table:{name} -->\n)(?:.*?\n)?(<!-- /table:{name} -->)", re.S)
         if not pattern.search(text):
             raise SystemExit(f"{DOC} has no <!-- table:{name} --> ... <!-- /table:{name} --> block")
-        text = pattern.sub(lambda m: m.group(1) + table + "\n" + m.group(2), text)
+        text = pattern.sub(lambda m, table=table: m.group(1) + table + "\n" + m.group(2), text)
     return text
 
 

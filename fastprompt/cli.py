@@ -138,7 +138,8 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
     add_model_args(p)
     g = p.add_argument_group("evaluation")
     g.add_argument("--sts-dir", required=True, metavar="DIR",
-                   help="folder with STS12-en-test ... STS16-en-test, STSBenchmark, SICK (or SentEval's data/downstream)")
+                   help="folder with STS12-en-test ... STS16-en-test, STSBenchmark, SICK "
+                        "(or SentEval's data/downstream)")
     g.add_argument("--tasks", default="sts12,sts13,sts14,sts15,sts16,stsb,sickr", metavar="LIST",
                    help="comma-separated subset of sts12,sts13,sts14,sts15,sts16,stsb,sickr (default: all seven)")
     g.add_argument("--split", choices=("test", "dev"), default="test",
@@ -170,7 +171,12 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_eval(args: argparse.Namespace) -> int:
     from fastprompt.eval.sts import (
-        TASK_TITLES, cosine_similarity_pairs, encode_pairs, format_sts_table, load_sts_tasks, load_stsb,
+        TASK_TITLES,
+        cosine_similarity_pairs,
+        encode_pairs,
+        format_sts_table,
+        load_sts_tasks,
+        load_stsb,
         scores_from_pairs,
     )
 

@@ -32,9 +32,15 @@ import math
 import torch
 import triton
 import triton.language as tl
-
-from fastprompt.kernels._common import (COSINE_EPS, TRITON_TYPE, LaunchConfig, check_device, check_interpreted,
-                                        dot_precision, interpreting)
+from fastprompt.kernels._common import (
+    COSINE_EPS,
+    TRITON_TYPE,
+    LaunchConfig,
+    check_device,
+    check_interpreted,
+    dot_precision,
+    interpreting,
+)
 from fastprompt.kernels.aot import KernelSpec
 
 _INT_MAX = tl.constexpr(2147483647)

@@ -35,9 +35,16 @@ import functools
 import torch
 import triton
 import triton.language as tl
-
-from fastprompt.kernels._common import (LN2, LOG2E, TRITON_TYPE, LaunchConfig, check_device, check_interpreted,
-                                        dot_precision, interpreting)
+from fastprompt.kernels._common import (
+    LN2,
+    LOG2E,
+    TRITON_TYPE,
+    LaunchConfig,
+    check_device,
+    check_interpreted,
+    dot_precision,
+    interpreting,
+)
 from fastprompt.kernels.aot import KernelSpec
 
 # ------------------------------------------------------------------------------------------------

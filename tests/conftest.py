@@ -93,7 +93,8 @@ def _save_tiny(path: Path, model_type: str) -> Path:
     tokenizer.model_max_length = 64
     tokenizer.save_pretrained(path)
     config = config_cls(vocab_size=len(vocab), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=128, type_vocab_size=1 if model_type == "roberta" else 2,
+                        intermediate_size=64, max_position_embeddings=128,
+                        type_vocab_size=1 if model_type == "roberta" else 2,
                         hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1, **extra)
     torch.manual_seed(0)
     AutoModel.from_config(config).save_pretrained(path)

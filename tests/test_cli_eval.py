@@ -72,7 +72,7 @@ def test_eval_dev_split_is_labelled(capsys, sts_dir, tiny_bert_dir):
 
 def test_eval_extras_geometry_bootstrap_plot(tmp_path, capsys, sts_dir, tiny_bert_dir):
     from fastprompt.eval.geometry import bootstrap_spearman, geometry_report
-    from fastprompt.eval.sts import cosine_similarity_pairs, load_stsb, load_sts_tasks
+    from fastprompt.eval.sts import cosine_similarity_pairs, load_sts_tasks, load_stsb
     from fastprompt.model import PromptEncoder
 
     out_json, plot = tmp_path / "r.json", tmp_path / "density.png"

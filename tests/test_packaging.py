@@ -4,10 +4,10 @@ compiled against it need not load with the torch actually installed)."""
 import subprocess
 import sys
 import tarfile
-import tomllib
 from pathlib import Path
 
 import pytest
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

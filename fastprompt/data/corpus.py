@@ -189,7 +189,10 @@ def load_train_file(path: str | Path, *, fmt: str = "auto", on_decode_error: str
         )
     if fmt == "auto":
         suffix = path.suffix.lower()
-        fmt = "csv" if suffix == ".csv" else "text" if suffix == ".txt" else ("csv" if _looks_like_csv(path) else "text")
+        if suffix in (".csv", ".txt"):
+            fmt = "csv" if suffix == ".csv" else "text"
+        else:
+            fmt = "csv" if _looks_like_csv(path) else "text"
     if fmt == "csv":
         return read_pair_csv(path)
     return read_text_corpus(path, on_decode_error=on_decode_error)

@@ -293,7 +293,8 @@ def _to_numpy(x) -> np.ndarray:
     return np.asarray(x)
 
 
-def encode_sentences(model, sentences: Sequence[str], *, batch_size: int = 64, show_progress_bar: bool | None = None) -> np.ndarray:
+def encode_sentences(model, sentences: Sequence[str], *, batch_size: int = 64,
+                     show_progress_bar: bool | None = None) -> np.ndarray:
     """``model.encode`` on a list of sentences, checked to return one finite vector per sentence."""
     if len(sentences) == 0:
         raise ValueError("no sentences to encode")

@@ -51,7 +51,7 @@ def layer_prefix_tensor(config: dict, tensors: dict[str, torch.Tensor]) -> torch
     A reparameterised prompt (prefix_projection) is evaluated through its MLP; a layer-shared prompt is repeated
     on every layer. An input-layer-only prompt has no per-layer equivalent and is refused.
     """
-    from fastprompt.model import PromptConfig, PrefixPrompt
+    from fastprompt.model import PrefixPrompt, PromptConfig
 
     if config["prompt_config"] is None:
         raise ValueError("the checkpoint has no prompt (it was saved from a model without prefixes)")

@@ -32,7 +32,12 @@ from pathlib import Path
 import torch
 
 from ._common import (
-    checkpoint_dir, layer_prefix_tensor, load_foreign_weights, prefix_from_rows, prefix_to_rows, read_prompt_checkpoint,
+    checkpoint_dir,
+    layer_prefix_tensor,
+    load_foreign_weights,
+    prefix_from_rows,
+    prefix_to_rows,
+    read_prompt_checkpoint,
 )
 
 logger = logging.getLogger(__name__)

@@ -159,7 +159,8 @@ def _fused_forward(self, input_ids=None, attention_mask=None, inputs_embeds=None
     else:
         kwargs["position_ids"] = _shifted_positions(base, input_ids, inputs_embeds, P)
     if kwargs.get("token_type_ids") is not None:
-        warnings.warn("Token type ids are not supported for parameter efficient tuning. Ignoring token type ids")
+        warnings.warn("Token type ids are not supported for parameter efficient tuning. Ignoring token type ids",
+                      stacklevel=2)
         kwargs["token_type_ids"] = None
     prefix = peft_prefix(self)
     layers = [(prefix[i, 0], prefix[i, 1]) for i in range(prefix.shape[0])]

@@ -36,6 +36,8 @@ import torch
 try:
     from sentence_transformers.sentence_transformer.losses import (
         CachedMultipleNegativesRankingLoss as _STCachedMNRL,
+    )
+    from sentence_transformers.sentence_transformer.losses import (
         MultipleNegativesRankingLoss as _STMNRL,
     )
     from sentence_transformers.util import all_gather_with_grad, cos_sim, get_rank

@@ -61,7 +61,7 @@ def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module, hint: str 
     emb = backbone.get_input_embeddings().weight
     head.to_empty(device=emb.device)
     decoder = head.get_output_embeddings() if hasattr(head, "get_output_embeddings") else None
-    decoder = decoder or getattr(getattr(head, "predictions", head), "decoder")
+    decoder = decoder or getattr(head, "predictions", head).decoder
     missing, unexpected = head.load_state_dict(tensors, strict=False)
     missing = [k for k in missing if not k.endswith("decoder.weight") and not k.endswith("decoder.bias")]
     if missing or unexpected:
@@ -97,7 +97,7 @@ def new_tied_mlm_head(backbone: nn.Module) -> nn.Module:
     emb = backbone.get_input_embeddings().weight
     head.to_empty(device=emb.device)
     std = getattr(config, "initializer_range", 0.02)
-    decoder = getattr(getattr(head, "predictions", head), "decoder")
+    decoder = getattr(head, "predictions", head).decoder
     for module in head.modules():
         if isinstance(module, nn.Linear) and module is not decoder:
             nn.init.normal_(module.weight, std=std)

@@ -5,7 +5,6 @@ and as the last-resort fallback backend. Autograd differentiates them.
 """
 import torch  # noqa: F401
 
-
 # --- contrastive loss ----------------------------------------------------------------------------
 
 #: Norm floor of the cosine similarity: a row z is normalised as z / max(||z||, COSINE_EPS).
@@ -32,9 +31,9 @@ def contrastive_loss_reference(
     Per row: ``ce_i = logsumexp_j(l_ij) - l_i,pos`` with ``l_ij = cos_ij / temperature`` plus
     ``hard_negative_weight`` on column ``m2 + positive_offset + i`` (the anchor's own hard negative
     ``z3[positive_offset + i]``; the other z3 rows are plain negatives, as in SimCSE); with ``symmetric``
-    the row loss is ``(ce_i + ce_sym_i) / 2`` where ``ce_sym_i`` is the cross-entropy of positive ``z2[pos_i]`` against the
-    columns ``z1``. ``hinge_i = relu(hinge_margin + cos(z1_i, h_i) - cos(z1_i, z2[pos_i]))`` with ``h_i`` the
-    column of largest cosine other than the positive (on cosines, without the hard-negative bias, as in
+    the row loss is ``(ce_i + ce_sym_i) / 2`` where ``ce_sym_i`` is the cross-entropy of positive ``z2[pos_i]``
+    against the columns ``z1``. ``hinge_i = relu(hinge_margin + cos(z1_i, h_i) - cos(z1_i, z2[pos_i]))`` with
+    ``h_i`` the column of largest cosine other than the positive (on cosines, without the hard-negative bias, as in
     PromCSE). Row loss = ce + hinge_weight * hinge. Computation is in float32 (float64 stays float64).
     """
     import torch.nn.functional as F

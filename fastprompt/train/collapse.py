@@ -14,7 +14,7 @@ the mean squared distance of the unit vectors to their centroid: about 1 - 1/n f
 the sphere, 0 when every sentence has the same direction. How spread a *healthy* encoder is depends on the
 encoder (all-MiniLM-L6-v2, cls pooling: 0.24 on 64 wiki sentences; the tiny random test BERT, cls: 3e-6), so
 a check is collapsed when the spread falls below ``collapse_ratio`` (default 1e-2) times the spread of the
-same probe before the first step. Measured (``docs/troubleshooting-training.md``): MiniLM at
+same probe before the first step. Measured (``docs/troubleshooting.md, "Training runs"``): MiniLM at
 ``learning_rate=1e6`` goes 0.24 -> 0.0; the tiny BERT 3e-6 -> 1e-32 (cls) and 0.064 -> 3.6e-4 (mean), while
 at ``learning_rate=1e-2`` its spread moves by less than 3%. :class:`CollapseMonitor` warns at the first
 collapsed check and asks the trainer to stop after ``collapse_patience`` of them in a row.

@@ -22,8 +22,7 @@ from typing import Any
 
 import yaml
 
-from fastprompt.choices import (BACKENDS, DECODE_ERROR_MODES, MLP_MODES, POOLERS, PRECISIONS, PREFIX_MODES,
-                                TRAIN_FORMATS)
+from fastprompt.choices import BACKENDS, DECODE_ERROR_MODES, MLP_MODES, POOLERS, PRECISIONS, PREFIX_MODES, TRAIN_FORMATS
 from fastprompt.fields import flat_key, option, validate_fields
 from fastprompt.io import reject_binary, write_text_atomic
 from fastprompt.model.config import PromptConfig

@@ -1,7 +1,7 @@
 """The default corpus embedded in the gensim wheel's test data."""
 import pytest
 
-from fastprompt.data import BUILTIN_WIKI, load_train_file, write_builtin_corpus, read_text_corpus
+from fastprompt.data import BUILTIN_WIKI, load_train_file, read_text_corpus, write_builtin_corpus
 
 pytest.importorskip("gensim")
 

@@ -13,7 +13,8 @@ def tokenizer(minilm_dir):
 
 
 def test_unsup_rows_become_two_identical_views(tokenizer):
-    b = Collator(hf_tokenize(tokenizer), max_length=32)([("a short one",), ("a somewhat longer sentence than the first",)])
+    rows = [("a short one",), ("a somewhat longer sentence than the first",)]
+    b = Collator(hf_tokenize(tokenizer), max_length=32)(rows)
     assert b.n_views == 2 and b.batch_size == 2
     assert b.input_ids.shape[0] == 4
     assert torch.equal(b.input_ids[:2], b.input_ids[2:]) and torch.equal(b.attention_mask[:2], b.attention_mask[2:])

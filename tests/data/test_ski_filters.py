@@ -4,8 +4,15 @@ import json
 
 import pytest
 
-from fastprompt.data.ski import (AnswerFilter, Generation, Sampling, ServerBackend, clean_answer, echo_ratio,
-                                 generate_ski)
+from fastprompt.data.ski import (
+    AnswerFilter,
+    Generation,
+    Sampling,
+    ServerBackend,
+    clean_answer,
+    echo_ratio,
+    generate_ski,
+)
 from fastprompt.data.ski.prompt import check_template
 
 

@@ -4,6 +4,7 @@ import json
 import socket
 
 import pytest
+
 from fastprompt.cli import main
 from fastprompt.data.ski import LLMServerError, Sampling, ServerBackend, generate_ski
 from fastprompt.data.ski.prompt import SKI_PROMPT_TEMPLATE, format_prompt, sample_seed

@@ -10,9 +10,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from fastprompt.model import PromptConfig, PromptEncoder, resolve_device
+from fastprompt.model import PromptConfig, PromptEncoder, resolve, resolve_device
 from fastprompt.model import device as device_mod
-from fastprompt.model import resolve
 
 
 def _copy(model_dir, dest, config=None):

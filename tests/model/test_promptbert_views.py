@@ -2,8 +2,14 @@
 import pytest
 import torch
 
-from fastprompt.model import (PROMPTBERT_TEMPLATES, PromptBERTConfig, PromptConfig, PromptEncoder, embed_views,
-                              tokenize_views)
+from fastprompt.model import (
+    PROMPTBERT_TEMPLATES,
+    PromptBERTConfig,
+    PromptConfig,
+    PromptEncoder,
+    embed_views,
+    tokenize_views,
+)
 from fastprompt.model.promptbert import default_templates
 
 SENTENCES = ["a man plays a guitar .", "the dog runs", "two people sit at a table in the park .", "it"]

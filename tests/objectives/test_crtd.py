@@ -6,8 +6,13 @@ import torch.nn.functional as F
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
 from fastprompt.data import Collator
-from fastprompt.data.replacements import (MaskedLMGenerator, RandomGenerator, ReplacementTable, rtd_labels,
-                                          write_replacement_file)
+from fastprompt.data.replacements import (
+    MaskedLMGenerator,
+    RandomGenerator,
+    ReplacementTable,
+    rtd_labels,
+    write_replacement_file,
+)
 from fastprompt.model import PromptConfig, PromptEncoder
 from fastprompt.model.attention import build_prefix_cache
 from fastprompt.objectives import WeightSchedule

@@ -233,5 +233,5 @@ def test_gradient_cache_equals_reference_with_the_mlm_term(mlm_dir, head):
             "method.terms.0.head.dense.weight" in got
     for k in ref:
         assert ref[k].abs().sum() > 0, k
-        torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-5, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     assert out.stats["w_mlm"] == pytest.approx(0.095) and out.stats["loss_mlm"] > 0

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 pytest.importorskip("triton")
 
 from fastprompt.kernels import contrastive_loss as tk  # noqa: E402
+
 from fastprompt.ops import contrastive_loss  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not tk.interpreting(), reason="needs TRITON_INTERPRET=1 at import (tests/conftest.py)")

@@ -10,6 +10,7 @@ pytest.importorskip("triton")
 from fastprompt.kernels import _common  # noqa: E402
 from fastprompt.kernels import contrastive_loss as cl  # noqa: E402
 from fastprompt.kernels import prefix_attention as pa  # noqa: E402
+
 from fastprompt.ops import _cpp, reference  # noqa: E402
 
 

@@ -14,7 +14,6 @@ import textwrap
 
 import pytest
 import torch
-
 from fastprompt.kernels import aot
 from fastprompt.kernels import prefix_attention as kernels
 

@@ -55,7 +55,7 @@ def test_cached_gradients_equal_full_batch_with_a_trainable_backbone(request, mo
     got = {n: p.grad.clone() for n, p in enc.named_parameters() if p.grad is not None}
     assert set(got) == set(ref)
     for name in ref:
-        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     assert sum(float(g.abs().sum()) for n, g in ref.items() if n.startswith("backbone.")) > 0
 
 

@@ -57,7 +57,7 @@ def test_compiled_encoder_matches_eager(tiny_bert_dir):
     for name, want in eager_grads.items():
         assert want.abs().max() > 0, name
         atol = 1e-4 * want.abs().max().item()
-        torch.testing.assert_close(grads[name], want, atol=atol, rtol=1e-4, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(grads[name], want, atol=atol, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_compile_key_compiles_the_trainers_encoder(base_config):

@@ -70,7 +70,7 @@ def test_cached_step_equals_reference_with_crtd(request, model, discriminator, c
     assert set(got) == set(ref)
     for name in ref:
         assert ref[name].abs().sum() > 0, name
-        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     for a, b in zip(stats, ref_stats):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
 

@@ -76,4 +76,5 @@ def test_two_processes_match_one_with_templates_and_a_trainable_backbone(tiny_be
         assert unused == {"backbone.pooler.dense.weight", "backbone.pooler.dense.bias"} or not unused
         assert all(not got[n].any() for n in unused) and set(ref) <= set(got)
         for name in ref:
-            torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5,
+                                       msg=lambda m, name=name: f"{name}: {m}")

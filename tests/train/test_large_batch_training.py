@@ -22,7 +22,7 @@ def _prompt(run_dir):
 def _assert_close(a, b, atol):
     assert a.keys() == b.keys()
     for k in a:
-        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=atol, msg=lambda m: f"{k}: {m}")
+        torch.testing.assert_close(a[k], b[k], atol=atol, rtol=atol, msg=lambda m, k=k: f"{k}: {m}")
 
 
 @pytest.fixture(scope="module")

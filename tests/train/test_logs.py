@@ -21,7 +21,8 @@ def test_csv_rows_and_resume_truncation(tmp_path):
     log = MetricsLog(tmp_path, resume_step=2, tensorboard=False)  # steps after the checkpoint are redone
     log.write({"step": 3, "loss": 0.5})
     log.close()
-    assert [(r["step"], r["loss"]) for r in _rows(tmp_path / "train_log.csv")] == [("1", "1"), ("2", "0.5"), ("3", "0.5")]
+    rows = [(r["step"], r["loss"]) for r in _rows(tmp_path / "train_log.csv")]
+    assert rows == [("1", "1"), ("2", "0.5"), ("3", "0.5")]
 
 
 def test_tensorboard_scalars(tmp_path, monkeypatch):

@@ -16,7 +16,7 @@ def test_estimate_scales_with_the_batch_and_matches_a_measurement():
     assert activation_bytes(MINILM, 512, 32, element_size=2) < 0.6 * activation_bytes(MINILM, 512, 32)
     assert activation_bytes(MINILM, 512, 32, gradient_checkpointing=True) < 0.3 * activation_bytes(MINILM, 512, 32)
     # measured on this machine (peak RSS growth of one forward+backward of MiniLM + a 12-token prefix, fp32,
-    # docs/troubleshooting-training.md): 3.16 GiB for 512 sequences of 32 tokens, 9.60 GiB for 2048
+    # docs/troubleshooting.md, "Training runs"): 3.16 GiB for 512 sequences of 32 tokens, 9.60 GiB for 2048
     assert 0.8 < 3.16 * GiB / activation_bytes(MINILM, 512, 32) < 1.25
     assert 0.8 < 9.60 * GiB / activation_bytes(MINILM, 2048, 32) < 1.25
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fastprompt.train import Trainer, TrainConfig
+from fastprompt.train import TrainConfig, Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -71,7 +71,7 @@ def test_cached_step_equals_reference_with_two_templates(request, model, denoise
     assert set(got) == set(ref)
     for name in ref:
         assert ref[name].abs().sum() > 0
-        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_embedder_equals_the_model_side_views(tiny_bert_dir):

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fastprompt.train import Trainer
-from fastprompt.train import run_lock
+from fastprompt.train import Trainer, run_lock
 from fastprompt.train.run_lock import LOCK_NAME, OutputDirLocked, RunLock
 
 REPO = Path(__file__).resolve().parents[2]

@@ -82,7 +82,7 @@ def test_cached_step_with_the_ski_view_equals_one_graph(tiny_bert_dir, rows, bud
     assert set(got) == set(ref) and "prompt.prefix" in got
     for name in ref:
         assert ref[name].abs().sum() > 0
-        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
     assert out.stats["loss_ski"] > 0 and ("loss_ski2" in out.stats) == (rows is SUP)
 
 

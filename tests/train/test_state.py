@@ -6,9 +6,15 @@ import numpy as np
 import pytest
 import torch
 
-from fastprompt.train.state import (META_FILE, TENSORS_FILE, capture_rng_state, load_training_state,
-                                    restore_rng_state, save_training_state)
 from fastprompt.train.build import linear_schedule
+from fastprompt.train.state import (
+    META_FILE,
+    TENSORS_FILE,
+    capture_rng_state,
+    load_training_state,
+    restore_rng_state,
+    save_training_state,
+)
 
 
 def _setup(fp16=False):
@@ -80,4 +86,5 @@ def test_missing_or_foreign_state(tmp_path):
 
 def test_linear_schedule():
     f = linear_schedule(2, 10)
-    assert [round(f(s), 4) for s in range(11)] == [0.3333, 0.6667, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125, 0.0]
+    expected = [0.3333, 0.6667, 1.0, 0.875, 0.75, 0.625, 0.5, 0.375, 0.25, 0.125, 0.0]
+    assert [round(f(s), 4) for s in range(11)] == expected

@@ -78,7 +78,7 @@ def _assert_same(got, ref):
     assert set(got) == set(ref)
     for name in ref:
         assert ref[name].abs().sum() > 0, f"{name}: zero gradient, the comparison would be vacuous"
-        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m: f"{name}: {m}")
+        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
 @pytest.mark.parametrize("model,budget,h", [

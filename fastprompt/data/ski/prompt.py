@@ -24,7 +24,8 @@ def check_template(template: str) -> str:
     try:
         fields = [f for _, f, _, _ in string.Formatter().parse(template) if f is not None]
     except ValueError as exc:
-        raise ValueError(f"prompt template is not a valid format string ({exc}); write literal braces as {{{{ }}}}")
+        raise ValueError(f"prompt template is not a valid format string ({exc}); write literal braces as "
+                         "{{ }}") from None
     if fields != ["sentence"]:
         raise ValueError(f"prompt template must contain the field {{sentence}} exactly once (and no other field); "
                          f"found {fields or 'no field'}")
