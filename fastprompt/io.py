@@ -67,8 +67,12 @@ def atomic_directory(path: str | os.PathLike):
         os.replace(tmp, path)
         _fsync_dir(path.parent)
         _remove(old)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno is not None:  # a full disk, a permission error: say what is kept
+            kept = (f"the previous {path.name} is unchanged" if os.path.lexists(path) or os.path.lexists(old)
+                    else "nothing was written")
+            raise OSError(exc.errno, f"could not write {path}: {exc.strerror or exc}; {kept}") from exc
         raise
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from fastprompt.io import read_json, write_json_atomic
@@ -108,7 +109,13 @@ def read_training_state(directory: str | Path) -> tuple[dict[str, torch.Tensor],
                          f"{FORMAT_VERSION}; it was written by another fastprompt version")
     if not tensors_path.is_file():
         raise FileNotFoundError(f"training state tensors not found: {tensors_path}")
-    return load_file(str(tensors_path)), meta
+    try:
+        tensors = load_file(str(tensors_path))
+    except (SafetensorError, OSError) as exc:
+        raise ValueError(f"the training state {tensors_path} is corrupt or truncated ({exc}); the prompt next to it "
+                         f"may still load with PromptEncoder.load. To train again from the start, set resume=false "
+                         f"overwrite_output_dir=true") from None
+    return tensors, meta
 
 
 def load_training_state(directory: str | Path, *, optimizer, scheduler, scaler) -> dict[str, Any]:

@@ -209,6 +209,7 @@ class Trainer:
             self.state = TrainerState(**saved["state"])
             logger.info("resumed from %s at step %d (epoch %d, batch %d)", resume_dir, self.state.global_step,
                         self.state.epoch, self.state.batch_in_epoch)
+            self._warn_if_schedule_moved()
         if self.dist.is_main:
             save_config(cfg, self.run_dir.config_yaml)
             self.metrics = MetricsLog(self.output_dir, resume_step=self.state.global_step if resume_dir else None,
@@ -244,6 +245,17 @@ class Trainer:
         total = sum(p.numel() for p in self.encoder.parameters())
         trained = sum(p.numel() for p in self.params)
         logger.info("trainable parameters: %d (%.3f%% of %d)", trained, 100.0 * trained / total, total)
+
+    def _warn_if_schedule_moved(self) -> None:
+        """The learning-rate schedule is a function of the total step count: resuming with another max_steps or
+        epochs moves it, and the next step's rate would jump (up, when the run was lengthened) silently."""
+        sched = self.scheduler
+        saved = sched.get_last_lr()  # the rates last/ was saved with
+        now = [base * fn(sched.last_epoch) for base, fn in zip(sched.base_lrs, sched.lr_lambdas)]
+        if any(abs(a - b) > 1e-6 * max(abs(a), abs(b), 1e-30) for a, b in zip(saved, now)):
+            logger.warning("the learning-rate schedule now spans %d steps: at step %d the learning rate becomes "
+                           "%.3g (it was %.3g when the checkpoint was saved); the change of max_steps or epochs "
+                           "stretches the decay from here on", self.total_steps, sched.last_epoch, now[0], saved[0])
 
     def _check_memory(self) -> None:
         """Refuse a batch whose activations cannot fit in memory (:mod:`fastprompt.train.memory`)."""
