@@ -282,3 +282,49 @@ def markdown_table(rows: list[dict], columns: Iterable[str]) -> str:
 
 if __name__ == "__main__":
     print(json.dumps(_child(json.loads(sys.argv[1]))))
+
+
+# ------------------------------------------------------------------ benches that run their own child processes
+def run_script_child(script: str | Path, args: Iterable[str], *, mode: str, timeout: float, what: str) -> dict:
+    """Run ``python script --child ARGS`` in a fresh process and return the JSON of its last stdout line.
+
+    ``mode="memory"`` sets glibc's allocator as :func:`run_fresh` does (every allocation of 64 KiB or more by
+    ``mmap``, returned on ``free``), so the child's peak resident size counts what its step allocates."""
+    cmd = [sys.executable, os.path.abspath(script), "--child", *map(str, args)]
+    env = dict(os.environ)
+    if mode == "memory":
+        env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def quantile(ts: list[float], q: float) -> float:
+    """The q-th decile (q in 0.1, 0.2, ..., 0.9) of ``ts`` (inclusive method); the value itself for one sample."""
+    return statistics.quantiles(ts, n=10, method="inclusive")[int(q * 10) - 1] if len(ts) > 1 else ts[0]
+
+
+def write_rows(out: Path, rows: list[dict], fields: Iterable[str], script: str | Path,
+               packages: Iterable[str]) -> None:
+    """The CSV of every point so far (atomically), and beside it a JSON of the same rows with the command that
+    produced them and the versions of ``packages``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    from fastprompt.io import write_json_atomic
+
+    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
+    with open(tmp, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(fields))
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, out)
+    versions = {}
+    for pkg in packages:
+        try:
+            versions[pkg] = version(pkg)
+        except PackageNotFoundError:
+            versions[pkg] = None
+    write_json_atomic(out.with_suffix(".json"), {
+        "command": " ".join(["python", os.path.relpath(script, ROOT), *sys.argv[1:]]),
+        "versions": versions, "rows": rows})

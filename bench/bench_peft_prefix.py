@@ -21,15 +21,14 @@ runs: peak extra = VmHWM - VmRSS before.
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import logging
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from _harness import quantile, run_script_child, write_rows
 
 logger = logging.getLogger("bench_peft_prefix")
 
@@ -131,46 +130,8 @@ def child(mode: str, providers: list[str], batch: int, projection: bool, repeats
 
 
 def run_child(mode, providers, batch, projection, repeats, threads, timeout):
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, ",".join(providers), str(batch),
-           str(int(projection)), str(repeats), str(threads)]
-    env = dict(os.environ)
-    if mode == "memory":
-        env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{mode} {providers} batch={batch} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def _quantile(ts, q):
-    return statistics.quantiles(ts, n=10, method="inclusive")[int(q * 10) - 1] if len(ts) > 1 else ts[0]
-
-
-def _write(out: Path, rows: list[dict]) -> None:
-    """The CSV of every point so far, and beside it a JSON of the same rows with the command and versions."""
-    from fastprompt.io import write_json_atomic
-
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    with open(tmp, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=FIELDS)
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, out)
-    write_json_atomic(out.with_suffix(".json"), {
-        "command": " ".join(["python", os.path.relpath(__file__, ROOT), *sys.argv[1:]]),
-        "versions": _versions(), "rows": rows})
-
-
-def _versions() -> dict:
-    from importlib.metadata import PackageNotFoundError, version
-
-    out = {}
-    for pkg in ("torch", "transformers", "peft"):
-        try:
-            out[pkg] = version(pkg)
-        except PackageNotFoundError:
-            out[pkg] = None
-    return out
+    return run_script_child(__file__, [mode, ",".join(providers), batch, int(projection), repeats, threads],
+                            mode=mode, timeout=timeout, what=f"{mode} {providers} batch={batch}")
 
 
 def main(argv=None) -> int:
@@ -211,7 +172,7 @@ def main(argv=None) -> int:
             for pr in args.providers:
                 med = statistics.median(times[pr])
                 row = dict(threads=threads, batch=batch, projection=projection, provider=pr, median_s=round(med, 4),
-                           p20_s=round(_quantile(times[pr], 0.2), 4), p80_s=round(_quantile(times[pr], 0.8), 4),
+                           p20_s=round(quantile(times[pr], 0.2), 4), p80_s=round(quantile(times[pr], 0.8), 4),
                            peak_extra_mb=round(peaks[pr]["peak_mb"], 1), repeats=args.repeats,
                            note="" if peaks[pr]["exact_peak"] else "peak RSS not resettable: process high-water mark")
                 if base_t:
@@ -220,7 +181,8 @@ def main(argv=None) -> int:
                     row["mem_vs_peft"] = round(peaks[pr]["peak_mb"] / max(base_m, 1e-3), 3)
                 rows.append(row)
                 logger.info("%s", row)
-            _write(args.out, rows)  # rewritten after every point: partial results survive
+            # rewritten after every point: partial results survive
+            write_rows(args.out, rows, FIELDS, __file__, ("torch", "transformers", "peft"))
     print(f"\n{'batch':>6s} {'proj':>5s} {'provider':16s} {'median s':>9s} {'t/peft':>7s} {'peak MB':>9s} "
           f"{'mem/peft':>8s}")
     for r in rows:

@@ -304,7 +304,7 @@ def main(argv=None):
             row = dict(bench="train_step", device=args.device, provider=provider, model=args.model, pairs=pairs,
                        seq=seq, prompt_length=args.prompt_length, median_ms=round(t.median_ms, 1),
                        p20_ms=round(t.p20_ms, 1), p80_ms=round(t.p80_ms, 1), repeats=t.repeats,
-                       floor_ms=round(floor_ms, 1), floor_fraction=round(floor_ms / t.median_ms, 3),
+                       floor_ms=round(floor_ms, 3), floor_fraction=round(floor_ms / t.median_ms, 3),
                        gflop=round(flops["flops"] / 1e9, 2), matmul_gflops=round(rate / 1e9, 1))
             if not args.no_memory:
                 mem = run_fresh(__file__, "setup", config, mode="memory", providers=[provider], device=args.device,

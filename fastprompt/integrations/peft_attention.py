@@ -32,6 +32,7 @@ import warnings
 
 import torch
 
+from fastprompt.choices import BACKENDS, check_choice
 from fastprompt.model.attention import PrefixState, register_attention
 
 logger = logging.getLogger(__name__)
@@ -59,14 +60,11 @@ def accelerate_peft(model, *, backend: str = "auto"):
     (``backend``: "auto", "triton", "cpu" or "reference", see there). Calling it again updates the backend;
     :func:`restore_peft` undoes it.
     """
-    from fastprompt.ops.prefix_attention import BACKENDS
-
     peft = _peft()
     if not isinstance(model, peft.PeftModelForFeatureExtraction):
         raise ValueError(f"accelerate_peft expects a peft PeftModelForFeatureExtraction (task_type='FEATURE_EXTRACTION'"
                          f"), got {type(model).__name__}")
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    check_choice("backend", backend, BACKENDS)
     _check_prefix_config(model.active_peft_config, peft)
     base = model.get_base_model()
     _check_encoder(base, model.active_peft_config)
