@@ -151,19 +151,24 @@ def reject_binary(data: bytes, path: str | os.PathLike, first_line: int = 1) -> 
         raise ValueError(f"{path}: a binary file, not UTF-8 text (a NUL byte on line {line_no})")
 
 
-def read_utf8_lines(path: str | os.PathLike, what: str = "file") -> list[str]:
-    """UTF-8 lines without their terminators (``\\n`` or ``\\r\\n``), with clear errors for a missing file and
-    for bytes that are not UTF-8 (naming the line)."""
+def read_utf8_text(path: str | os.PathLike, what: str = "file", *, encoding: str = "utf-8") -> str:
+    """The text of a UTF-8 file, with clear errors for a missing file, a binary one and bytes that are not UTF-8
+    (naming the line). ``encoding="utf-8-sig"`` also drops a byte-order mark."""
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{what} not found: {path}")
     data = path.read_bytes()
     reject_binary(data, path)
     try:
-        text = data.decode("utf-8")
+        return data.decode(encoding)
     except UnicodeDecodeError as e:
         line_no = data[: e.start].count(b"\n") + 1
         raise ValueError(f"{path}: not valid UTF-8 (line {line_no}, byte {e.start}: {e.reason})") from None
+
+
+def read_utf8_lines(path: str | os.PathLike, what: str = "file") -> list[str]:
+    """UTF-8 lines without their terminators (``\\n`` or ``\\r\\n``), with the errors of :func:`read_utf8_text`."""
+    text = read_utf8_text(path, what)
     # Split on "\n" only: str.splitlines() would also break lines at \x85, \u2028, ... inside a sentence.
     lines = text.split("\n")
     if lines and lines[-1] == "":

@@ -11,7 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fastprompt.io import reject_binary
+from fastprompt.io import read_utf8_text, reject_binary
 
 logger = logging.getLogger(__name__)
 
@@ -106,15 +106,7 @@ def read_pair_csv(path: str | Path) -> TrainExamples:
     Other columns are ignored. Rows with an empty required cell are skipped and counted.
     """
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"training file not found: {path}")
-    data = path.read_bytes()
-    reject_binary(data, path)
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        lineno = data[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}: not valid UTF-8 at line {lineno} (byte {e.start})") from None
+    text = read_utf8_text(path, "training file", encoding="utf-8-sig")
     reader = csv.reader(io.StringIO(text, newline=""))
     try:
         records = list(reader)

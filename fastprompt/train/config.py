@@ -24,7 +24,7 @@ import yaml
 
 from fastprompt.choices import BACKENDS, DECODE_ERROR_MODES, MLP_MODES, POOLERS, PRECISIONS, PREFIX_MODES, TRAIN_FORMATS
 from fastprompt.fields import flat_key, option, validate_fields
-from fastprompt.io import reject_binary, write_text_atomic
+from fastprompt.io import read_utf8_text, write_text_atomic
 from fastprompt.model.config import PromptConfig
 from fastprompt.objectives.config import CRTDConfig, MLMConfig, ObjectiveConfig
 from fastprompt.train.model_sections import BackboneConfig, TemplateConfig, check_template_settings
@@ -344,13 +344,9 @@ def _read_recipe(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     if not path.is_file():
         what = f"base config of {chain[-1]}" if chain else "config file"
         raise FileNotFoundError(f"{what} not found: {path}")
-    data_bytes = path.read_bytes()
-    reject_binary(data_bytes, path)
+    text = read_utf8_text(path, "config file")
     try:
-        loaded = yaml.safe_load(data_bytes.decode("utf-8"))
-    except UnicodeDecodeError as exc:
-        line_no = data_bytes[: exc.start].count(b"\n") + 1
-        raise ValueError(f"config {path} is not UTF-8 text (line {line_no}, byte {exc.start})") from None
+        loaded = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         raise ValueError(f"config {path} is not valid YAML: {exc}") from None
     if loaded is None:

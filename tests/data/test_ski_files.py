@@ -29,7 +29,7 @@ def test_read_ski_csv_errors(tmp_path):
     with pytest.raises(FileNotFoundError, match="SKI file not found"):
         read_ski_csv(tmp_path / "missing.csv")
     (tmp_path / "c.csv").write_bytes(b"sent0,ski\na,\xff\n")
-    with pytest.raises(ValueError, match="not valid UTF-8 at line 2"):
+    with pytest.raises(ValueError, match=r"not valid UTF-8 \(line 2"):
         read_ski_csv(tmp_path / "c.csv")
 
 

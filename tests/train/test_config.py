@@ -52,7 +52,7 @@ def test_bad_files(tmp_path):
         load_config(p)
     # binary garbage: every error names the file (not a bare UnicodeDecodeError or YAML reader error)
     p.write_bytes(b"lr: 1\n\x89PNG\xff\xfe")
-    with pytest.raises(ValueError, match=f"config {p} is not UTF-8 text .line 2, byte 6"):
+    with pytest.raises(ValueError, match=f"{p}: not valid UTF-8 .line 2, byte 6"):
         load_config(p)
     p.write_bytes(b"lr: 1\n\x00\x01\x02")
     with pytest.raises(ValueError, match=f"{p}: a binary file, not UTF-8 text .a NUL byte on line 2"):

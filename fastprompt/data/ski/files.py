@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fastprompt.data.corpus import TrainExamples, read_pair_csv
 from fastprompt.data.ski.store import OUTPUT_COLUMNS, meta_path
-from fastprompt.io import read_utf8_lines, write_text_atomic
+from fastprompt.io import read_utf8_lines, read_utf8_text, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -26,14 +26,7 @@ SKI_TRIPLET_COLUMNS = ("sent0", "sent1", "hard_neg", "ski")
 
 
 def _csv_reader(path: Path, what: str):
-    if not path.is_file():
-        raise FileNotFoundError(f"{what} not found: {path}")
-    data = path.read_bytes()
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
-        line = data[: e.start].count(b"\n") + 1
-        raise ValueError(f"{path}: not valid UTF-8 at line {line} (byte {e.start})") from None
+    text = read_utf8_text(path, what, encoding="utf-8-sig")  # also rejects a binary file
     torn = bool(text) and not text.endswith("\n") and meta_path(path).exists()
     if torn:  # generate-ski ends every row with a line break: an unterminated last line is a torn write
         text = text[: text.rfind("\n") + 1]
