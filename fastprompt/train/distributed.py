@@ -66,12 +66,16 @@ class DistributedContext:
 
     def all_reduce_gradients(self, params: Iterable[torch.nn.Parameter]) -> None:
         """Sum the parameters' gradients over processes: one flattened all-reduce per dtype (a parameter
-        without a gradient contributes zeros, and gets the sum)."""
+        without a gradient contributes zeros, and gets the sum). Frozen parameters (``requires_grad=False``,
+        such as word embeddings an MLM head's decoder is tied to) are skipped, and each parameter counts once."""
         if not self.enabled:
             return
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        seen: set[int] = set()
         for p in params:
-            by_dtype.setdefault(p.dtype, []).append(p)
+            if p.requires_grad and id(p) not in seen:
+                seen.add(id(p))
+                by_dtype.setdefault(p.dtype, []).append(p)
         for group in by_dtype.values():
             flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
             dist.all_reduce(flat, op=dist.ReduceOp.SUM)

@@ -19,6 +19,9 @@ from safetensors.torch import load_file, save_file
 from fastprompt.data import Batch
 from fastprompt.model import PromptConfig, PromptEncoder
 from fastprompt.objectives import Method, SimCSE, WeightSchedule
+from fastprompt.objectives.config import CRTDConfig
+from fastprompt.objectives.crtd import build_crtd_term
+from fastprompt.objectives.mlm import MLMTerm
 from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.steps import CachedStep, LossSide, PlainStep, extras_generators
 
@@ -46,7 +49,8 @@ def no_dropout_bert(tiny_bert_dir, tmp_path_factory):
 
 
 def _setup(model_dir, with_term):
-    """Encoder + method; with_term: D2CSE's BatchNorm-MLP head in training mode and the test token term."""
+    """Encoder + method; with_term: D2CSE's BatchNorm-MLP head in training mode and the test token term, or
+    "mlm+rtd": that head with DCPCSE's MLM term and D2CSE's CRTD term both on (random replacements)."""
     torch.manual_seed(0)
     if with_term:
         enc = PromptEncoder.from_pretrained(model_dir, prompt_config=PromptConfig(3, init_std=0.3), pooler="bn_mlp",
@@ -58,7 +62,11 @@ def _setup(model_dir, with_term):
             for layer in enc.backbone.encoder.layer:
                 layer.attention.self.value.weight.mul_(10)
                 layer.attention.output.dense.weight.mul_(10)
-        terms = [ReconstructionTerm(enc.hidden_size, enc.tokenizer.mask_token_id, WeightSchedule(0.7))]
+        if with_term == "mlm+rtd":
+            terms = [MLMTerm.for_encoder(enc, "tied_new", weight=WeightSchedule(0.5)),
+                     build_crtd_term(CRTDConfig(weight=0.5), enc)]
+        else:
+            terms = [ReconstructionTerm(enc.hidden_size, enc.tokenizer.mask_token_id, WeightSchedule(0.7))]
     else:
         enc = PromptEncoder.from_pretrained(model_dir, prompt_config=PromptConfig(3, init_std=0.3)).eval()
         terms = []
@@ -87,7 +95,7 @@ def _shard(batch, rank, world):
 
 def _state(enc, method, loss):
     params = {**dict(enc.named_parameters()), **{f"method.{k}": v for k, v in method.named_parameters()}}
-    out = {f"grad.{n}": p.grad.contiguous() for n, p in params.items() if p.grad is not None}
+    out = {f"grad.{n}": p.grad.clone() for n, p in params.items() if p.grad is not None}
     out.update({f"buffer.{n}": b.clone() for n, b in enc.pooler.named_buffers()})
     out["loss"] = torch.tensor([loss])
     return out
@@ -109,7 +117,7 @@ def _worker(rank, world, model_dirs, port, out_dir):
     try:
         torch.set_num_threads(1)
         ctx = DistributedContext(rank=rank, world_size=world)
-        for with_term, model_dir in zip((False, True), model_dirs):
+        for with_term, model_dir in zip((False, True, "mlm+rtd"), (*model_dirs, model_dirs[1])):
             for cached in (False, True):
                 enc, method = _setup(model_dir, with_term)
                 out = _step(ctx, enc, method, _shard(_global_batch(enc, method), rank, world), cached)
@@ -119,7 +127,8 @@ def _worker(rank, world, model_dirs, port, out_dir):
 
 
 def _name(with_term, cached, rank):
-    return f"{'term' if with_term else 'simcse'}-{'cached' if cached else 'plain'}-rank{rank}.safetensors"
+    kind = with_term if isinstance(with_term, str) else "term" if with_term else "simcse"
+    return f"{kind}-{'cached' if cached else 'plain'}-rank{rank}.safetensors"
 
 
 @pytest.fixture(scope="module")
@@ -161,17 +170,19 @@ def test_two_gloo_processes_match_one_process(tiny_bert_dir, gloo_runs, cached):
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["plain", "grad-cache"])
-def test_two_processes_match_one_with_token_term_and_batchnorm_head(no_dropout_bert, gloo_runs, cached):
+@pytest.mark.parametrize("with_term", [True, "mlm+rtd"], ids=["test-term", "mlm+rtd"])
+def test_two_processes_match_one_with_token_term_and_batchnorm_head(no_dropout_bert, gloo_runs, cached, with_term):
     """The loss-side head sees the whole global batch (BatchNorm statistics and running statistics as one
-    process's), and the token term is normalised by the global target count."""
-    enc, method = _setup(no_dropout_bert, with_term=True)
+    process's), and each token term is normalised by the global target count."""
+    enc, method = _setup(no_dropout_bert, with_term=with_term)
     ref_out = _step(DistributedContext(), enc, method, _global_batch(enc, method), cached=False)
     ref = _state(enc, method, ref_out.loss)
-    assert {"grad.prompt.prefix", "grad.pooler.head.1.weight", "grad.method.terms.0.proj.weight",
-            "buffer.head.1.running_var"} <= set(ref)
-    assert ref_out.stats["loss_recon"] > 0 and all(ref[k].abs().sum() > 0 for k in ref if k.startswith("grad."))
+    assert {"grad.prompt.prefix", "grad.pooler.head.1.weight", "buffer.head.1.running_var"} <= set(ref)
+    stats = ("loss_mlm", "loss_rtd") if with_term == "mlm+rtd" else ("loss_recon",)
+    assert all(ref_out.stats[s] > 0 for s in stats), ref_out.stats
+    assert all(ref[k].abs().sum() > 0 for k in ref if k.startswith("grad."))
     for rank in range(2):
-        got = load_file(str(gloo_runs / _name(True, cached, rank)))
+        got = load_file(str(gloo_runs / _name(with_term, cached, rank)))
         assert set(got) == set(ref)
         for k in ref:
             if k == "grad.pooler.head.0.bias":
