@@ -32,6 +32,7 @@ SUBCOMMANDS: list[str] = [
     "fastprompt.integrations.cli:add_export_parser",
     "fastprompt.integrations.cli:add_import_parser",
     "fastprompt.data.ski.cli:add_generate_ski_parser",
+    "fastprompt.data.ski.join_cli:add_join_ski_parser",
     "fastprompt.data.replacements_cli:add_make_replacements_parser",
 ]
 

@@ -2,7 +2,8 @@
 
 It answers ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions`` deterministically from the
 sentence inside the prompt, so runs can be compared row for row. Knobs on the ``openai_server`` fixture:
-``fail_next`` (answer that many requests with 503 first), ``reset_next`` (drop that many connections without
+``fail_next`` (answer that many requests with 503 first), ``retry_after`` (the 503s' Retry-After header, "0";
+None: no header), ``reset_next`` (drop that many connections without
 an answer), ``delay`` (seconds per completion), ``list_models`` (False: /models is a 404), ``models``.
 Sentences starting with ECHO / EMPTY / LONG get an echo / empty / cut-off answer; FLAKY ones an echo the
 first time they are asked and a good answer after.
@@ -32,6 +33,7 @@ class FakeOpenAI:
         self.models = ["test-model"]
         self.list_models = True
         self.fail_next = 0
+        self.retry_after: str | None = "0"
         self.reset_next = 0
         self.delay = 0.0
         self.requests: list[dict] = []  # completion requests: {"path", "body", "headers"}
@@ -91,7 +93,8 @@ def _handler(state: FakeOpenAI):
                     return  # no answer at all: the client sees the connection closed
                 if state.fail_next:
                     state.fail_next -= 1
-                    return self._send(503, {"error": {"message": "model is loading"}}, {"Retry-After": "0"})
+                    headers = {} if state.retry_after is None else {"Retry-After": state.retry_after}
+                    return self._send(503, {"error": {"message": "model is loading"}}, headers)
             if self.path not in ("/v1/chat/completions", "/v1/completions"):
                 return self._send(404, b"Not Found")
             if body.get("model") not in state.models:

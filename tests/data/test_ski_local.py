@@ -8,7 +8,14 @@ import pytest
 
 from fastprompt.cli import main
 from fastprompt.data.ski import LocalBackend, Sampling, generate_ski
-from fastprompt.data.ski.local import SMOLLM2_GGUF, resolve_local_model, smollm2_gguf, split_at_eos
+from fastprompt.data.ski.local import (
+    SAMPLER,
+    SMOLLM2_GGUF,
+    per_sentence_sampler,
+    resolve_local_model,
+    smollm2_gguf,
+    split_at_eos,
+)
 
 _WORDS = ("the a cat dog sat ran on in mat park sentence answer what you know about is was it and of "
           "make sure four contain important information objectively 1 2 ) . , \" :").split()
@@ -90,7 +97,8 @@ def test_sorting_windows_keep_every_prompt_in_place(tiny_llama_dir, monkeypatch)
 def test_chat_template_and_raw_prompts(tiny_llama_dir):
     chat = LocalBackend(str(tiny_llama_dir), device="cpu")
     assert chat.render("the cat") == "<user> the cat </s> <assistant>"
-    assert chat.settings() == {"backend": "local", "model": str(tiny_llama_dir.resolve()), "chat_template": True}
+    assert chat.settings() == {"backend": "local", "model": str(tiny_llama_dir.resolve()), "chat_template": True,
+                               "sampler": SAMPLER}
     raw = LocalBackend(str(tiny_llama_dir), device="cpu", chat_template=False)
     assert raw.render("the cat") == "the cat" and raw.settings()["chat_template"] is False
     assert chat._encode(["the cat"])[0][0] == chat.tokenizer.convert_tokens_to_ids("<user>")
@@ -102,6 +110,50 @@ def test_sampling_is_seeded(tiny_llama_dir):
     runs = [dict(backend.generate(PROMPTS, sampling, seeds)) for seeds in ([1] * 5, [1] * 5, [2] * 5)]
     assert runs[0] == runs[1]
     assert runs[0] != runs[2]
+
+
+def test_a_sentence_gets_the_same_sample_in_any_batch(tiny_llama_dir):
+    """Each sentence samples from its own generator: batch size, batch mates and order do not change its answer.
+
+    Error analysis: as in the greedy test above, a left-padded row's scores differ from the row alone by float32
+    rounding (~1e-6 relative); a sampled token is the arg-max of scores + Gumbel noise, which a rounding
+    difference changes only at a near-exact tie of two continuous perturbed scores (probability ~1e-6 per
+    token), so the 5 x 8 tokens here are expected to be equal exactly.
+    """
+    sampling = Sampling(max_new_tokens=8, temperature=1.5, top_p=0.9)
+    seeds = [11, 22, 33, 44, 55]
+    backend = LocalBackend(str(tiny_llama_dir), device="cpu")
+    runs = []
+    for batch_size, order in ((4, range(5)), (1, range(5)), (2, (4, 2, 0, 3, 1))):
+        backend.batch_size = batch_size
+        got = dict(backend.generate([PROMPTS[i] for i in order], sampling, [seeds[i] for i in order]))
+        runs.append({order[k]: g for k, g in got.items()})
+    assert runs[0] == runs[1] == runs[2]
+    assert runs[0] != dict(backend.generate(PROMPTS, Sampling(8, 0.0), seeds))  # it does sample
+    # a sentence's answer follows its own seed, not its neighbours'
+    backend.batch_size = 4
+    other = dict(backend.generate(PROMPTS, sampling, [11, 22, 33, 44, 99]))
+    assert [other[i] for i in range(4)] == [runs[0][i] for i in range(4)] and other[4] != runs[0][4]
+
+
+def test_the_per_sentence_sampler_draws_from_the_warped_softmax():
+    """The Gumbel-max draws follow softmax(logits / T) restricted to the top-p nucleus (what do_sample samples).
+
+    probs [0.5, 0.3, 0.12, 0.05, 0.03] at top_p = 0.9 keep the first three (cumulative 0.92), renormalised.
+    20,000 rows (one generator each): a frequency's standard error is at most sqrt(0.25 / 20000) = 0.0035,
+    so 0.02 is over 5 standard errors; the tokens outside the nucleus must never be drawn.
+    """
+    import torch
+
+    probs = torch.tensor([0.5, 0.3, 0.12, 0.05, 0.03])
+    temperature, n = 0.7, 20000
+    logits = (probs.log() * temperature).expand(n, 5).clone()  # softmax(logits / T) == probs
+    proc = per_sentence_sampler(Sampling(temperature=temperature, top_p=0.9), range(n), "cpu")
+    drawn = proc(torch.zeros(n, 1, dtype=torch.long), logits).argmax(-1)
+    freq = torch.bincount(drawn, minlength=5).double() / n
+    want = torch.tensor([0.5, 0.3, 0.12, 0.0, 0.0], dtype=torch.double) / 0.92
+    torch.testing.assert_close(freq, want, atol=0.02, rtol=0)
+    assert freq[3] == freq[4] == 0
 
 
 def test_split_at_eos():

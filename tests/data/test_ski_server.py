@@ -2,11 +2,13 @@
 import csv
 import json
 import socket
+import threading
 
 import pytest
 
 from fastprompt.cli import main
 from fastprompt.data.ski import LLMServerError, Sampling, ServerBackend, generate_ski
+from fastprompt.data.ski import server as server_module
 from fastprompt.data.ski.prompt import SKI_PROMPT_TEMPLATE, format_prompt, sample_seed
 
 
@@ -51,6 +53,54 @@ def test_retries_after_503_and_a_dropped_connection(openai_server, tmp_path):
     report = generate_ski(["One sentence here."], backend, tmp_path / "o.csv", show_progress_bar=False)
     assert report.rows == 1
     assert len(openai_server.requests) == 4  # reset, 503, 503, answer
+
+
+class _RecordedWaits(threading.Event):
+    """A ``stop`` event whose ``wait`` records the retry delay and returns at once (never set: no real sleeping)."""
+
+    def __init__(self):
+        super().__init__()
+        self.delays = []
+
+    def wait(self, timeout=None):
+        self.delays.append(timeout)
+        return False
+
+
+def _retried_delays(server, n_failures, **kw):
+    """The delays the backend waits before each retry of a request answered ``n_failures`` times with 503."""
+    backend = ServerBackend(server.url, "test-model", max_retries=n_failures, **kw)
+    server.fail_next, waits = n_failures, _RecordedWaits()
+    gen = backend.complete("One sentence here.", Sampling(), 0, waits)
+    assert " ".join(gen.text.split()) == server.expected("One sentence here.")
+    assert len(server.requests) == n_failures + 1
+    return waits.delays
+
+
+@pytest.mark.parametrize(("jitter", "want"), [(1.0, [1, 2, 3]), (0.5, [0.5, 1, 2]), (1.5, [1.5, 3, 3])])
+def test_exponential_backoff_with_jitter_is_capped(openai_server, monkeypatch, jitter, want):
+    """Without Retry-After, retry k waits backoff * 2**k * a jitter drawn from U(0.5, 1.5), at most max_backoff."""
+    openai_server.retry_after = None
+    drawn = []
+    monkeypatch.setattr(server_module.random, "uniform", lambda a, b: drawn.append((a, b)) or jitter)
+    assert _retried_delays(openai_server, 3, backoff=1.0, max_backoff=3.0) == pytest.approx(want)
+    assert drawn == [(0.5, 1.5)] * 3
+
+
+def test_backoff_jitter_is_random(openai_server):
+    """Unpatched, the jitter differs between retries (parallel requests do not retry in step) and keeps its bounds."""
+    openai_server.retry_after = None
+    delays = _retried_delays(openai_server, 3, backoff=1.0, max_backoff=100.0)
+    assert all(0.5 * 2**k <= d <= 1.5 * 2**k for k, d in enumerate(delays)), delays
+    assert len({d / 2**k for k, d in enumerate(delays)}) == 3  # three draws of a continuous U(0.5, 1.5)
+
+
+@pytest.mark.parametrize(("retry_after", "want"), [("2", 2.0), ("5", 3.0), ("0", 0.0)])
+def test_retry_after_replaces_the_backoff_and_is_capped(openai_server, monkeypatch, retry_after, want):
+    """A Retry-After header (in seconds) is the delay, without jitter; it too is capped at max_backoff."""
+    openai_server.retry_after = retry_after
+    monkeypatch.setattr(server_module.random, "uniform", lambda a, b: pytest.fail("no jitter with Retry-After"))
+    assert _retried_delays(openai_server, 2, backoff=1.0, max_backoff=3.0) == [want, want]
 
 
 def test_gives_up_after_max_retries(openai_server, tmp_path):

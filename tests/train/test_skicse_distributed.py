@@ -1,10 +1,15 @@
-"""SKICSE on two gloo processes equals one process on the global batch (plain step and gradient cache).
+"""SKICSE on two gloo processes equals one process on the global batch (plain step and gradient cache), for both
+row layouts: supervised (sent0, sent1, hard_neg, ski) and unsupervised (sent0, sent0, ski: the sentence twice and
+its SKI, as ``SKICSE.views_for`` reads a ``sent0,ski`` file).
 
 Each process holds its shard of every view, the SKI view included; the objective contrasts its local anchors
 against the all-gathered columns with ``positive_offset`` (the L_ski2 anchors are the local SKIs). Dropout is
-off (eval mode) so both sides embed identically; the only difference is float summation order across the
+off (eval mode) so both sides embed identically (in the unsupervised layout this makes the two sent0 views equal,
+so L_simcse's positive logit is 1/temperature; its in-batch negatives, the gathered columns and L_ski still
+differ between rows and are what is compared); the only difference is float summation order across the
 gradient all-reduce, a few ulps of gradients of order 1e-2..1, hence atol = rtol = 1e-5 (as test_distributed.py).
 """
+import itertools
 import os
 
 import pytest
@@ -21,19 +26,24 @@ from .test_distributed import NEGS, PAIRS, _free_port, _shard, _spawn
 
 SKIS = ["a guitar has strings", "dogs are animals", "a table is furniture", "red is a colour", "food is eaten",
         "cats are pets", "balls are round", "parks are green"]
-VIEWS = ("sent0", "sent1", "hard_neg", "ski")
+LAYOUTS = {"sup": ("sent0", "sent1", "hard_neg", "ski"), "unsup": SKICSE().views_for(("sent0", "ski"))}
 SEED, STEP = 11, 2
 
 
-def _setup(model_dir):
+def _setup(model_dir, layout):
     torch.manual_seed(0)
     enc = PromptEncoder.from_pretrained(model_dir, prompt_config=PromptConfig(3, init_std=0.3)).eval()
     method = Method(SKICSE(temperature=0.05, hard_negative_weight=0.5, backend="reference"))
-    rows = [(a, p, h, k) for (a, p), h, k in zip(PAIRS, NEGS, SKIS)]
-    tok = enc.tokenize([r[v] for v in range(4) for r in rows])
-    batch = Batch(tok["input_ids"], tok["attention_mask"], tok.get("token_type_ids"), n_views=4,
-                  batch_size=len(rows), view_names=VIEWS)
+    rows = [{"sent0": a, "sent1": p, "hard_neg": h, "ski": k} for (a, p), h, k in zip(PAIRS, NEGS, SKIS)]
+    views = LAYOUTS[layout]
+    tok = enc.tokenize([r[v] for v in views for r in rows])
+    batch = Batch(tok["input_ids"], tok["attention_mask"], tok.get("token_type_ids"), n_views=len(views),
+                  batch_size=len(rows), view_names=views)
     return enc, method, batch
+
+
+def _name(layout, cached, rank):
+    return f"{layout}-{'cached' if cached else 'plain'}-rank{rank}.safetensors"
 
 
 def _worker(rank, world, model_dir, port, out_dir):
@@ -42,14 +52,14 @@ def _worker(rank, world, model_dir, port, out_dir):
     try:
         torch.set_num_threads(1)
         ctx = DistributedContext(rank=rank, world_size=world)
-        for cached in (False, True):
-            enc, method, batch = _setup(model_dir)
+        for layout, cached in itertools.product(LAYOUTS, (False, True)):
+            enc, method, batch = _setup(model_dir, layout)
             side = LossSide(method, enc, ctx)
             step = CachedStep(side, micro_batch_size=3, max_tokens=None) if cached else PlainStep(side)
             out = step(_shard(batch, rank, world), STEP, SEED)
             ctx.all_reduce_gradients(list(enc.trainable_parameters()))
             save_file({"loss": torch.tensor([out.loss]), "grad": enc.prompt.prefix.grad.contiguous()},
-                      os.path.join(out_dir, f"{'cached' if cached else 'plain'}-rank{rank}.safetensors"))
+                      os.path.join(out_dir, _name(layout, cached, rank)))
     finally:
         torch.distributed.destroy_process_group()
 
@@ -61,15 +71,16 @@ def gloo_skicse(tiny_bert_dir, tmp_path_factory):
     return out
 
 
+@pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("cached", [False, True], ids=["plain", "grad-cache"])
-def test_two_processes_match_one_with_the_ski_view(tiny_bert_dir, gloo_skicse, cached):
-    enc, method, batch = _setup(tiny_bert_dir)
+def test_two_processes_match_one_with_the_ski_view(tiny_bert_dir, gloo_skicse, layout, cached):
+    enc, method, batch = _setup(tiny_bert_dir, layout)
     emb = enc(**batch.model_inputs()).view(batch.n_views, batch.batch_size, -1)
     loss = method.sentence(Views.single(emb, batch.view_names)).loss
     loss.backward()
     assert enc.prompt.prefix.grad.abs().sum() > 0
     for rank in range(2):
-        got = load_file(str(gloo_skicse / f"{'cached' if cached else 'plain'}-rank{rank}.safetensors"))
+        got = load_file(str(gloo_skicse / _name(layout, cached, rank)))
         torch.testing.assert_close(got["loss"][0], loss.detach(), atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got["grad"], enc.prompt.prefix.grad, atol=1e-5, rtol=1e-5)
 

@@ -10,7 +10,8 @@ Generation (``fastprompt generate-ski``, or in Python)::
 - :func:`generate_ski` — resumable generation into a ``sent0,ski`` CSV (+ rejected rows and metadata)
 - :class:`LocalBackend` / :class:`ServerBackend` — a Hugging Face causal LM in-process / an OpenAI-compatible server
 - :data:`SKI_PROMPT_TEMPLATE`, :class:`Sampling`, :class:`AnswerFilter` — what is asked, how, and what is kept
-- :func:`read_ski_csv`, :func:`join_ski` — the files as training data (``sent0,ski``; ``sent0,sent1,hard_neg,ski``)
+- :func:`read_ski_csv`, :func:`join_ski` — the files as training data (``sent0,ski``; ``sent0,sent1,hard_neg,ski``,
+  also written by ``fastprompt join-ski``)
 
 Standard library only at import time: torch and transformers load when a :class:`LocalBackend` is created.
 """

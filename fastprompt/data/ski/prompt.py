@@ -68,14 +68,10 @@ class Sampling:
 def sample_seed(seed: int, attempt: int, text: str) -> int:
     """A 31-bit seed for one sample, a function of the run's seed, the attempt number and the text only.
 
-    Independent of batching and order, so a server that honours per-request seeds (vLLM) gives every
-    sentence the same answer however the run was split, resumed or parallelised.
+    Independent of batching and order, so a server that honours per-request seeds (vLLM), and the local
+    backend (one generator per sentence), give every sentence the same answer however the run was split,
+    resumed or parallelised.
     """
     digest = hashlib.sha256(f"{seed}\0{attempt}\0{text}".encode()).digest()
     return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
 
-
-def batch_seed(seeds) -> int:
-    """One 31-bit seed for a batch sampled together, from its samples' seeds (order included)."""
-    digest = hashlib.sha256(",".join(map(str, seeds)).encode()).digest()
-    return int.from_bytes(digest[:4], "little") & 0x7FFFFFFF
