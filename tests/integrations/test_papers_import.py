@@ -203,3 +203,20 @@ def test_import_errors_are_clear(tiny_bert_dir, tmp_path, capsys):
 
 def test_cli_pooler_types_match_the_importer():
     assert PAPER_POOLER_TYPES == papers.POOLER_TYPES
+
+
+def test_output_holding_other_files_needs_overwrite(tiny_bert_dir, tmp_path, capsys):
+    theirs = TheirModel(tiny_bert_dir, P=2, projection=False, pooler_type="cls_before_pooler")
+    ckpt = theirs.save(tmp_path / "ckpt", tiny_bert_dir, "safetensors")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("user data")
+    argv = ["import", "--from", "promcse", "--checkpoint", str(ckpt), "--pooler-type", "cls_before_pooler",
+            "--output", str(taken)]
+    assert cli.main(argv) == 2
+    assert "holds other files (notes.txt)" in capsys.readouterr().err and (taken / "notes.txt").is_file()
+    assert cli.main([*argv, "--overwrite"]) == 0
+    assert not (taken / "notes.txt").exists() and PromptEncoder.load(taken).prompt_length == 2
+    assert cli.main(argv) == 0  # an earlier prompt checkpoint is replaced without --overwrite
+    assert cli.main([*argv[:-1], str(ckpt)]) == 2
+    assert "is the input folder" in capsys.readouterr().err

@@ -203,6 +203,18 @@ def test_export_cli_writes_an_adapter(tiny_bert_dir, tmp_path, capsys):
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == "PREFIX_TUNING" and config["num_virtual_tokens"] == 2
     assert config["base_model_name_or_path"] == str(tiny_bert_dir)
+    # --overwrite reaches both directions: a folder holding other files is replaced only with it
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("user data")
+    capsys.readouterr()
+    for argv in (["export", "--prompt", str(ckpt), "--to", "peft"], ["import", "--from", "peft", "--checkpoint",
+                                                                     str(tmp_path / "adapter")]):
+        assert cli.main([*argv, "--output", str(taken)]) == 2
+        assert "notes.txt" in capsys.readouterr().err and (taken / "notes.txt").is_file()
+        assert cli.main([*argv, "--output", str(taken), "--overwrite"]) == 0
+        assert not (taken / "notes.txt").exists()
+        (taken / "notes.txt").write_text("user data")
 
 
 def _fine_tuned(model_dir, **config):

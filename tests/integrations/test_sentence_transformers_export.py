@@ -169,7 +169,8 @@ def test_export_cli_errors_are_clear(tiny_bert_dir, tmp_path, capsys):
     capsys.readouterr()
     cases = [
         (["--prompt", str(tmp_path / "missing"), "--output", str(tmp_path / "o1")], "not found"),
-        (["--prompt", str(ckpt), "--output", str(tmp_path / "taken")], "exists and is not empty"),
+        (["--prompt", str(ckpt), "--output", str(tmp_path / "taken")],
+         "is not empty and is not an earlier sentence-transformers export"),
         (["--prompt", str(ckpt), "--output", str(ckpt)], "is the input folder"),
     ]
     for args, message in cases:
@@ -177,6 +178,11 @@ def test_export_cli_errors_are_clear(tiny_bert_dir, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("fastprompt export: error:") and message in err, err
     assert (tmp_path / "taken" / "keep.txt").read_text() == "user data"
+    out = ["export", "--to", "sentence-transformers", "--prompt", str(ckpt), "--output"]
+    assert cli.main([*out, str(tmp_path / "st")]) == 0
+    assert cli.main([*out, str(tmp_path / "st")]) == 0  # an earlier export is replaced without --overwrite
+    assert cli.main([*out, str(tmp_path / "taken"), "--overwrite"]) == 0
+    assert (tmp_path / "taken" / "modules.json").is_file() and not (tmp_path / "taken" / "keep.txt").exists()
 
 
 def test_the_exported_prompt_trains_with_a_sentence_transformers_loss(tiny_bert_dir, tmp_path):
