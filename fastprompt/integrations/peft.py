@@ -12,8 +12,8 @@ The layout (read from peft 0.21's ``PrefixEncoder``, ``PeftModel.get_prompt`` an
   ``inference_mode: true``), not the MLP. Export does the same and writes ``prefix_projection: false``: the file
   holds the prefix as PEFT runs it. PEFT (0.21) loads a saved prompt-learning adapter for inference only
   (``PeftModel.from_pretrained(..., is_trainable=True)`` raises "Cannot set a prompt learning adapter to trainable
-  when loading pretrained adapter"): train in fastprompt (``import_peft``, then ``fastprompt train --prompt``) and
-  export again;
+  when loading pretrained adapter"): train in fastprompt (``import_peft``, then
+  ``Trainer(config, encoder=PromptEncoder.load(prompt))``) and export again;
 - ``peft_version`` names the PEFT release whose layout the file follows (:data:`PEFT_FORMAT_VERSION`), where PEFT
   records the version that saved an adapter.
 
@@ -29,9 +29,9 @@ itself (as an absolute path, which ``AutoModel.from_pretrained`` and PEFT's ``Au
 that the folder must stay available, as PEFT names a locally fine-tuned base. A :class:`PromptEncoder` with a
 fine-tuned backbone has no such folder and is refused: save it first.
 
-fastprompt's own settings (pooler, template, position mode, ...) travel as
-safetensors metadata (``fastprompt_config``), which PEFT ignores and :func:`import_peft` restores. What PEFT's format
-cannot hold is refused: a [CLS] prompt, an input-layer-only prompt, and a pooler head applied at inference.
+fastprompt's own settings (pooler, template, position mode, ...) travel as safetensors metadata
+(``fastprompt_config``), which PEFT ignores and :func:`import_peft` restores. What PEFT's format cannot hold is
+refused: a [CLS] prompt, an input-layer-only prompt, and a pooler head applied at inference.
 ``peft`` itself is not needed for either direction.
 """
 from __future__ import annotations
