@@ -1,11 +1,13 @@
 """Helpers the exporters and importers share: reading a prompt checkpoint without its backbone, reading a foreign
-weights file safely, and turning a checkpoint's prompt into one prefix per backbone layer."""
+weights file safely, turning a checkpoint's prompt into one prefix per backbone layer, and refusing an export target
+that holds something else."""
 from __future__ import annotations
 
 import contextlib
 import logging
 import os
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,6 +28,28 @@ def checkpoint_dir(prompt):
         if not isinstance(prompt, (str, os.PathLike)):
             raise TypeError(f"expected a prompt checkpoint folder or a PromptEncoder, got {type(prompt).__name__}")
         yield Path(prompt)
+
+
+def check_export_target(output: str | os.PathLike, what: str, is_previous_export: Callable[[Path], bool], *,
+                        overwrite: bool = False, source: str | os.PathLike | None = None) -> None:
+    """Exporting replaces the whole ``output`` folder (atomically), so, as :meth:`PromptEncoder.save` does for
+    checkpoints, refuse anything but a new or empty folder or an earlier export of the same kind
+    (``is_previous_export(folder)``) unless ``overwrite``: FileExistsError naming what is there. The input folder
+    ``source`` itself is refused even with ``overwrite`` (ValueError): replacing it would destroy the prompt."""
+    out = Path(output)
+    if source is not None and out.resolve() == Path(source).resolve():
+        raise ValueError(f"cannot export to {out}: it is the input folder; choose another folder")
+    if overwrite or not os.path.lexists(out):
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"cannot export to {out}: it is a file; choose a folder name, or pass overwrite=True "
+                              "(CLI: --overwrite) to replace the file")
+    names = sorted(p.name for p in out.iterdir())
+    if names and not is_previous_export(out):
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise FileExistsError(f"cannot export to {out}: the folder is not empty and is not an earlier {what} export "
+                              f"of fastprompt (it holds {shown}), and exporting replaces it; choose a new or empty "
+                              "folder, or pass overwrite=True (CLI: --overwrite)")
 
 
 def read_prompt_checkpoint(path: str | os.PathLike) -> tuple[dict, dict[str, torch.Tensor]]:

@@ -30,12 +30,11 @@ examples:
 """
 
 
-def _check_output(output: str, overwrite: bool, *sources: str) -> None:
-    out = Path(output)
-    if any(out.resolve() == Path(s).resolve() for s in sources if s):
+def _check_output(output: str, source: str) -> None:
+    """The input folder is never a target; what else --output may replace the exporters and importers decide (a
+    new or empty folder, or an earlier output of the same kind, unless --overwrite)."""
+    if Path(output).resolve() == Path(source).resolve():
         raise ValueError(f"--output {output} is the input folder; choose another folder")
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise ValueError(f"--output {output} exists and is not empty; pass --overwrite to replace it")
 
 
 def add_export_parser(subparsers) -> argparse.ArgumentParser:
@@ -48,29 +47,32 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--prompt", required=True, metavar="CHECKPOINT_DIR", help="prompt checkpoint folder")
     p.add_argument("--to", required=True, choices=EXPORT_FORMATS, help="target format")
     p.add_argument("--output", required=True, metavar="DIR", help="folder to write")
-    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --output even if it holds something other than an earlier export of this format")
     st = p.add_argument_group("sentence-transformers")
     st.add_argument("--model", metavar="NAME_OR_PATH", help="base model (default: the one the checkpoint names)")
     st.add_argument("--no-backbone", action="store_true",
-                    help="do not copy the backbone into the folder; name the base model instead")
+                    help="do not copy the backbone into the folder; name the base model instead (refused for a "
+                         "fine-tuned backbone)")
     st.add_argument("--no-normalize", action="store_true", help="no L2 normalisation module")
     p.set_defaults(func=run_export)
     return p
 
 
 def run_export(args: argparse.Namespace) -> int:
-    _check_output(args.output, args.overwrite, args.prompt)
+    _check_output(args.output, args.prompt)
     if args.to == "peft":
         if args.model or args.no_backbone or args.no_normalize:
             raise ValueError("--model, --no-backbone and --no-normalize apply to --to sentence-transformers only")
         from fastprompt.integrations.peft import export_peft
 
-        out = export_peft(args.prompt, args.output)
+        out = export_peft(args.prompt, args.output, overwrite=args.overwrite)
     else:
         from fastprompt.integrations.sentence_transformers import export_sentence_transformers
 
         out = export_sentence_transformers(args.prompt, args.output, base_model=args.model,
-                                           include_backbone=not args.no_backbone, normalize=not args.no_normalize)
+                                           include_backbone=not args.no_backbone, normalize=not args.no_normalize,
+                                           overwrite=args.overwrite)
     print(f"wrote {args.to} model to {out}")
     return 0
 
@@ -85,7 +87,8 @@ def add_import_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--from", dest="source", required=True, choices=IMPORT_FORMATS, help="source format")
     p.add_argument("--checkpoint", required=True, metavar="DIR", help="folder to convert")
     p.add_argument("--output", required=True, metavar="DIR", help="prompt checkpoint folder to write")
-    p.add_argument("--overwrite", action="store_true", help="replace --output if it exists")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace --output even if it holds something other than a prompt checkpoint")
     p.add_argument("--model", metavar="NAME_OR_PATH",
                    help="base model (promcse/dcpcse: default the checkpoint folder, which holds the frozen backbone; "
                         "peft: default the adapter's base_model_name_or_path)")
@@ -104,13 +107,14 @@ def add_import_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    _check_output(args.output, args.overwrite, args.checkpoint)
+    _check_output(args.output, args.checkpoint)
     if args.source == "peft":
         if args.pooler_type or args.mlp_only_train or args.args_file:
             raise ValueError("--pooler-type, --mlp-only-train and --args apply to --from promcse/dcpcse only")
         from fastprompt.integrations.peft import import_peft
 
-        out = import_peft(args.checkpoint, args.output, base_model=args.model, pooler=args.pooler)
+        out = import_peft(args.checkpoint, args.output, base_model=args.model, pooler=args.pooler,
+                          overwrite=args.overwrite)
     else:
         if args.pooler:
             raise ValueError("--pooler applies to --from peft; give the checkpoint's --pooler-type")
@@ -118,6 +122,6 @@ def run_import(args: argparse.Namespace) -> int:
 
         out = import_promcse(args.checkpoint, args.output, pooler_type=args.pooler_type,
                              mlp_only_train=True if args.mlp_only_train else None, base_model=args.model,
-                             args_file=args.args_file)
+                             args_file=args.args_file, overwrite=args.overwrite)
     print(f"wrote prompt checkpoint to {out}")
     return 0

@@ -53,20 +53,23 @@ def _backbone_prefix(state: dict[str, torch.Tensor]) -> str:
 
 def import_promcse(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, *, pooler_type: str | None = None,
                    mlp_only_train: bool | None = None, base_model: str | os.PathLike | None = None,
-                   args_file: str | os.PathLike | None = None) -> Path:
+                   args_file: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
     """Convert a PromCSE/DCPCSE checkpoint folder into a fastprompt prompt checkpoint at ``output``.
 
     ``pooler_type``: their ``--pooler_type`` (``cls`` or ``cls_before_pooler``); ``mlp_only_train``: their
     flag (the head over [CLS] is then used in training only). Both may come from ``args_file`` (the JSON of arguments
     given to their ``train.py``); explicit values win. ``base_model`` defaults to the checkpoint folder itself, which
-    holds the frozen backbone; a different base is checked against the checkpoint's backbone weights.
+    holds the frozen backbone; a different base is checked against the checkpoint's backbone weights. ``output``
+    must be new, empty or an earlier prompt checkpoint (it is replaced) unless ``overwrite``.
     """
     from fastprompt.io import read_json
     from fastprompt.model import PromptConfig, PromptEncoder
+    from fastprompt.model.checkpoint import check_save_target
 
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"checkpoint folder not found: {checkpoint_dir}")
+    check_save_target(output, overwrite)  # before anything loads
     args = _read_args_file(args_file) if args_file else {}
     pooler_type = pooler_type or args.get("pooler_type")
     mlp_only_train = bool(args.get("mlp_only_train", False)) if mlp_only_train is None else mlp_only_train
@@ -121,7 +124,7 @@ def import_promcse(checkpoint_dir: str | os.PathLike, output: str | os.PathLike,
     encoder.load_state_dict(prompt_state, strict=False)
     if base_model is not None:
         _check_backbone(encoder, state, backbone_prefix, base_model)
-    return encoder.save(output)
+    return encoder.save(output, overwrite=overwrite)
 
 
 def _check_backbone(encoder, state: dict[str, torch.Tensor], prefix: str, base_model) -> None:

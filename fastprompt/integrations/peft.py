@@ -9,17 +9,29 @@ The layout (read from peft 0.21's ``PrefixEncoder``, ``PeftModel.get_prompt`` an
   (layer, key/value, head, head_dim), and fastprompt's (layers, 2, heads, P, head_dim) prefix is that tensor with P
   moved to the front (P-tuning v2's layout, which PromCSE/DCPCSE share: ``_common.prefix_from_rows``);
 - with ``prefix_projection`` PEFT saves the reparameterised prefix (the MLP's output; its config then reads
-  ``inference_mode: true``), not the MLP. Export does the same and writes ``prefix_projection: false``, so that
-  PEFT, loading the adapter to train it further, trains that prefix directly.
+  ``inference_mode: true``), not the MLP. Export does the same and writes ``prefix_projection: false``: the file
+  holds the prefix as PEFT runs it. PEFT (0.21) loads a saved prompt-learning adapter for inference only
+  (``PeftModel.from_pretrained(..., is_trainable=True)`` raises "Cannot set a prompt learning adapter to trainable
+  when loading pretrained adapter"): train in fastprompt (``import_peft``, then
+  ``Trainer(config, encoder=PromptEncoder.load(prompt))``) and export again;
+- ``peft_version`` names the PEFT release whose layout the file follows (:data:`PEFT_FORMAT_VERSION`), where PEFT
+  records the version that saved an adapter.
 
 PEFT runs prefix tuning with the tokens at positions P..P+S-1 (it leaves ``position_ids`` to the model, which offsets
 them by the cache length, and adds P to explicit ones): fastprompt's ``position_mode: shifted``. A prompt trained
 with standard positions exports unchanged (fastprompt gets it back exactly), but PEFT will run it shifted; export
 warns. An imported adapter without fastprompt's metadata is therefore read as ``shifted``.
 
-The adapter carries the prefix only. fastprompt's own settings (pooler, template, position mode, ...) travel as
-safetensors metadata (``fastprompt_config``), which PEFT ignores and :func:`import_peft` restores. What PEFT's format
-cannot hold is refused: a [CLS] prompt, an input-layer-only prompt, and a pooler head applied at inference.
+The adapter carries the prefix only; ``base_model_name_or_path`` names the model it applies to. A checkpoint of a
+fine-tuned backbone (:meth:`PromptEncoder.train_backbone`) holds that backbone in the Hugging Face layout, and its
+prefix belongs to it, not to the original base model (whose outputs differ): its adapter names the checkpoint folder
+itself (as an absolute path, which ``AutoModel.from_pretrained`` and PEFT's ``AutoPeftModel`` load), with a warning
+that the folder must stay available, as PEFT names a locally fine-tuned base. A :class:`PromptEncoder` with a
+fine-tuned backbone has no such folder and is refused: save it first.
+
+fastprompt's own settings (pooler, template, position mode, ...) travel as safetensors metadata
+(``fastprompt_config``), which PEFT ignores and :func:`import_peft` restores. What PEFT's format cannot hold is
+refused: a [CLS] prompt, an input-layer-only prompt, and a pooler head applied at inference.
 ``peft`` itself is not needed for either direction.
 """
 from __future__ import annotations
@@ -32,6 +44,7 @@ from pathlib import Path
 import torch
 
 from ._common import (
+    check_export_target,
     checkpoint_dir,
     layer_prefix_tensor,
     load_foreign_weights,
@@ -46,17 +59,61 @@ ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = ("adapter_model.safetensors", "adapter_model.bin")
 PREFIX_KEY = "prompt_embeddings"
 METADATA_KEY = "fastprompt_config"
+#: The PEFT release whose adapter layout export writes (read from its code, loaded by it in the tests); written as
+#: ``peft_version``, where PEFT records the version that saved an adapter.
+PEFT_FORMAT_VERSION = "0.21.2"
 
 
-def export_peft(prompt, output: str | os.PathLike) -> Path:
+def is_fastprompt_adapter(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a PEFT adapter that fastprompt exported (its weights carry fastprompt's metadata)."""
+    from safetensors import safe_open
+
+    folder = Path(folder)
+    if not (folder / ADAPTER_CONFIG).is_file() or not (folder / ADAPTER_WEIGHTS[0]).is_file():
+        return False
+    try:
+        with safe_open(str(folder / ADAPTER_WEIGHTS[0]), framework="pt") as f:
+            return METADATA_KEY in (f.metadata() or {})
+    except Exception:  # unreadable or not safetensors: not an export of fastprompt
+        return False
+
+
+def _base_model_name(prompt, path: Path, config: dict) -> str:
+    """``base_model_name_or_path`` of the adapter: the base model, or the checkpoint folder itself when it holds a
+    fine-tuned backbone (the prefix belongs to that backbone)."""
+    from fastprompt.model import PromptEncoder
+    from fastprompt.model.checkpoint import holds_backbone_weights
+
+    if not holds_backbone_weights(config):
+        return config["base_model"]
+    if isinstance(prompt, PromptEncoder):
+        raise ValueError("this encoder's backbone is fine-tuned (train_backbone) and a PEFT adapter carries only the "
+                         "prefix: save the encoder first (encoder.save(folder)) and export that folder, which the "
+                         "adapter then names as its base model")
+    logger.warning("checkpoint %s holds a fine-tuned backbone (train_backbone), which the prefix was trained with: "
+                   "the adapter names this folder as its base model (base_model_name_or_path), not %r, so it must "
+                   "stay available where the adapter is used (on the original base model PEFT gives other outputs)",
+                   path, config["base_model"])
+    return str(path.resolve())
+
+
+def export_peft(prompt, output: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write ``prompt`` (a checkpoint folder or a :class:`~fastprompt.model.PromptEncoder`) as a PEFT prefix-tuning
-    adapter folder that ``PeftModel.from_pretrained(base_model, output)`` loads. Returns ``output``."""
+    adapter folder that ``PeftModel.from_pretrained(base_model, output)`` loads. Returns ``output``.
+
+    ``output`` must be new, empty or an earlier PEFT export of fastprompt (it is replaced) unless ``overwrite``.
+    A checkpoint with a fine-tuned backbone names its own folder as the base model (see the module docstring).
+    """
     from safetensors.torch import save_file
 
     from fastprompt.io import atomic_directory, write_json_atomic
+    from fastprompt.model import PromptEncoder
 
+    check_export_target(output, "PEFT adapter", is_fastprompt_adapter, overwrite=overwrite,
+                        source=None if isinstance(prompt, PromptEncoder) else prompt)
     with checkpoint_dir(prompt) as path:
         config, tensors = read_prompt_checkpoint(path)
+        base_name = _base_model_name(prompt, path, config)
     prompt_config = config["prompt_config"] or {}
     if prompt_config.get("cls_prompt"):
         raise ValueError("PEFT's prefix-tuning format cannot hold a [CLS] prompt (cls_prompt: true)")
@@ -74,7 +131,7 @@ def export_peft(prompt, output: str | os.PathLike) -> Path:
     L, H, D = shape["num_layers"], shape["num_heads"], shape["head_dim"]
     adapter_config = {
         "auto_mapping": None,
-        "base_model_name_or_path": config["base_model"],
+        "base_model_name_or_path": base_name,
         "encoder_hidden_size": H * D,
         "inference_mode": True,
         "init_weights": None,
@@ -84,6 +141,7 @@ def export_peft(prompt, output: str | os.PathLike) -> Path:
         "num_transformer_submodules": 1,
         "num_virtual_tokens": prefix.shape[3],
         "peft_type": "PREFIX_TUNING",
+        "peft_version": PEFT_FORMAT_VERSION,
         "prefix_projection": False,
         "revision": None,
         "task_type": "FEATURE_EXTRACTION",
@@ -133,17 +191,22 @@ def read_peft_adapter(adapter_dir: str | os.PathLike) -> tuple[dict, torch.Tenso
 
 
 def import_peft(adapter_dir: str | os.PathLike, output: str | os.PathLike, *,
-                base_model: str | os.PathLike | None = None, pooler: str | None = None) -> Path:
+                base_model: str | os.PathLike | None = None, pooler: str | None = None,
+                overwrite: bool = False) -> Path:
     """Convert a PEFT prefix-tuning adapter folder into a fastprompt prompt checkpoint at ``output``.
 
-    ``base_model`` defaults to the adapter's ``base_model_name_or_path``. An adapter exported by fastprompt gets its
+    ``base_model`` defaults to the adapter's ``base_model_name_or_path`` (what PEFT loads, and what a user edits to
+    move the adapter), else the base model in fastprompt's metadata. An adapter exported by fastprompt gets its
     pooler, template, position mode and other settings back; any other adapter gets ``position_mode: shifted``
-    (how PEFT ran it) and ``pooler`` (default ``cls``).
+    (how PEFT ran it) and ``pooler`` (default ``cls``). ``output`` must be new, empty or an earlier prompt
+    checkpoint (it is replaced) unless ``overwrite``.
     """
     from fastprompt.model import PromptConfig, PromptEncoder
+    from fastprompt.model.checkpoint import check_save_target
 
+    check_save_target(output, overwrite)  # before the base model loads
     config, prefix, saved = read_peft_adapter(adapter_dir)
-    base = base_model or (saved or {}).get("base_model") or config.get("base_model_name_or_path")
+    base = base_model or config.get("base_model_name_or_path") or (saved or {}).get("base_model")
     if not base:
         raise ValueError(f"the adapter in {adapter_dir} names no base model; pass the base model")
     if saved is not None:
@@ -160,4 +223,4 @@ def import_peft(adapter_dir: str | os.PathLike, output: str | os.PathLike, *,
         raise ValueError(f"the adapter's prefix {tuple(prefix.shape)} does not fit base model {base!r} "
                          f"({encoder.num_layers} layers, {encoder.num_heads} heads of {encoder.head_dim})")
     encoder.prompt.load_prefix_(prefix.to(encoder.prompt.prefix.dtype))
-    return encoder.save(output)
+    return encoder.save(output, overwrite=overwrite)

@@ -8,7 +8,9 @@ The folder (written by :func:`export_sentence_transformers`):
     fastprompt_module.json                             the first module's config
     config.json, model.safetensors, tokenizer files    the frozen backbone in the Hugging Face layout (left out with
                                                        include_backbone=False: the module then names the base model)
-    prompt/                                            the fastprompt prompt checkpoint
+    prompt/                                            the fastprompt prompt checkpoint; for a fine-tuned backbone
+                                                       (train_backbone) it holds that backbone too, and the root
+                                                       does not, so the backbone is stored once
     1_Normalize/                                       L2 normalisation, as PromptEncoder.encode does by default
 
 The first module, :class:`PromptEncoderModule`, wraps a :class:`~fastprompt.model.PromptEncoder` (sentence-transformers'
@@ -33,6 +35,7 @@ from fastprompt.model import PromptEncoder
 logger = logging.getLogger(__name__)
 
 PROMPT_SUBFOLDER = "prompt"
+MODULE_TYPE = "fastprompt.integrations.sentence_transformers.PromptEncoderModule"
 
 #: One line per training objective for the model card (an objective missing here is shown by name).
 OBJECTIVE_DESCRIPTIONS = {
@@ -44,7 +47,8 @@ OBJECTIVE_DESCRIPTIONS = {
 class PromptEncoderModule(InputModule):
     """A sentence-transformers input module that is a fastprompt :class:`PromptEncoder` (backbone + prompt + pooler).
 
-    ``base_model``: ``None`` when the backbone is saved in the module's folder, else the base model to load it from.
+    ``base_model``: ``None`` when the backbone is saved in the module's folder (at its root, or, fine-tuned, inside
+    the prompt checkpoint), else the base model to load it from.
     """
 
     config_file_name = "fastprompt_module.json"
@@ -88,8 +92,9 @@ class PromptEncoderModule(InputModule):
         return features
 
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
+        # a fine-tuned backbone is part of the prompt checkpoint (PromptEncoder.save writes it there): not again here
         self.encoder.save(Path(output_path) / self.prompt_path)
-        if self.base_model is None:
+        if self.base_model is None and not self.encoder.backbone_trained:
             self.encoder.backbone.save_pretrained(output_path, safe_serialization=safe_serialization)
             self.encoder.tokenizer.save_pretrained(output_path)
         self.save_config(output_path)
@@ -111,22 +116,38 @@ class PromptEncoderModule(InputModule):
         return cls(encoder, base_model=config.get("base_model"), prompt_path=prompt_path)
 
 
+def is_sentence_transformers_export(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds a sentence-transformers model that fastprompt exported (its first module is
+    :class:`PromptEncoderModule`)."""
+    try:
+        modules = json.loads((Path(folder) / "modules.json").read_text(encoding="utf-8"))
+        return modules[0]["type"] == MODULE_TYPE
+    except (OSError, ValueError, LookupError, TypeError):
+        return False
+
+
 def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_model: str | os.PathLike | None = None,
-                                 include_backbone: bool = True, normalize: bool = True) -> Path:
+                                 include_backbone: bool = True, normalize: bool = True,
+                                 overwrite: bool = False) -> Path:
     """Write ``prompt`` (a checkpoint folder or a :class:`PromptEncoder`) as a sentence-transformers model folder.
 
     ``base_model`` overrides the base the checkpoint names. ``include_backbone=False`` leaves the backbone out and
     names the base model instead (it must then be loadable where the folder is used). ``normalize`` appends
     L2 normalisation (PromptEncoder.encode's default). A checkpoint from a training run gets the run's training
-    config and STS results in its model card. Returns ``output``.
+    config and STS results in its model card. A fine-tuned backbone (train_backbone) is stored once, inside the
+    prompt checkpoint; it cannot be left out. ``output`` must be new, empty or an earlier export of this kind (it
+    is replaced) unless ``overwrite``. Returns ``output``.
     """
+    from fastprompt.integrations._common import check_export_target
     from fastprompt.io import atomic_directory
 
-    if isinstance(prompt, PromptEncoder):
-        encoder, source = prompt, None
-    else:
-        source = Path(prompt)
-        encoder = PromptEncoder.load(source, base_model=base_model)
+    source = None if isinstance(prompt, PromptEncoder) else Path(prompt)
+    check_export_target(output, "sentence-transformers", is_sentence_transformers_export, overwrite=overwrite,
+                        source=source)
+    encoder = prompt if source is None else PromptEncoder.load(source, base_model=base_model)
+    if encoder.backbone_trained and not include_backbone:
+        raise ValueError("this prompt's backbone is fine-tuned (train_backbone): the base model cannot stand in for "
+                         "it, so it cannot be left out (drop include_backbone=False / --no-backbone)")
     base_name = str(base_model or encoder.base_model)
     module = PromptEncoderModule(encoder, base_model=None if include_backbone else base_name)
     model = SentenceTransformer(modules=[module, Normalize()] if normalize else [module], similarity_fn_name="cosine",
@@ -140,7 +161,11 @@ def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_mode
 
 
 def _run_info(checkpoint: Path | None) -> tuple[dict | None, dict | None]:
-    """(train_info.json inside the checkpoint, summary.json of the run when its best checkpoint is this one)."""
+    """(train_info.json inside the checkpoint, summary.json of the run when its best checkpoint is this one).
+
+    A run folder holds ``summary.json`` next to its ``best/`` checkpoint; the summary names it by the path the run
+    was given (often relative to where training ran), so it is matched by name within the summary's own folder,
+    which holds wherever the run was moved and whatever the current directory."""
     if checkpoint is None:
         return None, None
 
@@ -151,10 +176,11 @@ def _run_info(checkpoint: Path | None) -> tuple[dict | None, dict | None]:
             logger.warning("model card: ignoring unreadable %s (%s)", path, exc)
             return None
 
+    checkpoint = checkpoint.resolve()
     info = read(checkpoint / "train_info.json")
     summary = read(checkpoint.parent / "summary.json")
     best = (summary or {}).get("best_checkpoint")
-    if summary is not None and (best is None or Path(best).resolve() != checkpoint.resolve()):
+    if summary is not None and (not isinstance(best, str) or Path(best).name != checkpoint.name):
         summary = None  # the run's results belong to another of its checkpoints
     return info, summary
 
@@ -175,7 +201,8 @@ def model_card(encoder: PromptEncoder, checkpoint: Path | None, base_model: str,
     if not Path(base_model).exists():  # a hub id or package name; a local path means nothing to readers
         front["base_model"] = base_model
     n_prompt = sum(p.numel() for p in encoder.trainable_parameters())
-    rows = [("base model", f"`{base_model}` (frozen)")]
+    backbone = "fine-tuned with the prompt" if encoder.backbone_trained else "frozen"
+    rows = [("base model", f"`{base_model}` ({backbone})")]
     if train_config:
         objective = train_config.get("objective")
         rows.append(("method", OBJECTIVE_DESCRIPTIONS.get(objective, f"`{objective}`")))
@@ -201,7 +228,7 @@ def model_card(encoder: PromptEncoder, checkpoint: Path | None, base_model: str,
              ("max length", str(encoder.max_length or min(encoder.tokenizer.model_max_length, 512)) + " tokens")]
     lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "", f"# {name}", "",
              f"Deep continuous prompts (prefix tuning / P-tuning v2) trained with "
-             f"[fastprompt](https://pypi.org/project/fastprompt/) on top of the frozen `{base_model}`.", "",
+             f"[fastprompt](https://pypi.org/project/fastprompt/) on top of the {backbone} `{base_model}`.", "",
              "## Usage", "", "```python",
              "from sentence_transformers import SentenceTransformer  # pip install fastprompt sentence-transformers",
              "",

@@ -21,6 +21,14 @@ Both accept PromCSE's energy-based hinge on top (``hinge_weight``, ``hinge_margi
 cos(anchor, hardest negative) - cos(anchor, positive))`` averaged over the anchors, the hardest negative taken
 over all the anchor's candidates but its positive); 0 (the default) gives sentence-transformers' loss exactly.
 
+Each class subclasses sentence-transformers' class of the same name, so ``isinstance`` checks see
+sentence-transformers' loss. The symmetric classes inherit from fastprompt's base variant and from
+sentence-transformers' symmetric class, whose constructor only fixes the directions (fastprompt's does the same).
+sentence-transformers 6.2 deprecates its symmetric classes (use the base loss with both directions, which
+fastprompt's symmetric classes also are): subclassing one raises its DeprecationWarning at class definition, which
+is silenced here because it is not about the user's code, and once sentence-transformers removes them fastprompt's
+symmetric classes derive from the base variant only.
+
 What the fused op cannot express is refused at construction with a one-line error rather than computed
 differently: a similarity other than cosine, the ``query_to_query`` / ``doc_to_doc`` directions, a joint
 softmax over two directions, and hardness weighting. Use sentence-transformers' own loss for those.
@@ -29,11 +37,13 @@ sentence-transformers (>= 6) is an optional dependency: this module imports it, 
 """
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
 
 try:
+    from sentence_transformers.sentence_transformer import losses as _st_losses
     from sentence_transformers.sentence_transformer.losses import (
         CachedMultipleNegativesRankingLoss as _STCachedMNRL,
     )
@@ -53,6 +63,12 @@ __all__ = [
     "CachedMultipleNegativesRankingLoss",
     "CachedMultipleNegativesSymmetricRankingLoss",
 ]
+
+def _symmetric_base(name: str) -> tuple[type, ...]:
+    """sentence-transformers' (deprecated) symmetric loss ``name`` as an extra base class; none once removed."""
+    cls = getattr(_st_losses, name, None)
+    return (cls,) if isinstance(cls, type) else ()
+
 
 _FORWARD = ("query_to_doc",)
 _SYMMETRIC = ("query_to_doc", "doc_to_query")
@@ -90,7 +106,9 @@ class MultipleNegativesRankingLoss(_STMNRL):
     def __init__(self, model, scale: float = 20.0, similarity_fct=cos_sim, gather_across_devices: bool = False,
                  directions: tuple[str, ...] = _FORWARD, partition_mode: str = "joint", hardness_mode=None,
                  hardness_strength: float = 0.0, *, hinge_weight: float = 0.0, hinge_margin: float = 0.2) -> None:
-        super().__init__(model, scale=scale, similarity_fct=similarity_fct,
+        # sentence-transformers' base constructor by name: in the symmetric subclass's MRO the next class is their
+        # symmetric loss, whose constructor fixes the directions and does not take them
+        _STMNRL.__init__(self, model, scale=scale, similarity_fct=similarity_fct,
                          gather_across_devices=gather_across_devices, directions=directions,
                          partition_mode=partition_mode, hardness_mode=hardness_mode,
                          hardness_strength=hardness_strength)
@@ -145,15 +163,19 @@ class MultipleNegativesRankingLoss(_STMNRL):
         return {**super().get_config_dict(), "hinge_weight": self.hinge_weight, "hinge_margin": self.hinge_margin}
 
 
-class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss):
-    """sentence-transformers' ``MultipleNegativesSymmetricRankingLoss`` (anchor -> candidates and positive ->
-    anchors, each with its own softmax, averaged) computed by fastprompt's fused op."""
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)  # subclassing their deprecated class warns at definition
 
-    def __init__(self, model, scale: float = 20.0, similarity_fct=cos_sim, gather_across_devices: bool = False, *,
-                 hinge_weight: float = 0.0, hinge_margin: float = 0.2) -> None:
-        super().__init__(model, scale=scale, similarity_fct=similarity_fct,
-                         gather_across_devices=gather_across_devices, directions=_SYMMETRIC,
-                         partition_mode="per_direction", hinge_weight=hinge_weight, hinge_margin=hinge_margin)
+    class MultipleNegativesSymmetricRankingLoss(MultipleNegativesRankingLoss,
+                                                *_symmetric_base("MultipleNegativesSymmetricRankingLoss")):
+        """sentence-transformers' ``MultipleNegativesSymmetricRankingLoss`` (anchor -> candidates and positive ->
+        anchors, each with its own softmax, averaged) computed by fastprompt's fused op."""
+
+        def __init__(self, model, scale: float = 20.0, similarity_fct=cos_sim, gather_across_devices: bool = False,
+                     *, hinge_weight: float = 0.0, hinge_margin: float = 0.2) -> None:
+            super().__init__(model, scale=scale, similarity_fct=similarity_fct,
+                             gather_across_devices=gather_across_devices, directions=_SYMMETRIC,
+                             partition_mode="per_direction", hinge_weight=hinge_weight, hinge_margin=hinge_margin)
 
 
 class CachedMultipleNegativesRankingLoss(_STCachedMNRL):
@@ -174,10 +196,11 @@ class CachedMultipleNegativesRankingLoss(_STCachedMNRL):
                  directions: tuple[str, ...] = _FORWARD, partition_mode: str = "joint",
                  show_progress_bar: bool = False, hardness_mode=None, hardness_strength: float = 0.0, *,
                  hinge_weight: float = 0.0, hinge_margin: float = 0.2) -> None:
-        super().__init__(model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,
-                         mini_batch_num_tokens=mini_batch_num_tokens, gather_across_devices=gather_across_devices,
-                         directions=directions, partition_mode=partition_mode, show_progress_bar=show_progress_bar,
-                         hardness_mode=hardness_mode, hardness_strength=hardness_strength)
+        _STCachedMNRL.__init__(  # by name, as in MultipleNegativesRankingLoss
+            self, model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,
+            mini_batch_num_tokens=mini_batch_num_tokens, gather_across_devices=gather_across_devices,
+            directions=directions, partition_mode=partition_mode, show_progress_bar=show_progress_bar,
+            hardness_mode=hardness_mode, hardness_strength=hardness_strength)
         # the wrapped loss holds (and validates) every hyper-parameter: swap in the fused one
         self.loss = MultipleNegativesRankingLoss(
             model, scale=scale, similarity_fct=similarity_fct, gather_across_devices=gather_across_devices,
@@ -206,13 +229,17 @@ class CachedMultipleNegativesRankingLoss(_STCachedMNRL):
         return {**super().get_config_dict(), "hinge_weight": self.hinge_weight, "hinge_margin": self.hinge_margin}
 
 
-class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRankingLoss):
-    """sentence-transformers' ``CachedMultipleNegativesSymmetricRankingLoss`` with the fused loss stage."""
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore", DeprecationWarning)
 
-    def __init__(self, model, scale: float = 20.0, similarity_fct=cos_sim, mini_batch_size: int = 32,
-                 mini_batch_num_tokens: int | None = None, gather_across_devices: bool = False,
-                 show_progress_bar: bool = False, *, hinge_weight: float = 0.0, hinge_margin: float = 0.2) -> None:
-        super().__init__(model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,
-                         mini_batch_num_tokens=mini_batch_num_tokens, gather_across_devices=gather_across_devices,
-                         directions=_SYMMETRIC, partition_mode="per_direction",
-                         show_progress_bar=show_progress_bar, hinge_weight=hinge_weight, hinge_margin=hinge_margin)
+    class CachedMultipleNegativesSymmetricRankingLoss(CachedMultipleNegativesRankingLoss,
+                                                      *_symmetric_base("CachedMultipleNegativesSymmetricRankingLoss")):
+        """sentence-transformers' ``CachedMultipleNegativesSymmetricRankingLoss`` with the fused loss stage."""
+
+        def __init__(self, model, scale: float = 20.0, similarity_fct=cos_sim, mini_batch_size: int = 32,
+                     mini_batch_num_tokens: int | None = None, gather_across_devices: bool = False,
+                     show_progress_bar: bool = False, *, hinge_weight: float = 0.0, hinge_margin: float = 0.2) -> None:
+            super().__init__(model, scale=scale, similarity_fct=similarity_fct, mini_batch_size=mini_batch_size,
+                             mini_batch_num_tokens=mini_batch_num_tokens, gather_across_devices=gather_across_devices,
+                             directions=_SYMMETRIC, partition_mode="per_direction",
+                             show_progress_bar=show_progress_bar, hinge_weight=hinge_weight, hinge_margin=hinge_margin)

@@ -7,6 +7,7 @@ its own layer's prefix by ``module.layer_idx``. The prefix is never expanded ove
 """
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_IMPLEMENTATION = "fastprompt"
+_CACHE_KEYWORDS: dict[type, str] = {}
 
 
 @dataclass
@@ -74,3 +76,18 @@ def build_prefix_cache(layers: list, batch_size: int) -> DynamicCache:
         k, v = (t if t.dim() == 4 else t.unsqueeze(0).expand(batch_size, -1, -1, -1) for t in entry)
         cache.update(k, v, i)
     return cache
+
+
+def cache_keyword(backbone) -> str:
+    """The keyword under which ``backbone``'s forward takes a key/value cache: ``cache`` where the forward
+    declares it (transformers 5.24 renamed it, and removes the old ``past_key_values`` in 5.40; passing the old
+    name meanwhile raises a FutureWarning), else ``past_key_values`` (older transformers). The signature is read
+    once per model class (the deprecation decorators keep it through ``functools.wraps``)."""
+    cls = type(backbone)
+    if cls not in _CACHE_KEYWORDS:
+        try:
+            params = inspect.signature(cls.forward).parameters
+        except (TypeError, ValueError):  # a forward without a readable signature: the long-standing name
+            params = {}
+        _CACHE_KEYWORDS[cls] = "cache" if "cache" in params else "past_key_values"
+    return _CACHE_KEYWORDS[cls]

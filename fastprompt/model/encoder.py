@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 
 from fastprompt.choices import BACKENDS, MLP_MODES, POOLERS, PREFIX_MODES, check_choice
 
-from .attention import PrefixState, build_prefix_cache, register_attention
+from .attention import PrefixState, build_prefix_cache, cache_keyword, register_attention
 from .backbone import load_backbone, max_input_length
 from .config import PromptConfig
 from .device import resolve_device, warn_if_slow
@@ -442,7 +442,8 @@ class PromptEncoder(nn.Module):
             B, P = attention_mask.shape[0], self.prompt_length
             cache = build_prefix_cache(layers, B)
             mask = torch.cat([attention_mask.new_ones(B, P), attention_mask], dim=1)
-            out = self.backbone(attention_mask=mask, past_key_values=cache, use_cache=True, **kwargs)
+            kwargs[cache_keyword(self.backbone)] = cache
+            out = self.backbone(attention_mask=mask, use_cache=True, **kwargs)
         hidden = out.last_hidden_state
         return self.input_prompt.remove(hidden) if self.input_prompt is not None else hidden
 

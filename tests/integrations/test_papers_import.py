@@ -2,9 +2,15 @@
 
 The fixture is a checkpoint folder in their layout, written here from a tiny BERT/RoBERTa with the key names of their
 ``promcse/models.py`` (``bert.*``/``roberta.*``, ``prefix_encoder.embedding.weight``, ``prefix_encoder.trans.*``,
-``mlp.dense.*``, ``lm_head.*``). The reference reimplements their ``get_prompt`` (view (B, P, 2L, H, D), permute
-[2, 0, 3, 1, 4], split in pairs) and ``sentemb_forward`` (P ones before the mask, the prefix as past key/values,
-positions left to the model) with a transformers ``DynamicCache``, which is what their tuple past_key_values became.
+``mlp.dense.*``, ``lm_head.*``) as their pinned transformers 4.2.1 saves them: the embeddings' ``position_ids`` buffer
+was persistent then, so ``bert.embeddings.position_ids`` / ``roberta.embeddings.position_ids`` (int64, (1, max
+positions)) is in the state dict, and ``cl_init`` creates the ``mlp`` head only for ``pooler_type cls``, so a
+``cls_before_pooler`` checkpoint has no ``mlp.dense.*``.
+
+The reference reimplements their ``get_prompt`` (view (B, P, 2L, H, D), permute [2, 0, 3, 1, 4], split in pairs)
+and ``sentemb_forward`` (P ones before the mask, the prefix as past key/values, positions left to the model) with a
+transformers ``DynamicCache``, which is what their tuple past_key_values became (passed as ``cache`` where the
+installed transformers has renamed the argument).
 
 Tolerance: the reference and fastprompt's attention path compute the same fp32 attention over [prefix; tokens]
 (fastprompt's fused op may reduce in another order: ~1e-7 relative per layer); pooled outputs are O(1), and the tanh
@@ -20,8 +26,10 @@ from transformers import AutoModel, AutoTokenizer, DynamicCache
 
 from fastprompt import cli
 from fastprompt.integrations import papers
+from fastprompt.integrations._common import prefix_from_rows
 from fastprompt.integrations.cli import PAPER_POOLER_TYPES
 from fastprompt.model import PromptEncoder
+from fastprompt.model.attention import cache_keyword
 
 ATOL = 1e-5
 SENTENCES = ["a man plays guitar on the street", "the dog", "two people sitting at a table with water ."]
@@ -30,7 +38,7 @@ SENTENCES = ["a man plays guitar on the street", "the dog", "two people sitting 
 class TheirModel:
     """The papers' BertForCL/RobertaForCL at inference (sent_emb=True), from their state dict."""
 
-    def __init__(self, base_dir, P, projection, prefix_hidden_size=16, seed=0):
+    def __init__(self, base_dir, P, projection, prefix_hidden_size=16, seed=0, pooler_type="cls"):
         torch.manual_seed(seed)
         self.backbone = AutoModel.from_pretrained(base_dir, add_pooling_layer=False).eval()
         cfg = self.backbone.config
@@ -44,14 +52,18 @@ class TheirModel:
                                              torch.nn.Linear(prefix_hidden_size, self.L * 2 * hidden))
         else:
             self.embedding = torch.nn.Embedding(P, self.L * 2 * hidden)
-        self.mlp = torch.nn.Linear(hidden, hidden)
+        self.max_positions = cfg.max_position_embeddings
+        self.mlp = torch.nn.Linear(hidden, hidden) if pooler_type == "cls" else None  # their cl_init
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         state = {f"{self.arch}.{k}": v for k, v in self.backbone.state_dict().items()}
+        # transformers 4.2.1's persistent position-ids buffer
+        state[f"{self.arch}.embeddings.position_ids"] = torch.arange(self.max_positions).expand((1, -1))
         state["prefix_encoder.embedding.weight"] = self.embedding.weight.data
         if self.projection:
             state.update({f"prefix_encoder.trans.{k}": v for k, v in self.trans.state_dict().items()})
-        state["mlp.dense.weight"], state["mlp.dense.bias"] = self.mlp.weight.data, self.mlp.bias.data
+        if self.mlp is not None:
+            state["mlp.dense.weight"], state["mlp.dense.bias"] = self.mlp.weight.data, self.mlp.bias.data
         state["lm_head.bias"] = torch.zeros(7)  # do_mlm's head: not part of the embedding
         return state
 
@@ -70,7 +82,7 @@ class TheirModel:
             cache.update(kv[0], kv[1], layer)
         mask = torch.cat([torch.ones(B, self.P, dtype=batch["attention_mask"].dtype), batch["attention_mask"]], 1)
         out = self.backbone(batch["input_ids"], attention_mask=mask, token_type_ids=batch.get("token_type_ids"),
-                            past_key_values=cache, use_cache=True)
+                            use_cache=True, **{cache_keyword(self.backbone): cache})
         pooled = out.last_hidden_state[:, 0]
         if pooler_type == "cls" and not mlp_only_train:
             pooled = torch.tanh(self.mlp(pooled))
@@ -103,7 +115,9 @@ CASES = [  # (architecture, projection, pooler_type, mlp_only_train, weights for
 def test_imported_prompt_matches_their_forward(tiny_bert_dir, tiny_roberta_dir, tmp_path, arch, projection,
                                                pooler_type, mlp_only_train, fmt):
     base = tiny_bert_dir if arch == "bert" else tiny_roberta_dir
-    theirs = TheirModel(base, P=4, projection=projection)
+    theirs = TheirModel(base, P=4, projection=projection, pooler_type=pooler_type)
+    state = theirs.state_dict()
+    assert f"{arch}.embeddings.position_ids" in state and ("mlp.dense.weight" in state) == (pooler_type == "cls")
     ckpt = theirs.save(tmp_path / "their-checkpoint", base, fmt)
     out = papers.import_promcse(ckpt, tmp_path / "prompt", pooler_type=pooler_type, mlp_only_train=mlp_only_train)
     saved = json.loads((out / "fastprompt_config.json").read_text())
@@ -140,8 +154,22 @@ def test_cli_import_with_their_arguments_file_and_a_base_model(tiny_bert_dir, tm
     torch.testing.assert_close(ours, theirs.sentence_embedding(batch, "cls", True), atol=ATOL, rtol=0)
 
 
+def test_safetensors_is_preferred_over_the_pickle(tiny_bert_dir, tmp_path, caplog):
+    """With both files, the prompt comes from model.safetensors and pytorch_model.bin is never unpickled."""
+    theirs = TheirModel(tiny_bert_dir, P=2, projection=False, pooler_type="cls_before_pooler")
+    ckpt = theirs.save(tmp_path / "ckpt", tiny_bert_dir, "safetensors")
+    other = {k: v.clone() for k, v in theirs.state_dict().items()}
+    other["prefix_encoder.embedding.weight"] += 1.0  # a stale pickle beside it, with another prompt
+    torch.save(other, ckpt / "pytorch_model.bin")
+    with caplog.at_level("INFO", logger="fastprompt.integrations"):
+        out = papers.import_promcse(ckpt, tmp_path / "out", pooler_type="cls_before_pooler")
+    assert "torch.load" not in caplog.text
+    prefix = PromptEncoder.load(out).prompt.prefix.data
+    assert torch.equal(prefix, prefix_from_rows(theirs.embedding.weight.data, theirs.L, theirs.H))
+
+
 def test_a_different_base_model_is_flagged(tiny_bert_dir, tmp_path, caplog):
-    theirs = TheirModel(tiny_bert_dir, P=2, projection=False)
+    theirs = TheirModel(tiny_bert_dir, P=2, projection=False, pooler_type="cls_before_pooler")
     with torch.no_grad():
         theirs.backbone.embeddings.word_embeddings.weight.add_(1.0)  # as if trained on another backbone
     ckpt = theirs.save(tmp_path / "ckpt", tiny_bert_dir, "safetensors")
@@ -175,3 +203,20 @@ def test_import_errors_are_clear(tiny_bert_dir, tmp_path, capsys):
 
 def test_cli_pooler_types_match_the_importer():
     assert PAPER_POOLER_TYPES == papers.POOLER_TYPES
+
+
+def test_output_holding_other_files_needs_overwrite(tiny_bert_dir, tmp_path, capsys):
+    theirs = TheirModel(tiny_bert_dir, P=2, projection=False, pooler_type="cls_before_pooler")
+    ckpt = theirs.save(tmp_path / "ckpt", tiny_bert_dir, "safetensors")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("user data")
+    argv = ["import", "--from", "promcse", "--checkpoint", str(ckpt), "--pooler-type", "cls_before_pooler",
+            "--output", str(taken)]
+    assert cli.main(argv) == 2
+    assert "holds other files (notes.txt)" in capsys.readouterr().err and (taken / "notes.txt").is_file()
+    assert cli.main([*argv, "--overwrite"]) == 0
+    assert not (taken / "notes.txt").exists() and PromptEncoder.load(taken).prompt_length == 2
+    assert cli.main(argv) == 0  # an earlier prompt checkpoint is replaced without --overwrite
+    assert cli.main([*argv[:-1], str(ckpt)]) == 2
+    assert "is the input folder" in capsys.readouterr().err

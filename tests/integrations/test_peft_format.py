@@ -92,6 +92,7 @@ def test_peft_to_fastprompt_to_peft(tiny_bert_dir, tmp_path):
     for key in ("peft_type", "task_type", "num_virtual_tokens", "num_layers", "num_attention_heads", "token_dim",
                 "num_transformer_submodules", "base_model_name_or_path", "inference_mode"):
         assert a[key] == b[key], key
+    assert "peft_version" in a and "peft_version" in b  # PEFT records its version; export writes the layout's
 
 
 @pytest.mark.parametrize("projection", [False, True])
@@ -202,3 +203,123 @@ def test_export_cli_writes_an_adapter(tiny_bert_dir, tmp_path, capsys):
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["peft_type"] == "PREFIX_TUNING" and config["num_virtual_tokens"] == 2
     assert config["base_model_name_or_path"] == str(tiny_bert_dir)
+    # --overwrite reaches both directions: a folder holding other files is replaced only with it
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("user data")
+    capsys.readouterr()
+    for argv in (["export", "--prompt", str(ckpt), "--to", "peft"], ["import", "--from", "peft", "--checkpoint",
+                                                                     str(tmp_path / "adapter")]):
+        assert cli.main([*argv, "--output", str(taken)]) == 2
+        assert "notes.txt" in capsys.readouterr().err and (taken / "notes.txt").is_file()
+        assert cli.main([*argv, "--output", str(taken), "--overwrite"]) == 0
+        assert not (taken / "notes.txt").exists()
+        (taken / "notes.txt").write_text("user data")
+
+
+def _fine_tuned(model_dir, **config):
+    """A shifted prompt on a backbone that train_backbone changed (its weights no longer the base model's)."""
+    encoder = _encoder(model_dir, prompt_length=3, position_mode="shifted", **config).train_backbone()
+    with torch.no_grad():
+        for p in encoder.backbone.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return encoder.eval()
+
+
+def test_fine_tuned_backbone_adapter_names_the_checkpoint_folder(tiny_bert_dir, tmp_path, caplog):
+    """The prefix belongs to the fine-tuned backbone: the adapter names the checkpoint folder (which holds it in the
+    Hugging Face layout), so PEFT on that base gives fastprompt's outputs; on the original base it would not."""
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModel
+
+    encoder = _fine_tuned(tiny_bert_dir)
+    ckpt = encoder.save(tmp_path / "ckpt")
+    with caplog.at_level(logging.WARNING, logger="fastprompt.integrations.peft"):
+        adapter = export_peft(ckpt, tmp_path / "adapter")
+    assert "holds a fine-tuned backbone" in caplog.text
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(ckpt.resolve())
+    ours, batch = _hidden(encoder)
+    real = batch["attention_mask"].bool()
+    outputs = {}
+    models = {"checkpoint": peft.AutoPeftModelForFeatureExtraction.from_pretrained(adapter),  # loads the named base
+              "original": peft.PeftModel.from_pretrained(AutoModel.from_pretrained(tiny_bert_dir), adapter)}
+    for name, model in models.items():
+        with torch.no_grad():
+            outputs[name] = model.eval()(input_ids=batch["input_ids"],
+                                         attention_mask=batch["attention_mask"]).last_hidden_state[real]
+    torch.testing.assert_close(outputs["checkpoint"], ours[real], atol=ATOL, rtol=0)
+    assert (outputs["original"] - ours[real]).abs().max() > 1e-2  # what naming the original base gave
+    # and back: the adapter's base (the checkpoint folder) carries the fine-tuned backbone into fastprompt
+    back = PromptEncoder.load(import_peft(adapter, tmp_path / "back")).eval()
+    torch.testing.assert_close(_hidden(back)[0][real], ours[real], atol=ATOL, rtol=0)
+
+
+def test_fine_tuned_encoder_object_is_refused(tiny_bert_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"save the encoder first"):
+        export_peft(_fine_tuned(tiny_bert_dir), tmp_path / "adapter")
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_adapter_records_peft_version_and_peft_loads_it_for_inference_only(tiny_bert_dir, tmp_path):
+    """PEFT refuses to load a prompt-learning adapter as trainable: the docs send training back to fastprompt."""
+    from fastprompt.integrations.peft import PEFT_FORMAT_VERSION
+
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModel
+
+    adapter = export_peft(_encoder(tiny_bert_dir, prompt_length=2, position_mode="shifted"), tmp_path / "adapter")
+    assert json.loads((adapter / "adapter_config.json").read_text())["peft_version"] == PEFT_FORMAT_VERSION
+    with pytest.raises(ValueError, match="Cannot set a prompt learning adapter to trainable"):
+        peft.PeftModel.from_pretrained(AutoModel.from_pretrained(tiny_bert_dir), adapter, is_trainable=True)
+
+
+def test_export_replaces_only_an_earlier_export(tiny_bert_dir, tmp_path):
+    encoder = _encoder(tiny_bert_dir, prompt_length=2, position_mode="shifted")
+    ckpt = encoder.save(tmp_path / "ckpt")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("user data")
+    with pytest.raises(FileExistsError, match="is not empty and is not an earlier PEFT adapter export"):
+        export_peft(encoder, taken)
+    assert (taken / "notes.txt").read_text() == "user data"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="it is a file"):
+        export_peft(encoder, tmp_path / "file")
+    with pytest.raises(ValueError, match="is the input folder"):
+        export_peft(ckpt, ckpt, overwrite=True)
+    assert (ckpt / "prompt.safetensors").is_file()
+    adapter = export_peft(encoder, tmp_path / "adapter")
+    export_peft(ckpt, adapter)  # an earlier export of fastprompt is replaced
+    export_peft(encoder, taken, overwrite=True)
+    assert sorted(p.name for p in taken.iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    (tmp_path / "empty").mkdir()
+    export_peft(encoder, tmp_path / "empty")
+
+
+def test_export_does_not_replace_an_adapter_peft_wrote(tiny_bert_dir, tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModel
+
+    config = peft.PrefixTuningConfig(task_type="FEATURE_EXTRACTION", num_virtual_tokens=2)
+    peft.get_peft_model(AutoModel.from_pretrained(tiny_bert_dir), config).save_pretrained(tmp_path / "theirs")
+    with pytest.raises(FileExistsError, match="not an earlier PEFT adapter export"):
+        export_peft(_encoder(tiny_bert_dir, prompt_length=2), tmp_path / "theirs")
+
+
+def test_import_takes_the_base_model_from_the_adapter_config(tiny_bert_dir, tmp_path):
+    """base_model_name_or_path (what PEFT loads and users edit) wins over fastprompt's metadata, which is the
+    fallback when the config names none."""
+    import shutil
+
+    encoder = _encoder(tiny_bert_dir, prompt_length=2, position_mode="shifted")
+    adapter = export_peft(encoder, tmp_path / "adapter")
+    moved = shutil.copytree(tiny_bert_dir, tmp_path / "moved-base")
+    config_file = adapter / "adapter_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "base_model_name_or_path": str(moved)}))
+    assert PromptEncoder.load(import_peft(adapter, tmp_path / "a")).base_model == str(moved)
+    config_file.write_text(json.dumps({**config, "base_model_name_or_path": None}))
+    assert PromptEncoder.load(import_peft(adapter, tmp_path / "b")).base_model == str(tiny_bert_dir)
+    with pytest.raises(FileExistsError, match="holds other files"):
+        import_peft(adapter, adapter)

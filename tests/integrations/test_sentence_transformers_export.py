@@ -8,6 +8,7 @@ output vectors after the model's layers. 1e-5 leaves ample headroom and still ca
 pooler, a missing prefix or normalisation moves components by 1e-2 or more).
 """
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -168,7 +169,8 @@ def test_export_cli_errors_are_clear(tiny_bert_dir, tmp_path, capsys):
     capsys.readouterr()
     cases = [
         (["--prompt", str(tmp_path / "missing"), "--output", str(tmp_path / "o1")], "not found"),
-        (["--prompt", str(ckpt), "--output", str(tmp_path / "taken")], "exists and is not empty"),
+        (["--prompt", str(ckpt), "--output", str(tmp_path / "taken")],
+         "is not empty and is not an earlier sentence-transformers export"),
         (["--prompt", str(ckpt), "--output", str(ckpt)], "is the input folder"),
     ]
     for args, message in cases:
@@ -176,6 +178,11 @@ def test_export_cli_errors_are_clear(tiny_bert_dir, tmp_path, capsys):
         err = capsys.readouterr().err
         assert err.startswith("fastprompt export: error:") and message in err, err
     assert (tmp_path / "taken" / "keep.txt").read_text() == "user data"
+    out = ["export", "--to", "sentence-transformers", "--prompt", str(ckpt), "--output"]
+    assert cli.main([*out, str(tmp_path / "st")]) == 0
+    assert cli.main([*out, str(tmp_path / "st")]) == 0  # an earlier export is replaced without --overwrite
+    assert cli.main([*out, str(tmp_path / "taken"), "--overwrite"]) == 0
+    assert (tmp_path / "taken" / "modules.json").is_file() and not (tmp_path / "taken" / "keep.txt").exists()
 
 
 def test_the_exported_prompt_trains_with_a_sentence_transformers_loss(tiny_bert_dir, tmp_path):
@@ -193,3 +200,79 @@ def test_the_exported_prompt_trains_with_a_sentence_transformers_loss(tiny_bert_
     module = model[0].encoder
     assert module.prompt.prefix.grad is not None and module.prompt.prefix.grad.abs().sum() > 0
     assert all(p.grad is None for p in module.backbone.parameters())
+
+
+def _fake_run(run, encoder, best_checkpoint):
+    """A run folder as the trainer writes it: best/ and last/, summary.json naming best/ by ``best_checkpoint``."""
+    for name in ("best", "last"):
+        encoder.save(run / name)
+    test = {"sts12": 70.1, "stsb": 79.6, "avg": 74.85}
+    (run / "summary.json").write_text(json.dumps({"best_checkpoint": best_checkpoint, "test": test}))
+
+
+def test_model_card_table_from_another_directory_and_after_moving_the_run(tiny_bert_dir, tmp_path, monkeypatch):
+    """summary.json names best/ by the path the run was given (relative for every shipped recipe): the table is
+    found from any working directory and after the run folder moved, and still not for last/."""
+    from fastprompt.integrations.sentence_transformers import export_sentence_transformers
+
+    encoder = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(prompt_length=2))
+    _fake_run(tmp_path / "runs" / "quick", encoder, "runs/quick/best")  # as trained from tmp_path
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    monkeypatch.chdir(elsewhere)
+    row = "| 70.10 | 79.60 | 74.85 |"
+
+    def card(checkpoint, name):
+        return (export_sentence_transformers(checkpoint, tmp_path / name) / "README.md").read_text(encoding="utf-8")
+
+    assert row in card(tmp_path / "runs" / "quick" / "best", "st1")
+    assert row in card(Path("..") / "runs" / "quick" / "best", "st2")  # a relative argument, another cwd
+    (tmp_path / "runs" / "quick").rename(tmp_path / "moved")
+    assert row in card(tmp_path / "moved" / "best", "st3")
+    assert row not in card(tmp_path / "moved" / "last", "st4")
+
+
+def test_export_replaces_only_an_earlier_export(tiny_bert_dir, tmp_path):
+    from fastprompt.integrations.sentence_transformers import export_sentence_transformers
+
+    encoder = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(prompt_length=2))
+    ckpt = encoder.save(tmp_path / "ckpt")
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "notes.txt").write_text("user data")
+    with pytest.raises(FileExistsError, match="is not empty and is not an earlier sentence-transformers export"):
+        export_sentence_transformers(encoder, taken)
+    assert (taken / "notes.txt").read_text() == "user data"
+    with pytest.raises(ValueError, match="is the input folder"):
+        export_sentence_transformers(ckpt, ckpt, overwrite=True)
+    out = export_sentence_transformers(encoder, tmp_path / "st")
+    export_sentence_transformers(ckpt, out)  # an earlier export is replaced
+    export_sentence_transformers(encoder, taken, overwrite=True)
+    assert not (taken / "notes.txt").exists() and (taken / "modules.json").is_file()
+
+
+def test_fine_tuned_backbone_is_stored_once(tiny_bert_dir, tmp_path):
+    """train_backbone: the backbone lives in prompt/ (a complete checkpoint) and not again at the root; the folder
+    encodes as fastprompt does, re-saving keeps one copy, and leaving the backbone out is refused."""
+    from fastprompt.integrations.sentence_transformers import export_sentence_transformers
+
+    torch.manual_seed(4)
+    encoder = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(prompt_length=2, init_std=0.5))
+    encoder.train_backbone()
+    with torch.no_grad():
+        for p in encoder.backbone.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    encoder.eval()
+    ckpt = encoder.save(tmp_path / "ckpt")
+    out = export_sentence_transformers(ckpt, tmp_path / "st")
+    assert [p.relative_to(out).as_posix() for p in out.rglob("model.safetensors")] == ["prompt/model.safetensors"]
+    model = _load(out)
+    np.testing.assert_allclose(model.encode(SENTENCES), encoder.encode(SENTENCES), atol=ATOL, rtol=0)
+    assert "(fine-tuned with the prompt)" in (out / "README.md").read_text(encoding="utf-8")
+    model.save(str(tmp_path / "again"))
+    assert len(list((tmp_path / "again").rglob("model.safetensors"))) == 1
+    np.testing.assert_allclose(_load(tmp_path / "again").encode(SENTENCES), encoder.encode(SENTENCES), atol=ATOL,
+                               rtol=0)
+    with pytest.raises(ValueError, match="backbone is fine-tuned"):
+        export_sentence_transformers(ckpt, tmp_path / "nb", include_backbone=False)
+    assert not (tmp_path / "nb").exists()

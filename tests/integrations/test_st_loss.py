@@ -154,6 +154,24 @@ def test_config_dict_and_exports():
     assert isinstance(loss, st_losses.CachedMultipleNegativesRankingLoss)  # sentence-transformers' checks apply
 
 
+@pytest.mark.parametrize("name", st_loss.__all__)
+def test_each_loss_is_an_instance_of_sentence_transformers_class(name):
+    """isinstance(loss, sentence-transformers' class of the same name) holds, for the deprecated symmetric classes
+    too, without their DeprecationWarning (subclassing emits it at class definition, silenced in st_loss), and
+    the symmetric constructors still set both directions with a softmax per direction."""
+    theirs = getattr(st_losses, name)
+    assert issubclass(getattr(st_loss, name), theirs)
+    model = _TinyModelStub() if name.startswith("Cached") else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        loss = getattr(st_loss, name)(model)
+    base = "CachedMultipleNegativesRankingLoss" if name.startswith("Cached") else "MultipleNegativesRankingLoss"
+    assert isinstance(loss, theirs) and isinstance(loss, getattr(st_losses, base))
+    symmetric = "Symmetric" in name
+    assert tuple(loss.directions) == (("query_to_doc", "doc_to_query") if symmetric else ("query_to_doc",))
+    assert loss.partition_mode == ("per_direction" if symmetric else "joint")
+
+
 # ---------------------------------------------------------------- on a tiny SentenceTransformer
 
 

@@ -14,7 +14,7 @@ from fastprompt.data.replacements import (
     write_replacement_file,
 )
 from fastprompt.model import PromptConfig, PromptEncoder
-from fastprompt.model.attention import build_prefix_cache
+from fastprompt.model.attention import build_prefix_cache, cache_keyword
 from fastprompt.objectives import WeightSchedule
 from fastprompt.objectives.crtd import CRTDTerm
 
@@ -91,7 +91,8 @@ def _reference(enc, term, ids, mask, labels, h, prompted):
     additive = (1.0 - full[:, None, None, :].float()) * torch.finfo(torch.float32).min
     kw = {}
     if prompted:
-        kw = dict(past_key_values=build_prefix_cache(enc.prompt.layer_prefixes(), ids.shape[0]), use_cache=True)
+        kw = {cache_keyword(bb.encoder): build_prefix_cache(enc.prompt.layer_prefixes(), ids.shape[0]),
+              "use_cache": True}
     hidden = bb.encoder(emb, attention_mask=additive, **kw).last_hidden_state
     t = labels != -100
     logits = hidden[t] @ term.classifier.weight.T + term.classifier.bias

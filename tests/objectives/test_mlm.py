@@ -15,7 +15,7 @@ import torch
 
 from fastprompt.data import Collator
 from fastprompt.model import PromptConfig, PromptEncoder
-from fastprompt.model.attention import build_prefix_cache
+from fastprompt.model.attention import build_prefix_cache, cache_keyword
 from fastprompt.objectives import Method, SimCSE, WeightSchedule
 from fastprompt.objectives.mlm import MLMTerm, mask_tokens
 from fastprompt.train.config import TrainConfig
@@ -89,13 +89,13 @@ def test_mlm_term_with_prompt_equals_the_dynamic_cache_path_and_hf_head(mlm_dir)
     logits = head(hidden)  # (rows, seq_len, vocab), as DCPCSE's models.py computes it
     ref = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
     torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
-    # the reference path really is HF's own past_key_values route
+    # the reference path really is HF's own key/value-cache route
     B, P = ids.shape[0], enc.prompt_length
     cache = build_prefix_cache(enc._layer_prefixes(), B)
     mask = torch.cat([batch.attention_mask.new_ones(B, P), batch.attention_mask], dim=1)
     pos = enc._position_ids(ids, batch.attention_mask)
-    out = hf(input_ids=ids, attention_mask=mask, past_key_values=cache, use_cache=True, position_ids=pos,
-             labels=labels)
+    out = hf(input_ids=ids, attention_mask=mask, use_cache=True, position_ids=pos, labels=labels,
+             **{cache_keyword(hf.base_model): cache})
     torch.testing.assert_close(ours, out.loss, atol=1e-5, rtol=1e-5)
 
 
