@@ -1,6 +1,6 @@
 """Write the measured tables of the docs from the committed results (bench/results/*.json: the rows in the harness's
 schema, the command that produced them and the machine): docs/dropin.md from bench_st_loss.py and
-bench_peft_prefix.py.
+bench_peft_prefix.py, docs/speed.md from bench_train_step.py.
 
 Each table replaces the text between ``<!-- table:NAME -->`` and ``<!-- /table:NAME -->`` in its document, so the
 docs show exactly what the results hold:
@@ -23,12 +23,16 @@ DOCS = ROOT / "docs"
 ST_LOSS = ("st_loss_cpu_loss.json", "st_loss_cpu_loss_4096x3.json")
 ST_STEP = ("st_loss_cpu_step.json", "st_loss_cpu_step_minilm.json")
 PEFT = ("peft_prefix_cpu.json", "peft_prefix_cpu_projection.json")
+TRAIN_STEP = ("train_step_cpu.json",)
 ST_NAMES = {"fastprompt": "fastprompt MNRL", "mnrl": "sentence-transformers MNRL",
             "cached_mnrl": "sentence-transformers CachedMNRL (mini-batch 32)",
             "fastprompt_cached": "fastprompt CachedMNRL (mini-batch 32)"}
 ENCODERS = {"small": "small (2 layers, hidden 64)"}
 PEFT_NAMES = {"peft": "PEFT", "fastprompt": "`accelerate_peft`",
               "fastprompt_ckpt": "`accelerate_peft` + gradient checkpointing"}
+UNATTRIBUTED = "unattributed / compiled kernels"  # bench_train_step.UNATTRIBUTED
+CATEGORIES = ("matmul", "attention", "dropout", "gelu", "layer_norm", "elementwise", "copy/cat/layout", "loss",
+              "optimizer", "other")
 
 
 def _load(names) -> tuple[list[dict], list[str], dict, list[dict]]:
@@ -98,8 +102,65 @@ def peft_table() -> str:
     return "\n".join(lines + _footer(rows, commands, machine))
 
 
+def _or(value, fmt: str, missing: str = "") -> str:
+    return missing if value is None else format(value, fmt)
+
+
+def train_step_table() -> str:
+    rows, commands, _, _ = _load(TRAIN_STEP)
+    if not rows:
+        return "(not measured)"
+    lines = ["| pairs | tokens | provider | step (ms, median) | vs PEFT | peak memory (MiB) | vs PEFT "
+             "| FLOP floor (ms) | fraction of the floor | loss, dropout off |", "|" + "---|" * 10]
+    for r in rows:
+        lines.append(f"| {r['pairs']} | {r['seq']} | {r['provider']} | {r['median_ms']:.0f} | "
+                     f"{_or(r.get('time_vs_baseline'), '.2f')}x | {_or(r.get('peak_mb'), '.0f')} | "
+                     f"{_or(r.get('mem_vs_baseline'), '.2f')}x | {r['floor_ms']:.0f} | {r['floor_fraction']:.2f} | "
+                     f"{_or(r.get('loss_nodrop'), '.6f', '(not computed)')} |")
+    points = list(dict.fromkeys((r["pairs"], r["seq"]) for r in rows))
+    first = {p: next(r for r in rows if (r["pairs"], r["seq"]) == p) for p in points}
+    where = [f"{p} pairs, {s} tokens" for p, s in points]
+    lines += ["", "Per step: " + ", ".join(f"{first[p]['gflop']:.1f} GFLOP at {w}" for p, w in zip(points, where))
+              + ".", "The fp32 matmul rate measured in the run, at the feed-forward's shape: "
+              + ", ".join(f"{first[p]['matmul_gflops']:.1f}" for p in points) + " GFLOP/s"
+              + ("; at the attention's shape: " + ", ".join(f"{first[p]['attn_matmul_gflops']:.1f}" for p in points)
+                 + " GFLOP/s" if all("attn_matmul_gflops" in first[p] for p in points) else "") + "."]
+    diffs = [(r["provider"], w, r["loss_nodrop_diff"]) for p, w in zip(points, where) for r in rows
+             if (r["pairs"], r["seq"]) == p and r.get("loss_nodrop_diff") is not None and r["provider"] != "peft"]
+    if diffs:
+        lines.append("Loss difference from PEFT (dropout off): "
+                     + "; ".join(f"{name} {d:.1e} at {w}" for name, w, d in diffs) + ".")
+    return "\n".join(lines + ["", "```bash", *commands, "```"])
+
+
+def profile_table() -> str:
+    """Milliseconds of one step by op category (``profile_ms``). Results from before the profile was in ms hold
+    shares of the aten self time (``profile_self_time_share``): shown as such, in percent."""
+    _, _, _, summaries = _load(TRAIN_STEP)
+    summary = summaries[0] if summaries else {}
+    if summary.get("profile_ms"):
+        profiles, columns = summary["profile_ms"], [*CATEGORIES, UNATTRIBUTED, "step"]
+        unit = "ms of one step by category; they add up to the step's wall time under the profiler (`step`)"
+
+        def fmt(v):
+            return f"{v:,.0f}"
+    elif summary.get("profile_self_time_share"):
+        profiles, columns = summary["profile_self_time_share"], list(CATEGORIES)
+        unit = "share of the aten self time (an earlier run: no wall time, so compiled kernels are not shown)"
+
+        def fmt(v):
+            return f"{v * 100:.0f}%"
+    else:
+        return "(not measured)"
+    lines = [f"| point | {' | '.join(columns)} |", "|---|" + "---|" * len(columns)]
+    for name, values in profiles.items():
+        lines.append(f"| {name} | " + " | ".join(fmt(values.get(c, 0.0)) for c in columns) + " |")
+    return "\n".join(lines + ["", f"Values: {unit}."])
+
+
 TABLES = {
     "dropin.md": {"st_loss": lambda: st_table(ST_LOSS), "st_step": lambda: st_table(ST_STEP), "peft": peft_table},
+    "speed.md": {"train_step": train_step_table, "train_step_profile": profile_table},
 }
 
 

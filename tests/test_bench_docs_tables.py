@@ -1,4 +1,5 @@
-"""bench/docs_tables.py renders what a results file holds: the step table names the encoder and the machine; a
+"""bench/docs_tables.py renders what a results file holds: a training-step run in today's format (the profile in
+ms, with the unattributed share, and both matmul rates) gives the tables docs/speed.md shows after a rerun; a
 missing results file leaves "(not measured)"; the committed results give the committed docs (the --check test is
 in tests/integrations/test_bench_dropin.py)."""
 import importlib.util
@@ -19,8 +20,27 @@ def tables(tmp_path, monkeypatch):
     return module
 
 
+def test_train_step_tables_in_todays_format(tables, tmp_path):
+    row = dict(bench="train_step", device="cpu", provider="fastprompt_compiled", model="m", pairs=64, seq=32,
+               prompt_length=16, median_ms=3907.3, p20_ms=1.0, p80_ms=2.0, peak_mb=426.9, baseline="peft",
+               time_vs_baseline=0.607, mem_vs_baseline=0.616, floor_ms=884.1, floor_fraction=0.226, gflop=175.42,
+               matmul_gflops=198.4, attn_matmul_gflops=61.25, loss_nodrop=1.3810571, loss_nodrop_diff=2e-6)
+    profile = {"step": 4000.0, "matmul": 3000.0, "copy/cat/layout": 400.0, tables.UNATTRIBUTED: 600.0}
+    (tmp_path / "train_step_cpu.json").write_text(json.dumps(
+        {"command": "python bench/bench_train_step.py", "machine": {}, "rows": [row],
+         "summary": {"profile_ms": {"fastprompt_compiled pairs=64 seq=32": profile}}}))
+    table = tables.train_step_table()
+    assert "| 64 | 32 | fastprompt_compiled | 3907 | 0.61x | 427 | 0.62x | 884 | 0.23 | 1.381057 |" in table
+    assert "198.4 GFLOP/s; at the attention's shape: 61.2 GFLOP/s" in table
+    assert "fastprompt_compiled 2.0e-06 at 64 pairs, 32 tokens" in table
+    lines = tables.profile_table().splitlines()
+    assert lines[0].endswith(f"| other | {tables.UNATTRIBUTED} | step |")
+    assert lines[2] == ("| fastprompt_compiled pairs=64 seq=32 | 3,000 | 0 | 0 | 0 | 0 | 0 | 400 | 0 | 0 | 0 | 600 "
+                        "| 4,000 |")
+
+
 def test_missing_results_are_not_measured(tables):
-    assert tables.peft_table() == "(not measured)"
+    assert tables.train_step_table() == tables.profile_table() == tables.peft_table() == "(not measured)"
     assert tables.st_table(tables.ST_STEP) == "(not measured)"
 
 
