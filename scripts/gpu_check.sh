@@ -3,10 +3,13 @@
 #   1. the CUDA test subset (tests/ops/test_ops_cuda.py: both Triton ops against the plain-PyTorch references in
 #      fp32, fp16 and bf16, every gradient, dropout determinism, prompt_index, the encoder's fused attention path),
 #      compiled for the GPU (TRITON_INTERPRET=0);
-#   2. the op benchmarks (bench/bench_prefix_attention.py in bf16 and fp32, bench/bench_contrastive_loss.py) and
-#      the training-step benchmark (bench/bench_train_step.py) with --device cuda,
-# writing everything under bench/results/gpu/ (*_cuda.csv, the tests' JUnit XML and log, and summary.md).
-# Without a CUDA GPU it says so and exits 0. Nothing is downloaded at run time.
+#   2. the op benchmarks (bench/bench_prefix_attention.py in bf16 and fp32, bench/bench_contrastive_loss.py,
+#      bench/bench_mlm_logits.py) and the training-step benchmark (bench/bench_train_step.py, its full grid: 64, 256
+#      and 1,024 pairs of 32 and 128 tokens) with --device cuda,
+# writing the results beside the CPU ones, as bench/results/*_cuda.csv (+ .json sidecars), with the tests' JUnit
+# XML (bench/results/gpu_check_cuda.xml) and a one-page summary (bench/results/gpu_check_cuda.md); each step's log
+# goes to bench/results/gpu_check_logs/. Without a CUDA GPU it says so and exits 0, writing nothing. Nothing is
+# downloaded at run time.
 #   PYTHON=...   the interpreter to use (default: .venv/bin/python when present, else python3)
 #   QUICK=1      small benchmark sizes (a smoke run of the kit in a few minutes)
 set -uo pipefail
@@ -31,32 +34,38 @@ PY
     exit 0
 fi
 
-OUT=bench/results/gpu
-mkdir -p "$OUT"
-echo "gpu_check: running on $reason; results in $OUT/"
+OUT=bench/results
+LOGS=$OUT/gpu_check_logs
+SUMMARY=$OUT/gpu_check_cuda.md
+mkdir -p "$LOGS"
+echo "gpu_check: running on $reason; results in $OUT/*_cuda.csv, summary in $SUMMARY"
 failed=()
+written=()
 run() {  # run NAME CMD...: log the command, keep going on failure, remember what failed
     local name=$1; shift
     echo "gpu_check: [$name] $*"
-    if ! "$@" 2>&1 | tee "$OUT/$name.log"; then failed+=("$name"); fi
+    if ! "$@" 2>&1 | tee "$LOGS/$name.log"; then failed+=("$name"); return 1; fi
+}
+bench() {  # bench NAME SCRIPT ARGS...: a benchmark on the GPU, its CSV at bench/results/NAME_cuda.csv
+    local name=$1 script=$2; shift 2
+    if run "$name" "$PYTHON" "bench/$script" --device cuda "$@" --out "$OUT/${name}_cuda.csv"; then
+        written+=("$OUT/${name}_cuda.csv")
+    fi
 }
 export TRITON_INTERPRET=0 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 if [ "${QUICK:-0}" = 1 ]; then
-    PA=(--batches 64,256 --repeats 10); CL=(--n 1024 4096 --d 384 768); TS=(--batches 64 --repeats 3)
+    PA=(--batches 64,256 --repeats 10); CL=(--n 1024 4096 --d 384 768); ML=(--rows 32 64)
+    TS=(--batches 64 --seq 32 --repeats 3)
 else
-    PA=(); CL=(); TS=()
+    PA=(); CL=(); ML=(); TS=(--batches 64,256,1024 --seq 32,128)
 fi
 run tests_cuda "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests/ops/test_ops_cuda.py \
-    --junitxml "$OUT/tests_cuda.xml"
-run prefix_attention_bf16 "$PYTHON" bench/bench_prefix_attention.py --device cuda --dtype bf16 "${PA[@]}" \
-    --out "$OUT/prefix_attention_bf16_cuda.csv"
-run prefix_attention_fp32 "$PYTHON" bench/bench_prefix_attention.py --device cuda --dtype fp32 "${PA[@]}" \
-    --out "$OUT/prefix_attention_fp32_cuda.csv"
-run contrastive_loss "$PYTHON" bench/bench_contrastive_loss.py --device cuda "${CL[@]}" \
-    --out "$OUT/contrastive_loss_cuda.csv"
-if [ -f bench/bench_train_step.py ]; then
-    run train_step "$PYTHON" bench/bench_train_step.py --device cuda "${TS[@]}" --out "$OUT/train_step_cuda.csv"
-fi
+    --junitxml "$OUT/gpu_check_cuda.xml"
+bench prefix_attention_bf16 bench_prefix_attention.py --dtype bf16 "${PA[@]}"
+bench prefix_attention_fp32 bench_prefix_attention.py --dtype fp32 "${PA[@]}"
+bench contrastive_loss bench_contrastive_loss.py "${CL[@]}"
+bench mlm_logits bench_mlm_logits.py "${ML[@]}"
+bench train_step bench_train_step.py "${TS[@]}"
 
 {
     echo "# GPU check: $reason"
@@ -68,10 +77,9 @@ fi
     echo "## Tests"
     echo
     echo '```'
-    tail -n 3 "$OUT/tests_cuda.log"
+    tail -n 3 "$LOGS/tests_cuda.log"
     echo '```'
-    for csv in "$OUT"/*_cuda.csv; do
-        [ -f "$csv" ] || continue
+    for csv in ${written[@]+"${written[@]}"}; do  # the CSVs of the benches that completed in this run
         echo
         echo "## $(basename "$csv")"
         echo
@@ -85,9 +93,9 @@ for r in rows:
 PY
     done
     echo
-    if [ ${#failed[@]} -eq 0 ]; then echo "Everything passed."; else echo "FAILED: ${failed[*]} (see their .log)"; fi
-} > "$OUT/summary.md"
-echo "gpu_check: summary in $OUT/summary.md"
+    if [ ${#failed[@]} -eq 0 ]; then echo "Everything passed."; else echo "FAILED: ${failed[*]} (see $LOGS/)"; fi
+} > "$SUMMARY"
+echo "gpu_check: summary in $SUMMARY"
 if [ ${#failed[@]} -ne 0 ]; then
     echo "gpu_check: FAILED: ${failed[*]}"
     exit 1

@@ -29,6 +29,11 @@ SCRIPT = textwrap.dedent('''
                 raise ValueError("this provider fails")
             return {"touched": len(block) >> 20}
 
+        def check():  # untimed, after the measured steps, outside the peak
+            bytearray(b"\\x01") * (2 * mb << 20)
+            return {"checked": provider}
+
+        step.check = check
         return step
 ''')
 
@@ -43,12 +48,13 @@ def script(tmp_path):
 def test_timing_summary_and_alternation():
     t = _harness.Timing.of([5.0, 1.0, 4.0, 2.0, 3.0])
     assert (t.median_ms, t.repeats) == (3.0, 5) and t.p20_ms == pytest.approx(1.8) and t.p80_ms == pytest.approx(4.2)
-    assert _harness.Timing.of([2.0]) == _harness.Timing(2.0, 2.0, 2.0, 1)
+    assert _harness.Timing.of([2.0]) == _harness.Timing(2.0, 2.0, 2.0, 1, {})
     order = []
-    timings = _harness.time_alternating({"a": lambda: order.append("a"), "b": lambda: order.append("b")},
+    timings = _harness.time_alternating({"a": lambda: order.append("a"), "b": lambda: {"n": len(order)}},
                                         warmup=1, repeats=3)
-    assert order == ["a", "b"] * 4  # one warm-up round, then the providers in turn every round
+    assert order == ["a"] * 4  # one warm-up round, then the providers in turn every round
     assert set(timings) == {"a", "b"} and all(t.repeats == 3 for t in timings.values())
+    assert timings["a"].extra == {} and timings["b"].extra == {"n": 4}  # what the last timed call returned
     with pytest.raises(ValueError, match="repeats"):
         _harness.time_alternating({"a": lambda: None}, repeats=0)
 
@@ -57,7 +63,7 @@ def test_fresh_process_peak_memory_counts_the_step_only(script):
     big = _harness.run_fresh(script, "setup", {"mb": 96}, mode="memory", providers=["toy"], device="cpu", steps=2)
     small = _harness.run_fresh(script, "setup", {"mb": 0}, mode="memory", providers=["toy"], device="cpu")
     assert big["status"] == "ok" and big["exact_peak"] and len(big["times_ms"]) == 2
-    assert big["extra"] == {"touched": 96}
+    assert big["extra"] == {"touched": 96, "checked": "toy"}  # the check ran; its 192 MiB are not in the peak
     # 96 MiB written in the step; RSS also moves with the interpreter's own small allocations and frees
     # (under 1 MiB down, a few MiB up: measured -0.1 MiB here), far below the block's size
     assert 95 <= big["peak_mb"] < 104, big
@@ -70,6 +76,7 @@ def test_fresh_process_timing_watchdog_and_failures(script):
     timings = _harness.run_fresh(script, "setup", {"mb": 1}, mode="time", providers=["x", "y"], device="cpu",
                                  warmup=0, repeats=3)
     assert set(timings) == {"x", "y"} and timings["x"].repeats == 3 and timings["x"].median_ms > 0
+    assert timings["y"].extra == {"touched": 1}  # the time process runs no check
     killed = _harness.run_fresh(script, "setup", {"mb": 400, "hold_s": 30}, mode="memory", providers=["toy"],
                                 device="cpu", kill_above_mb=200)
     assert killed["status"] == "killed above 200 MB" and killed["process_peak_mb"] > 200
@@ -95,3 +102,21 @@ def test_results_schema_ratios_and_sidecar(tmp_path):
     assert _harness.results_path("toy", "cuda") == _harness.RESULTS / "toy_cuda.csv"
     table = _harness.markdown_table(rows, ["provider", "median_ms", "time_vs_baseline"])
     assert table.splitlines()[2] == "| fused | 1 | 0.25 |"
+    assert sidecar["command"].startswith("python ")
+    assert not list(tmp_path.glob(".*tmp*"))  # written through temporary files, replaced atomically
+
+
+def test_measured_columns_and_machine(monkeypatch):
+    t = _harness.Timing(1.23456, 1.0, 2.0, 5)
+    mem = {"peak_mb": 12.345, "process_peak_mb": 600.04, "exact_peak": False}
+    assert _harness.measured(t, mem, ndigits=2) == {
+        "median_ms": 1.23, "p20_ms": 1.0, "p80_ms": 2.0, "repeats": 5, "peak_mb": 12.3, "process_peak_mb": 600.0,
+        "note": "peak not resettable: the process's high-water mark"}
+    assert _harness.measured(memory=dict(mem, exact_peak=True)) == {"peak_mb": 12.3, "process_peak_mb": 600.0}
+    info = _harness.machine(("pytest", "no-such-package-here"))
+    assert info["versions"]["pytest"] == pytest.__version__ and info["versions"]["no-such-package-here"] is None
+    assert "versions" not in _harness.machine()
+    monkeypatch.setattr(sys, "argv", [str(_harness.ROOT / "bench" / "bench_x.py"), "--n", "a b"])
+    assert _harness.command_line() == "python bench/bench_x.py --n 'a b'"
+    monkeypatch.setattr(sys, "argv", ["/elsewhere/script.py", "-q"])
+    assert _harness.command_line() == "python /elsewhere/script.py -q"

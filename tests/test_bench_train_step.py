@@ -1,5 +1,6 @@
-"""bench/bench_train_step.py on the tiny BERT: both sides compute the same loss, the FLOP count matches what
-torch's FLOP counter sees in the baseline's forward and backward, and a run writes every point.
+"""bench/bench_train_step.py on the tiny BERT: every side (the compiled one too, marked slow) computes the same
+loss, the FLOP count matches what torch's FLOP counter sees in the baseline's forward and backward, and a run
+writes every point, with the matmul rates measured in its timing process and a profile in ms that adds up.
 
 Loss tolerance: both sides run the same fp32 model on the same tokens with the same prefix values and positions;
 they differ in how attention is computed (fastprompt's fused op over prefix + tokens vs SDPA over the
@@ -36,14 +37,46 @@ def _config(model_dir, **kw):
                      device="cpu"), **kw)
 
 
+def _losses(bench, provider, model_dir):
+    """A side's timed-step loss and its check's dropout-free loss at the starting parameters (after two steps
+    have moved them: the check restores them)."""
+    step = bench.setup(provider, **_config(model_dir))
+    step()
+    loss = step()["loss"]
+    return loss, step.check()["loss_nodrop"]
+
+
 def test_both_sides_compute_the_same_loss(bench, tiny_bert_dir):
     pytest.importorskip("peft")
-    ours = bench.setup("fastprompt", **_config(tiny_bert_dir))()
-    theirs = bench.setup("peft", **_config(tiny_bert_dir))()
-    assert ours["loss_nodrop"] == pytest.approx(theirs["loss_nodrop"], abs=1e-4, rel=1e-4)
-    assert ours["loss_nodrop"] > 0.1  # a real in-batch loss (log 6 = 1.8 at random), not a degenerate one
-    for side in (ours, theirs):  # the timed steps train with dropout: a finite loss near the dropout-free one
-        assert abs(side["loss"] - side["loss_nodrop"]) < 1.0
+    ours, ours_nodrop = _losses(bench, "fastprompt", tiny_bert_dir)
+    theirs, theirs_nodrop = _losses(bench, "peft", tiny_bert_dir)
+    assert ours_nodrop == pytest.approx(theirs_nodrop, abs=1e-4, rel=1e-4)
+    assert ours_nodrop > 0.1  # a real in-batch loss (log 6 = 1.8 at random), not a degenerate one
+    # the timed steps train with dropout and lr 1e-2: a finite loss near the dropout-free one
+    assert abs(ours - ours_nodrop) < 1.0 and abs(theirs - theirs_nodrop) < 1.0
+
+
+@pytest.mark.slow  # torch.compile of the tiny encoder's training and evaluation graphs: a minute or two
+def test_compiled_side_computes_the_same_loss(bench, tiny_bert_dir):
+    """The compiled provider's check compiles the evaluation graph and gives the eager loss (same tolerance: the
+    compiled kernels change the summation order only)."""
+    pytest.importorskip("peft")
+    _, compiled = _losses(bench, "fastprompt_compiled", tiny_bert_dir)
+    _, theirs = _losses(bench, "peft", tiny_bert_dir)
+    assert compiled == pytest.approx(theirs, abs=1e-4, rel=1e-4)
+
+
+def test_matmul_pseudo_providers_do_the_counted_work(bench, tiny_bert_dir):
+    """The rate pseudo-providers run a product of the shape whose FLOPs the floor divides by their time."""
+    from transformers import AutoConfig
+
+    cfg = AutoConfig.from_pretrained(tiny_bert_dir)
+    shapes = bench.matmul_shapes(cfg, 6, 12, 3)
+    for name in bench.MATMULS:
+        out = bench.setup(name, **_config(tiny_bert_dir, prompt_length=3))()
+        (m, k), n = shapes[name][0][-2:], shapes[name][1][-1]
+        assert out.shape[-2:] == (m, n) and shapes[name][2] == 2 * out.numel() * k
+    assert shapes["matmul_attn"][0] == (2 * 6 * cfg.num_attention_heads, 12, cfg.hidden_size // 4)
 
 
 def test_flop_count_matches_torch_flop_counter(bench, tiny_bert_dir):
@@ -69,10 +102,17 @@ def test_flop_count_matches_torch_flop_counter(bench, tiny_bert_dir):
     # AutoModel also runs BERT's pooler (a dense layer on each [CLS]), which the [CLS]-vector loss never reads
     assert fwd.get_total_flops() == want["flops_forward"] + 2 * rows * H * H
     # autograd computes layer 0's dK and dV for the tokens' keys too (then drops them): 2 S^2 H per row
-    assert bwd.get_total_flops() == want["flops_backward"] + 2 * rows * 2 * seq * seq * H
+    extra_layer0 = 2 * rows * 2 * seq * seq * H
+    assert bwd.get_total_flops() == want["flops_backward"] + extra_layer0
+    # eager attention's products are the batched ones (bmm); the projections and feed-forward are mm / addmm
+
+    def bmm(counter):
+        return sum(n for op, n in counter.get_flop_counts()["Global"].items() if "bmm" in str(op))
+
+    assert bmm(fwd) + bmm(bwd) == want["flops_attention"] + extra_layer0
 
 
-def test_bench_writes_every_point(tiny_bert_dir, tmp_path):
+def test_bench_writes_every_point(bench, tiny_bert_dir, tmp_path):
     pytest.importorskip("peft")
     out = tmp_path / "train_step.csv"
     proc = subprocess.run([sys.executable, str(BENCH), "--model", str(tiny_bert_dir), "--corpus", "none",
@@ -86,6 +126,7 @@ def test_bench_writes_every_point(tiny_bert_dir, tmp_path):
     for r in rows:
         assert r["bench"] == "train_step" and int(r["seq"]) == 10
         assert float(r["median_ms"]) > 0 and float(r["peak_mb"]) >= 0 and float(r["gflop"]) > 0
+        assert float(r["matmul_gflops"]) > 0 and float(r["attn_matmul_gflops"]) > 0
         # the CSV rounds floor_fraction to 3 decimals, floor_ms to 3 and median_ms to 1: the fraction recomputed
         # from the rounded columns is off by at most 5e-4 + (5e-4 + fraction * 0.05) / median_ms
         floor, median = float(r["floor_ms"]), float(r["median_ms"])
@@ -94,7 +135,10 @@ def test_bench_writes_every_point(tiny_bert_dir, tmp_path):
         assert float(r["loss_nodrop_diff"]) < 1e-4
     assert {r["time_vs_baseline"] for r in rows if r["provider"] == "peft"} == {"1.0"}
     sidecar = json.loads(out.with_suffix(".json").read_text())
-    shares = sidecar["summary"]["profile_self_time_share"]
-    assert set(shares) == {"fastprompt pairs=4 seq=10", "peft pairs=4 seq=10"}
-    for s in shares.values():
-        assert s["matmul"] > 0 and sum(s.values()) == pytest.approx(1.0, abs=0.02)
+    profiles = sidecar["summary"]["profile_ms"]  # the first point only (the default --profile first)
+    assert set(profiles) == {"fastprompt pairs=4 seq=10", "peft pairs=4 seq=10"}
+    for ms in profiles.values():
+        parts = {k: v for k, v in ms.items() if k != "step"}
+        assert ms["matmul"] > 0 and bench.UNATTRIBUTED in parts
+        # every category rounded to 0.1 ms: the sum is off the step's wall time by at most 0.05 ms each
+        assert sum(parts.values()) == pytest.approx(ms["step"], abs=0.05 * len(parts) + 1e-6)

@@ -1,0 +1,36 @@
+"""Smoke tests of the op benchmarks (contrastive loss, prefix attention, MLM logits) at the smallest sizes: every
+provider is timed and measured and the CSV is in the harness's schema, with the bench's baseline at 1."""
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+RUNS = {
+    "bench_contrastive_loss.py": (["--n", "64", "--d", "32", "--loss", "simcse", "--repeats", "2"],
+                                  ["fused", "reference"], "reference"),
+    "bench_prefix_attention.py": (["--batches", "4", "--seq", "8", "--prefix", "2", "--heads", "2", "--head-dim", "16",
+                                   "--modes", "fwd+bwd", "--repeats", "2", "--warmup", "1"],
+                                  ["fastprompt", "sdpa_concat", "eager_concat"], "sdpa_concat"),
+    "bench_mlm_logits.py": (["--rows", "4", "--vocab", "500", "--hidden", "32", "--repeats", "2"],
+                            ["masked", "full"], "full"),
+}
+
+
+@pytest.mark.parametrize("script", sorted(RUNS))
+def test_op_bench_measures_every_provider(script, tmp_path):
+    args, providers, baseline = RUNS[script]
+    out = tmp_path / "out.csv"
+    proc = subprocess.run([sys.executable, str(BENCH / script), *args, "--out", str(out)], capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [r["provider"] for r in rows] == providers
+    for r in rows:
+        assert r["device"] == "cpu" and float(r["median_ms"]) > 0 and int(r["repeats"]) == 2
+        assert float(r["peak_mb"]) >= 0 and r["baseline"] == baseline
+    assert next(r for r in rows if r["provider"] == baseline)["time_vs_baseline"] == "1.0"
+    assert json.loads(out.with_suffix(".json").read_text())["command"].startswith(f"python bench/{script} ")
