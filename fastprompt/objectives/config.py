@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastprompt.choices import BACKENDS, OBJECTIVE_NAMES
+from fastprompt.choices import BACKENDS, MLM_HEADS, OBJECTIVE_NAMES, RTD_CONDITIONS, RTD_DISCRIMINATORS, RTD_SAMPLING
 from fastprompt.fields import option, validate_fields
 
 #: hinge_weight when the config leaves it null: PromCSE's objective is L_CL + 10 L_EH, SimCSE's has none.
@@ -73,10 +73,6 @@ class ObjectiveConfig:
         return DEFAULT_HINGE_WEIGHT[self.name] if self.hinge_weight is None else self.hinge_weight
 
 
-#: Where the MLM term's head comes from: the backbone's checkpoint, or a new head tied to the word embeddings.
-MLM_HEADS = ("checkpoint", "tied_new")
-
-
 @dataclass
 class MLMConfig:
     """DCPCSE's auxiliary masked-language-model term (``do_mlm``): ``weight(step) * MLM loss`` through the
@@ -102,12 +98,6 @@ class MLMConfig:
         if self.decay_rate > 1:
             raise ValueError(f"mlm_decay_rate must be in (0, 1], got {self.decay_rate}")
         return self
-
-
-#: CRTD discriminator and conditional-input settings (fastprompt.objectives.crtd: D2CSE's designs).
-RTD_DISCRIMINATORS = ("prompted", "plain")
-RTD_CONDITIONS = ("after_head", "before_head", "none")
-RTD_SAMPLING = ("sample", "argmax")
 
 
 @dataclass

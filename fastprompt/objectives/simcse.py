@@ -12,10 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from fastprompt.objectives.base import ObjectiveOutput, SentenceObjective, Views
+from fastprompt.objectives.base import HARD_NEGATIVE_VIEW, SKI_VIEW, ObjectiveOutput, SentenceObjective, Views
 from fastprompt.ops import contrastive_loss
-
-HARD_NEGATIVE_VIEW = "hard_neg"
 
 
 def split_views(views: Views) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -49,7 +47,7 @@ class SimCSE(SentenceObjective):
 
     def views_for(self, columns: tuple[str, ...]) -> tuple[str, ...]:
         """As the base class, leaving out a ``ski`` column (only objective=skicse reads the SKI)."""
-        return super().views_for(tuple(c for c in columns if c != "ski"))
+        return super().views_for(tuple(c for c in columns if c != SKI_VIEW))
 
     def loss(self, views: Views) -> ObjectiveOutput:
         z1, z2, z3 = split_views(views)

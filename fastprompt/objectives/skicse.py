@@ -28,12 +28,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastprompt.objectives.base import ObjectiveOutput, SentenceObjective, Views
+from fastprompt.objectives.base import HARD_NEGATIVE_VIEW, SKI_VIEW, ObjectiveOutput, SentenceObjective, Views
 from fastprompt.objectives.config import check_ski_weights
 from fastprompt.ops import contrastive_loss
-
-SKI_VIEW = "ski"
-HARD_NEGATIVE_VIEW = "hard_neg"
 
 
 @dataclass

@@ -22,7 +22,16 @@ from typing import Any
 
 import yaml
 
-from fastprompt.choices import BACKENDS, DECODE_ERROR_MODES, MLP_MODES, POOLERS, PRECISIONS, PREFIX_MODES, TRAIN_FORMATS
+from fastprompt.choices import (
+    BACKENDS,
+    DECODE_ERROR_MODES,
+    MLP_MODES,
+    POOLERS,
+    PRECISIONS,
+    PREFIX_MODES,
+    TEMPLATE_POOLERS,
+    TRAIN_FORMATS,
+)
 from fastprompt.fields import flat_key, option, validate_fields
 from fastprompt.io import read_utf8_text, write_text_atomic
 from fastprompt.model.config import PromptConfig
@@ -296,7 +305,7 @@ class TrainConfig:
     @property
     def uses_template(self) -> bool:
         """Whether sentences are wrapped in a template (set, or the mask/topk poolers' default)."""
-        return self.templates.template is not None or self.encoder.pooler in ("mask", "topk")
+        return self.templates.template is not None or self.encoder.pooler in TEMPLATE_POOLERS
 
     @property
     def gradient_cache(self) -> bool:

@@ -20,7 +20,6 @@ from transformers import AutoModel, AutoTokenizer, DynamicCache
 
 from fastprompt import cli
 from fastprompt.integrations import papers
-from fastprompt.integrations.cli import PAPER_POOLER_TYPES
 from fastprompt.model import PromptEncoder
 
 ATOL = 1e-5
@@ -171,7 +170,3 @@ def test_import_errors_are_clear(tiny_bert_dir, tmp_path, capsys):
         err = capsys.readouterr().err
         assert "fastprompt import: error:" in err and message in err, err
     assert not (tmp_path / "out").exists()
-
-
-def test_cli_pooler_types_match_the_importer():
-    assert PAPER_POOLER_TYPES == papers.POOLER_TYPES
