@@ -34,6 +34,8 @@ PROMPT_TYPES = ("prefix", "input", "both")
 INIT_MODES = ("normal", "uniform", "vocab")
 #: Token position ids: standard (0..S-1) or shifted by the prompt length (the papers' transformers 4.2.1 code).
 POSITION_MODES = ("standard", "shifted")
+#: Device types a training run takes (``cuda:N`` names one GPU); checked by fastprompt.model.device.
+TRAIN_DEVICE_TYPES = ("auto", "cpu", "cuda")
 #: Training precision (autocast dtype).
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: Training objectives by name.

@@ -28,14 +28,6 @@ logger = logging.getLogger(__name__)
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available; use device=cpu or auto")
-    return torch.device(device)
-
-
 def load_examples(cfg: TrainConfig) -> TrainExamples:
     ex = load_train_file(cfg.data.train_file, fmt=cfg.data.train_format, on_decode_error=cfg.data.on_decode_error)
     logger.info("training data: %d rows of %s from %s", len(ex), "/".join(ex.columns), ex.source or "memory")

@@ -30,11 +30,13 @@ from fastprompt.choices import (
     PRECISIONS,
     PREFIX_MODES,
     TEMPLATE_POOLERS,
+    TRAIN_DEVICE_TYPES,
     TRAIN_FORMATS,
 )
 from fastprompt.fields import flat_key, option, validate_fields
 from fastprompt.io import read_utf8_text, write_text_atomic
 from fastprompt.model.config import PromptConfig
+from fastprompt.model.device import parse_device
 from fastprompt.objectives.config import CRTDConfig, MLMConfig, ObjectiveConfig
 from fastprompt.train.model_sections import BackboneConfig, TemplateConfig, check_template_settings
 
@@ -165,9 +167,19 @@ class RunConfig(_Section):
         super().validate()
         if not self.output_dir:
             raise ValueError("output_dir must be set")
-        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        check_train_device(self.device)
         return self
+
+
+def check_train_device(spec: str) -> None:
+    """The devices a run takes: auto, cpu, cuda or cuda:N (syntax only: whether this machine has it is checked
+    by :func:`fastprompt.model.device.resolve_device` when the run starts, before the model loads)."""
+    try:
+        kind, index = parse_device(spec)
+    except ValueError:
+        kind, index = None, None
+    if kind not in TRAIN_DEVICE_TYPES or (index is not None and kind != "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
 
 
 @dataclass

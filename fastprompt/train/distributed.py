@@ -104,14 +104,16 @@ def init_distributed(device: str | None = None) -> DistributedContext:
     """Set up ``torch.distributed`` from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK).
 
     gloo on CPU, NCCL on CUDA. Without those variables (a plain ``python`` run) nothing is initialised.
+    ``device``: as :func:`fastprompt.model.device.resolve_device` takes it (None or "auto": CUDA when available).
     """
+    from fastprompt.model.device import resolve_device
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None or device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = resolve_device(device)  # a device this machine lacks fails here, before any model loads
     if dev.type == "cuda":
-        dev = torch.device("cuda", local)
+        if world > 1 or dev.index is None:  # under torchrun every process takes the GPU of its local rank
+            dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
     owns = world > 1 and not dist.is_initialized()
     if owns:

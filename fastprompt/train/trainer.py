@@ -161,7 +161,7 @@ class Trainer:
         cfg = self.config
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
-        self.dist = init_distributed(cfg.run.device if cfg.run.device != "auto" else None)
+        self.dist = init_distributed(cfg.run.device)  # a device this machine lacks fails here, before any loading
         if self.dist.is_main:  # one run per output_dir: a second one is refused before it writes anything
             preflight.check_output_dir(self.output_dir)
             self._lock = RunLock(self.output_dir).acquire()
@@ -175,7 +175,7 @@ class Trainer:
     def _setup(self, cfg: TrainConfig) -> None:
         # train.log is the main process's (the output folder is only made by it, in setup)
         self._log_handler = add_file_handler(self.run_dir.log_text) if self.dist.is_main else None
-        self.device = self.dist.device if self.dist.enabled else build.resolve_device(cfg.run.device)
+        self.device = self.dist.device
         resume_dir = self.run_dir.resume_point(resume=cfg.run.resume, overwrite=cfg.run.overwrite_output_dir)
         if resume_dir is not None:
             check_resume_mode(resume_dir, cfg)
