@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fastprompt.objectives.base import HARD_NEGATIVE_VIEW, SKI_VIEW, ObjectiveOutput, SentenceObjective, Views
+from fastprompt.objectives.config import DEFAULT_HINGE_WEIGHT, objective_default
 from fastprompt.ops import contrastive_loss
 
 
@@ -33,11 +34,11 @@ def split_views(views: Views) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor 
 class SimCSE(SentenceObjective):
     """InfoNCE over cosine similarities (SimCSE / DCPCSE). ``hinge_weight`` > 0 adds PromCSE's L_EH."""
 
-    temperature: float = 0.05
-    hard_negative_weight: float = 0.0
-    hinge_margin: float = 0.2
-    hinge_weight: float = 0.0
-    backend: str = "auto"
+    temperature: float = objective_default("temperature")
+    hard_negative_weight: float = objective_default("hard_negative_weight")
+    hinge_margin: float = objective_default("hinge_margin")
+    hinge_weight: float = DEFAULT_HINGE_WEIGHT["simcse"]
+    backend: str = objective_default("backend")
 
     name = "simcse"
 
