@@ -256,8 +256,8 @@ class PromptEncoder(nn.Module):
         if self.backbone_trained or holds_backbone_weights(saved):
             current.update({f"backbone.{k}": v.detach().clone() for k, v in self.backbone.state_dict().items()})
         was_training = self.training
-        load_checkpoint_weights(self, checkpoint_dir, saved)
         try:
+            load_checkpoint_weights(self, checkpoint_dir, saved)  # inside: a load that fails half-way is undone
             yield self
         finally:
             with torch.no_grad():  # in place, so an optimizer holding these parameters keeps working

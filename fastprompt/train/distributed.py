@@ -57,6 +57,19 @@ class DistributedContext:
                              f"{[int(s) for s in sizes]}")
         return torch.cat(all_gather(x.contiguous()), dim=1)
 
+    def local_rows(self, rows: list[int]) -> list[int]:
+        """This process's equal shard of a global batch's rows (all of them in a single process)."""
+        if not self.enabled:
+            return rows
+        n = len(rows) // self.world_size
+        return rows[self.rank * n:(self.rank + 1) * n]
+
+    def agree(self, flag: bool) -> bool:
+        """A decision every process takes together: true if any process's ``flag`` is."""
+        if not self.enabled:
+            return flag
+        return bool(self.sum(torch.tensor(float(flag), device=self.device)) > 0)
+
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a (detached) tensor over processes."""
         value = value.detach().clone()
