@@ -4,8 +4,8 @@
 namespace fastprompt {
 
 // Norm floor of the cosine similarity: a row z is normalised as z / max(||z||, kCosEps), as F.normalize does.
-// The reference and the Triton launchers use fastprompt.ops.reference.COSINE_EPS; the extension exposes this
-// value as torch.ops.fastprompt.cosine_eps() and tests/ops/test_contrastive_loss.py checks that they are equal.
+// The reference and the Triton launchers use fastprompt.constants.COSINE_EPS; the extension exposes this
+// value as torch.ops.fastprompt.cosine_eps() and tests/ops/test_kernels_common.py checks that they are equal.
 inline constexpr double kCosEps = 1e-8;
 
 }  // namespace fastprompt

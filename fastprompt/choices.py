@@ -17,6 +17,13 @@ from fastprompt.backends import BackendUnavailableError, UnsupportedInputError, 
 BACKENDS = ("auto", "triton", "cpu", "reference")
 #: How the last hidden states become one sentence vector.
 POOLERS = ("cls", "cls_before_pooler", "mean", "mask", "topk", "bn_mlp")
+#: The poolers that read a template's [MASK] position: with them a sentence is always wrapped in a template
+#: (PromptBERT's by default).
+TEMPLATE_POOLERS = ("mask", "topk")
+#: The ``--pooler_type`` values of PromCSE/DCPCSE's own code that work with their prompts (``fastprompt import``):
+#: their avg, avg_top2 and avg_first_last poolers multiply the S token states by the (P + S)-long
+#: prompt-extended mask and fail, so no checkpoint used them.
+PAPER_POOLER_TYPES = ("cls", "cls_before_pooler")
 #: When the pooler's trainable head is applied.
 MLP_MODES = ("none", "train", "always")
 #: How the prefix reaches attention: the fused op, or the DynamicCache reference path.
@@ -27,10 +34,19 @@ PROMPT_TYPES = ("prefix", "input", "both")
 INIT_MODES = ("normal", "uniform", "vocab")
 #: Token position ids: standard (0..S-1) or shifted by the prompt length (the papers' transformers 4.2.1 code).
 POSITION_MODES = ("standard", "shifted")
+#: Device types a training run takes (``cuda:N`` names one GPU); checked by fastprompt.model.device.
+TRAIN_DEVICE_TYPES = ("auto", "cpu", "cuda")
 #: Training precision (autocast dtype).
 PRECISIONS = ("fp32", "bf16", "fp16")
 #: Training objectives by name.
 OBJECTIVE_NAMES = ("simcse", "promcse_eh", "skicse")
+#: Where the MLM term's head comes from: the backbone's checkpoint, or a new head tied to the word embeddings.
+MLM_HEADS = ("checkpoint", "tied_new")
+#: The replaced-token-detection term (D2CSE): its discriminator (the backbone with the shared prompts, or
+#: without prompts), its conditional input, and how a masked-LM generator picks a replacement.
+RTD_DISCRIMINATORS = ("prompted", "plain")
+RTD_CONDITIONS = ("after_head", "before_head", "none")
+RTD_SAMPLING = ("sample", "argmax")
 #: Reductions of the contrastive loss over anchors.
 REDUCTIONS = ("mean", "sum", "none")
 #: Training-file formats.

@@ -5,7 +5,8 @@ and calls ``set_defaults(func=run_<name>)`` where ``run_<name>(args) -> int`` is
 live in its own module), then list it in :data:`SUBCOMMANDS` as ``"module:function"``. Modules are
 imported only when the parser is built, and heavy imports (torch, transformers) belong inside ``run_*``
 so that ``fastprompt -h`` stays fast. Model-loading subcommands reuse :func:`add_model_args` and
-:func:`load_encoder`. ValueError, OSError (a missing file, a full disk, ...) and ImportError raised by a subcommand
+:func:`load_encoder`; subcommands that read a training config reuse :func:`add_config_args` and
+:func:`load_config_args`. ValueError, OSError (a missing file, a full disk, ...) and ImportError raised by a subcommand
 are reported as ``fastprompt <name>: error: ...`` with exit status 2, without a traceback.
 """
 from __future__ import annotations
@@ -35,6 +36,24 @@ SUBCOMMANDS: list[str] = [
     "fastprompt.data.ski.join_cli:add_join_ski_parser",
     "fastprompt.data.replacements_cli:add_make_replacements_parser",
 ]
+
+
+# ------------------------------------------------------------------------------ shared config options
+def add_config_args(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """--config/-c (a YAML recipe) and --set KEY=VALUE (repeatable), read by :func:`load_config_args`."""
+    p.add_argument("--config", "-c", required=required,
+                   help="YAML recipe (keys: fastprompt train --help-config)" + ("" if required else
+                                                                                 "; defaults if omitted"))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable; the value is parsed as YAML: 1e-3, true, null)")
+
+
+def load_config_args(args: argparse.Namespace, **keys):
+    """The :class:`~fastprompt.train.TrainConfig` of ``--config`` with the ``--set`` overrides, then ``keys`` on top
+    (standard library + PyYAML only: a bad config fails before torch is imported)."""
+    from fastprompt.train.config import load_config, parse_overrides
+
+    return load_config(args.config, {**parse_overrides(args.overrides), **keys})
 
 
 # ------------------------------------------------------------------------------ shared model options

@@ -19,17 +19,20 @@ from fastprompt.choices import check_choice
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple[str, ...] | None = None,
-           ge: float | None = None, gt: float | None = None, lt: float | None = None,
+           ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
            key: str | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
     """A dataclass field with its documentation and rules.
 
-    help: one line, shown in the config reference. choices: the allowed values. ge/gt/lt: numeric bounds
-    (``>= ge``, ``> gt``, ``< lt``; None values of optional fields are not checked). key: the flat
-    configuration key when it differs from the field name (``PromptConfig.init`` is ``prompt_init``).
+    help: one line, shown in the config reference. choices: the allowed values. ge/gt/le/lt: numeric bounds
+    (``>= ge``, ``> gt``, ``<= le``, ``< lt``; at most one lower and one upper bound; None values of optional
+    fields are not checked). key: the flat configuration key when it differs from the field name
+    (``PromptConfig.init`` is ``prompt_init``).
     """
     if not help or "\n" in help:
         raise ValueError("every config field needs a one-line help text")
-    metadata = {"help": help, "choices": choices, "ge": ge, "gt": gt, "lt": lt, "key": key}
+    if (ge is not None and gt is not None) or (le is not None and lt is not None):
+        raise ValueError("give at most one lower bound (ge or gt) and one upper bound (le or lt)")
+    metadata = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt, "key": key}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -53,19 +56,25 @@ def validate_fields(obj) -> None:
         meta = f.metadata
         if meta.get("choices") is not None:
             check_choice(name, value, meta["choices"])
-        check_bounds(name, value, ge=meta.get("ge"), gt=meta.get("gt"), lt=meta.get("lt"))
+        check_bounds(name, value, ge=meta.get("ge"), gt=meta.get("gt"), le=meta.get("le"), lt=meta.get("lt"))
 
 
-def check_bounds(name: str, value, *, ge=None, gt=None, lt=None) -> None:
-    if ge is not None and lt is not None:
-        if not ge <= value < lt:
-            raise ValueError(f"{name} must be in [{ge:g}, {lt:g}), got {value}")
-    elif ge is not None and value < ge:
-        raise ValueError(f"{name} must be >= {ge:g}, got {value}")
-    elif lt is not None and value >= lt:
-        raise ValueError(f"{name} must be < {lt:g}, got {value}")
-    if gt is not None and value <= gt:
-        raise ValueError(f"{name} must be > {gt:g}, got {value}")
+def check_bounds(name: str, value, *, ge=None, gt=None, le=None, lt=None) -> None:
+    """Raise ``ValueError`` naming ``name`` when ``value`` is outside the bounds. A closed lower bound with an
+    upper bound, or an open lower bound with a closed upper bound, is reported as an interval
+    (``in [0, 1)``, ``in (0, 1]``); other bounds one at a time (``> 0``, then ``< 1``)."""
+    if ge is not None and (lt is not None or le is not None) or (gt is not None and le is not None):
+        lower_ok = value >= ge if ge is not None else value > gt
+        upper_ok = value < lt if lt is not None else value <= le
+        if not (lower_ok and upper_ok):
+            interval = (f"{'[' if ge is not None else '('}{ge if ge is not None else gt:g}, "
+                        f"{lt if lt is not None else le:g}{')' if lt is not None else ']'}")
+            raise ValueError(f"{name} must be in {interval}, got {value}")
+        return
+    for bound, ok, sign in ((ge, lambda b: value >= b, ">="), (lt, lambda b: value < b, "<"),
+                            (le, lambda b: value <= b, "<="), (gt, lambda b: value > b, ">")):
+        if bound is not None and not ok(bound):
+            raise ValueError(f"{name} must be {sign} {bound:g}, got {value}")
 
 
 def describe_rule(f: dataclasses.Field) -> str:
@@ -73,15 +82,8 @@ def describe_rule(f: dataclasses.Field) -> str:
     meta = f.metadata
     if meta.get("choices"):
         return " | ".join(meta["choices"])
-    ge, gt, lt = meta.get("ge"), meta.get("gt"), meta.get("lt")
-    parts = []
-    if ge is not None:
-        parts.append(f">= {ge:g}")
-    if gt is not None:
-        parts.append(f"> {gt:g}")
-    if lt is not None:
-        parts.append(f"< {lt:g}")
-    return ", ".join(parts)
+    signs = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    return ", ".join(f"{sign} {meta[k]:g}" for k, sign in signs.items() if meta.get(k) is not None)
 
 
 def type_name(tp) -> str:

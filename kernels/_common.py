@@ -1,5 +1,5 @@
 """What both Triton kernel modules share (``contrastive_loss``, ``prefix_attention``): dtype names, interpreter
-detection, the launch-config type, named constants and the TF32 policy.
+detection and the bf16 upcast rule, the launch-config type, named constants and the TF32 policy.
 
 Interpreter detection: ``TRITON_INTERPRET=1`` at import time makes ``@triton.jit`` return interpreter objects
 that run on CPU tensors (the tests). It is read once, when this module is imported, which happens before
@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastprompt.ops.reference import COSINE_EPS  # noqa: F401  (one norm floor: reference, Triton; csrc checks it)
+from fastprompt.constants import COSINE_EPS  # noqa: F401  (one norm floor: reference, Triton; csrc checks it)
 
 #: torch dtype -> Triton type name (the pointer types of ahead-of-time signatures); also the dtypes the
 #: kernels take.
@@ -56,6 +56,16 @@ def check_device(x: torch.Tensor) -> None:
                            "TRITON_INTERPRET=1 before fastprompt.kernels is imported")
     if x.device.type == "cuda" and INTERPRETED:
         raise RuntimeError("TRITON_INTERPRET=1 is set: the Triton kernels were built for the CPU interpreter")
+
+
+def upcast(dtype: torch.dtype) -> bool:
+    """The kernels' ``UPCAST`` constexpr, one rule for both ops: convert every loaded tile to fp32 for bf16 under
+    the interpreter, and never otherwise. The interpreter stores bf16 as raw 16-bit integers and computes on
+    the bits (its ``tl.dot`` multiplies the integers), so bf16 results there are silently wrong. fp16 needs no
+    upcast: the interpreter computes it as numpy float16 with float32 dot accumulation, as the GPU does, so the
+    tests exercise the kernels' own fp16 path (the backward's scaled dS cast to the input dtype included).
+    On a GPU the kernels read bf16 and fp16 natively, and fp32 needs no conversion."""
+    return INTERPRETED and dtype == torch.bfloat16
 
 
 def dot_precision(dtype: torch.dtype) -> str:

@@ -1,29 +1,7 @@
-"""Triton kernels of the fused cosine InfoNCE + energy-based hinge loss (``fastprompt.ops.contrastive_loss``).
-
-Nothing here knows autograd: :func:`forward` returns per-row losses and statistics, :func:`backward`
-the input gradients; ``fastprompt/ops/contrastive.py`` wraps them in a torch.library op.
-
-The N x M cosine matrix is never stored. Columns are two segments, z2 then z3 (no concatenation copy);
-the row normalisation is fused in as a scaling of each raw tile product by the inverse row norms
-(computed once, O(N)).
-
-- ``_fwd_kernel``: one program per block of rows streams every column tile: online log-sum-exp of
-  ``cos / tau`` (+ the bias on each row's own z3 column), the positive's cosine, and a running max /
-  argmax of the cosines over the non-positive columns (the hardest negative; exact ties keep the lowest
-  column index). The symmetric term reuses it with the positives as rows and z1 as the columns.
-- ``_bwd_rows_kernel`` (dz1) and ``_bwd_cols_kernel`` (dz2, dz3): the row pass and the column pass of
-  the backward recompute the tiles and their ``dS`` (the gradient w.r.t. the cosines, shared helper
-  ``_ds_tile``). Each program owns its output rows, so there are no atomics. Its (rows x d) fp32
-  accumulator lives in the output buffer (L2-resident), updated in d-chunks after each tile, with a
-  CTA barrier between tiles; this supports any d without keeping a (rows x d) tile in registers.
-
-In the backward, the tiles' dS enters the tensor-core products in the input dtype (scaled by a power of
-two so fp16 keeps the small softmax terms), multiplied with unit vectors (raw rows scaled by their
-inverse norms in fp32 first, so zero rows stay zero).
-
-``UPCAST`` converts every loaded tile to fp32 (the CPU interpreter computes bf16 on the raw bits, so the
-host sets it when interpreting); ``DOT_PREC`` is tl.dot's ``input_precision`` for fp32 inputs ("ieee"
-unless torch allows TF32: the policy of both ops, ``kernels/_common.py``).
+"""Triton kernels of the fused cosine InfoNCE + energy-based hinge loss (``fastprompt.ops.contrastive_loss``):
+a forward, a backward row pass and a backward column pass, with their launchers and ahead-of-time specs. No
+autograd here: ``fastprompt/ops/contrastive.py`` wraps them in a torch.library op. How they work:
+``docs/ops/contrastive_loss.md`` ("The Triton kernels in detail").
 """
 from __future__ import annotations
 
@@ -40,6 +18,7 @@ from fastprompt.kernels._common import (
     check_interpreted,
     dot_precision,
     interpreting,
+    upcast,
 )
 from fastprompt.kernels.aot import KernelSpec
 
@@ -276,8 +255,7 @@ def _launch(z1, blocks: dict | None) -> tuple[dict, dict]:
     """(constexprs, launch options) for inputs like ``z1``; ``blocks`` overrides tile sizes."""
     check_device(z1)
     cfg = config(z1.dtype, interpreting()).with_tiles(**(blocks or {}))
-    # UPCAST for fp32 is a no-op conversion; under the interpreter it also upcasts half tiles (bf16 is wrong there)
-    flags = dict(UPCAST=interpreting() or z1.dtype == torch.float32, DOT_PREC=dot_precision(z1.dtype))
+    flags = dict(UPCAST=upcast(z1.dtype), DOT_PREC=dot_precision(z1.dtype))
     return dict(cfg.tiles, **flags), cfg.options()
 
 
@@ -431,7 +409,7 @@ def aot_specs(full: bool = False) -> list[KernelSpec]:
     for dt, prec in dtypes:
         ty = TRITON_TYPE[dt]
         cfg = config(dt, interpret=False)
-        base, launch = dict(cfg.tiles, UPCAST=dt == torch.float32, DOT_PREC=prec), cfg.options()
+        base, launch = dict(cfg.tiles, UPCAST=False, DOT_PREC=prec), cfg.options()
         for name, fn, signature, variants in kernels:
             for consts in variants:
                 for strided in ((True, False) if full else (True,)):

@@ -1,32 +1,7 @@
-"""Triton kernels of the fused prefix attention (``fastprompt.ops.prefix_attention``).
-
-Every query row attends to the concatenation ``[prefix ; tokens]`` of its example without that
-concatenation ever existing: the kernels walk the prefix key/value rows (shared by the batch, or picked
-per example by ``prompt_index``) and then the token key/value rows of the example, with one online
-softmax (running max + sum, base 2) across both segments. Key index ``j`` of the virtual concatenation is
-``j < P`` for the prefix and ``P + s`` for token ``s``; it is also the column the dropout mask is drawn at.
-
-Kernels (``bh`` = ``b * H + h``):
-
-``_fwd_kernel``        grid (cdiv(S, BLOCK_M), B*H): output and natural-log log-sum-exp per row.
-``_bwd_dq_kernel``     grid (cdiv(S, BLOCK_M), B*H): delta = rowsum(dO * O) (stored) and dQ.
-``_bwd_dkdv_kernel``   grid (cdiv(S, BLOCK_N), B*H): dK, dV of the tokens (needs delta).
-``_bwd_prefix_kernel`` grid (T*H*cdiv(P, BLOCK_P), G): partial dK, dV of the prefix rows of prompt t summed
-                       over the examples of the G-th batch chunk that use prompt t (the batch is sorted by
-                       prompt on the device), written to a (G, T, H, P, D) fp32 buffer that the host sums
-                       over G. Each program owns its output
-                       rows, so the reduction is deterministic: no float atomics anywhere.
-
-Dropout keeps probability ``(b, h, i, j)`` iff ``philox(seed; i*(P+S)+j, b*H+h, seed_hi) >= p``: a pure
-function of (seed, position), so the backward regenerates the forward mask and the same seed replays it.
-
-``UPCAST`` converts every loaded tile to fp32: the Triton CPU interpreter computes bf16 on the raw bits,
-so the host sets it when interpreting bf16. ``DOT_PREC`` is tl.dot's ``input_precision`` for fp32 inputs:
-"ieee" (exact products, like the reference) unless torch allows TF32 (the policy of both ops:
-``kernels/_common.py``).
-
-Rows without any visible key (possible only with P = 0 and an all-padding example) output zeros and get
-log-sum-exp ``-inf``; their backward contributes nothing.
+"""Triton kernels of the fused prefix attention (``fastprompt.ops.prefix_attention``): a forward and three
+backward kernels that attend to ``[prefix ; tokens]`` without materialising the concatenation, with their
+launchers and ahead-of-time specs. No autograd here: ``fastprompt/ops/attention.py`` wraps them. How they
+work: ``docs/ops/prefix_attention.md`` ("The Triton kernels in detail").
 """
 from __future__ import annotations
 
@@ -44,6 +19,7 @@ from fastprompt.kernels._common import (
     check_interpreted,
     dot_precision,
     interpreting,
+    upcast,
 )
 from fastprompt.kernels.aot import KernelSpec
 
@@ -454,10 +430,6 @@ def _constexprs(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout
     return dict(DROPOUT=dropout, UPCAST=upcast, DOT_PREC=dot_prec, **cfg.tiles), cfg.options()
 
 
-def _upcast(dtype: torch.dtype) -> bool:
-    return interpreting() and dtype == torch.bfloat16
-
-
 def forward(q, k, v, prefix_k, prefix_v, key_padding_mask=None, prompt_index=None, *, scale: float,
             dropout_p: float = 0.0, seed: int = 0):
     """Launch the forward kernel. Returns ``(out (B, H, S, D), lse (B, H, S) fp32)``.
@@ -474,7 +446,7 @@ def forward(q, k, v, prefix_k, prefix_v, key_padding_mask=None, prompt_index=Non
     if interpreting():  # poison: every element must be written by the kernel
         out.fill_(float("nan"))
         lse.fill_(float("nan"))
-    consts, opts = _constexprs("fwd", S, P, D, q.dtype, dropout_p > 0, _upcast(q.dtype), dot_precision(q.dtype))
+    consts, opts = _constexprs("fwd", S, P, D, q.dtype, dropout_p > 0, upcast(q.dtype), dot_precision(q.dtype))
     lo, hi = _seed_words(seed)
     _fwd_kernel[(triton.cdiv(S, consts["BLOCK_M"]), B * H)](
         q, k, v, pk, pv, pidx, mask, out, lse,
@@ -498,7 +470,7 @@ def backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask=None,
     dout, out = _last_dim_unit(dout), _last_dim_unit(out)
     B, H, S, D = q.shape
     T, _, P, _ = pk.shape
-    dropout, upcast, prec = dropout_p > 0, _upcast(q.dtype), dot_precision(q.dtype)
+    dropout, up, prec = dropout_p > 0, upcast(q.dtype), dot_precision(q.dtype)
     dq, dk, dv = (torch.empty_like(x) for x in (q, k, v))
     delta = torch.empty((B, H, S), dtype=torch.float32, device=q.device)
     if interpreting():
@@ -507,7 +479,7 @@ def backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask=None,
     lo, hi = _seed_words(seed)
     spkt = pk.stride(0) if T > 1 else 0
     spvt = pv.stride(0) if T > 1 else 0
-    consts, opts = _constexprs("bwd_dq", S, P, D, q.dtype, dropout, upcast, prec)
+    consts, opts = _constexprs("bwd_dq", S, P, D, q.dtype, dropout, up, prec)
     _bwd_dq_kernel[(triton.cdiv(S, consts["BLOCK_M"]), B * H)](
         q, k, v, pk, pv, pidx, mask, out, dout, lse, delta, dq,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -517,7 +489,7 @@ def backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask=None,
         dout.stride(0), dout.stride(1), dout.stride(2), dq.stride(0), dq.stride(1), dq.stride(2),
         H, S, P, D, float(scale), float(dropout_p), lo, hi, **consts, **opts,
     )
-    consts, opts = _constexprs("bwd_dkdv", S, P, D, q.dtype, dropout, upcast, prec)
+    consts, opts = _constexprs("bwd_dkdv", S, P, D, q.dtype, dropout, up, prec)
     _bwd_dkdv_kernel[(triton.cdiv(S, consts["BLOCK_N"]), B * H)](
         q, k, v, mask, dout, lse, delta, dk, dv,
         q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
@@ -526,7 +498,7 @@ def backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask=None,
         dk.stride(0), dk.stride(1), dk.stride(2), dv.stride(0), dv.stride(1), dv.stride(2),
         H, S, P, D, float(scale), float(dropout_p), lo, hi, **consts, **opts,
     )
-    consts, opts = _constexprs("bwd_prefix", S, P, D, q.dtype, dropout, upcast, prec)
+    consts, opts = _constexprs("bwd_prefix", S, P, D, q.dtype, dropout, up, prec)
     n_pblocks = triton.cdiv(P, consts["BLOCK_P"])
     chunk = triton.cdiv(B, batch_chunks(B, max(1, T * H * n_pblocks), q.device))
     chunks = triton.cdiv(B, chunk)

@@ -25,7 +25,7 @@ CHECK = textwrap.dedent('''
     for a, b in zip(torch.autograd.grad(out, zs), torch.autograd.grad(ref, zs)):
         torch.testing.assert_close(a, b, atol=1e-10, rtol=1e-10)
     assert "fastprompt._C" not in sys.modules
-    from fastprompt.ops.reference import COSINE_EPS
+    from fastprompt.constants import COSINE_EPS
     assert torch.ops.fastprompt.cosine_eps() == COSINE_EPS
     print("cmake build ok")
 ''')

@@ -146,7 +146,7 @@ def test_eval_errors_are_clear(tmp_path, capsys, tiny_bert_dir, case):
 @pytest.mark.slow
 @pytest.mark.parametrize("pooler", ["mean", "cls"])
 def test_eval_frozen_minilm_all_seven(tmp_path, capsys, shared_data, minilm_dir, pooler):
-    """The issue's "Must show": frozen all-MiniLM-L6-v2, no prompt, all seven scores and the average."""
+    """What a user gets for free: frozen all-MiniLM-L6-v2, no prompt, all seven scores and the average."""
     out_json = tmp_path / "results.json"
     rc, out, err = _run(capsys, "--model", minilm_dir, "--pooler", pooler, "--max-length", 256,
                         "--sts-dir", shared_data / "sts", "--output", out_json)

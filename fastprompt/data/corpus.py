@@ -11,6 +11,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from fastprompt.choices import DECODE_ERROR_MODES, TRAIN_FORMATS, check_choice
 from fastprompt.io import read_utf8_text, reject_binary
 
 logger = logging.getLogger(__name__)
@@ -62,8 +63,7 @@ def read_text_corpus(path: str | Path, *, on_decode_error: str = "error") -> Tra
     Lines that are not valid UTF-8 raise a ValueError naming their line numbers
     (``on_decode_error="error"``), or are skipped with a warning (``"skip"``).
     """
-    if on_decode_error not in ("error", "skip"):
-        raise ValueError(f"on_decode_error must be 'error' or 'skip', got {on_decode_error!r}")
+    check_choice("on_decode_error", on_decode_error, DECODE_ERROR_MODES)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"training file not found: {path}")
@@ -171,8 +171,7 @@ def load_train_file(path: str | Path, *, fmt: str = "auto", on_decode_error: str
         from fastprompt.data.builtin import builtin_wiki_corpus
 
         return builtin_wiki_corpus()
-    if fmt not in ("auto", "text", "csv"):
-        raise ValueError(f"train_format must be auto, text or csv, got {fmt!r}")
+    check_choice("train_format", fmt, TRAIN_FORMATS)
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(

@@ -30,9 +30,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from fastprompt.choices import RTD_SAMPLING, check_choice
+
 logger = logging.getLogger(__name__)
 
-SAMPLING_MODES = ("sample", "argmax")
 REPLACEMENT_FORMAT = "fastprompt-replacements"
 
 
@@ -100,8 +101,7 @@ class MaskedLMGenerator(ReplacementGenerator):
     def __init__(self, model, tokenizer, masking_ratio: float, sampling: str = "sample",
                  device: torch.device | str = "cpu"):
         super().__init__(tokenizer, masking_ratio)
-        if sampling not in SAMPLING_MODES:
-            raise ValueError(f"sampling must be one of {SAMPLING_MODES}, got {sampling!r}")
+        check_choice("sampling", sampling, RTD_SAMPLING)
         if tokenizer.mask_token_id is None:
             raise ValueError("the backbone's tokenizer has no mask token: a masked-LM generator cannot read it")
         gen_vocab = model.get_output_embeddings().weight.shape[0]

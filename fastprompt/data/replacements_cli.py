@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import argparse
 
+from fastprompt.cli import add_config_args, load_config_args
+
 EPILOG = """\
 examples:
   fastprompt make-replacements --config configs/d2cse-unsup-minilm.yaml --output runs/wiki-rtd.jsonl
@@ -20,9 +22,7 @@ def add_make_replacements_parser(subparsers) -> argparse.ArgumentParser:
         description="Run the replaced-token-detection generator of a training config over its training data "
                     "and write the corrupted sentences to a file that training reads (rtd_replacements_file).",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", "-c", required=True, help="the training recipe (YAML)")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable)")
+    add_config_args(p, required=True)
     p.add_argument("--output", required=True, metavar="FILE.jsonl", help="replacement file (appended to on resume)")
     p.add_argument("--seed", type=int, default=0, help="seed of the replacements (0)")
     p.add_argument("--batch-size", type=int, default=256, metavar="N", help="sentences tokenised at a time (256)")
@@ -31,9 +31,7 @@ def add_make_replacements_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_make_replacements(args: argparse.Namespace) -> int:
-    from fastprompt.train.config import load_config, parse_overrides
-
-    cfg = load_config(args.config, parse_overrides(args.overrides))
+    cfg = load_config_args(args)
     from fastprompt.data.replacements import build_generator, write_replacement_file
     from fastprompt.train import build
 

@@ -21,8 +21,8 @@ Loader details that change the numbers (and match SentEval's own loaders):
 - Sentences are then whitespace-normalised like SentEval's ``" ".join(s.split())``.
 
 Directory layout: ``<sts_dir>/STS12-en-test``, ..., ``<sts_dir>/STSBenchmark``, ``<sts_dir>/SICK``
-(``../shared/data/sts``), or SentEval's own ``data/downstream`` root, where the STS folders live
-under ``STS/``.
+(the layout of the bundled STS data), or SentEval's own ``data/downstream`` root, where the STS folders
+live under ``STS/``.
 """
 from __future__ import annotations
 

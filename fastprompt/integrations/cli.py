@@ -7,11 +7,10 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fastprompt.choices import POOLERS
+from fastprompt.choices import PAPER_POOLER_TYPES, POOLERS
 
 EXPORT_FORMATS = ("sentence-transformers", "peft")
 IMPORT_FORMATS = ("promcse", "dcpcse", "peft")
-PAPER_POOLER_TYPES = ("cls", "cls_before_pooler")  # their --pooler_type values that work with prompts
 
 EXPORT_EPILOG = """\
 examples:

@@ -25,14 +25,13 @@ from pathlib import Path
 
 import torch
 
+from fastprompt.choices import PAPER_POOLER_TYPES
+
 from ._common import load_foreign_weights, prefix_from_rows
 
 logger = logging.getLogger(__name__)
 
 WEIGHTS = ("model.safetensors", "pytorch_model.bin")
-#: Their ``--pooler_type`` values that work with their prompts. Their avg, avg_top2 and avg_first_last poolers
-#: multiply the S token states by the (P + S)-long prompt-extended mask and fail, so no checkpoint used them.
-POOLER_TYPES = ("cls", "cls_before_pooler")
 SOURCES = ("promcse", "dcpcse")
 
 
@@ -73,10 +72,10 @@ def import_promcse(checkpoint_dir: str | os.PathLike, output: str | os.PathLike,
     args = _read_args_file(args_file) if args_file else {}
     pooler_type = pooler_type or args.get("pooler_type")
     mlp_only_train = bool(args.get("mlp_only_train", False)) if mlp_only_train is None else mlp_only_train
-    if pooler_type not in POOLER_TYPES:
-        raise ValueError(f"give the checkpoint's pooler type, one of {', '.join(POOLER_TYPES)} (their --pooler_type: "
-                         "the papers' unsupervised models use cls_before_pooler, the supervised ones cls; their avg "
-                         f"poolers fail with prompts); got {pooler_type!r}")
+    if pooler_type not in PAPER_POOLER_TYPES:
+        raise ValueError(f"give the checkpoint's pooler type, one of {', '.join(PAPER_POOLER_TYPES)} (their "
+                         "--pooler_type: the papers' unsupervised models use cls_before_pooler, the supervised ones "
+                         f"cls; their avg poolers fail with prompts); got {pooler_type!r}")
     state = load_foreign_weights(checkpoint_dir, WEIGHTS, "checkpoint weights")
     backbone_prefix = _backbone_prefix(state)
     if "prefix_encoder.embedding.weight" not in state:

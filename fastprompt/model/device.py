@@ -1,21 +1,46 @@
 """Devices and dtypes a user asks for: a clear error for a device this machine does not have, a warning for a
-dtype that runs far slower than float32 where it was asked for."""
+dtype that runs far slower than float32 where it was asked for.
+
+The one device rule of fastprompt: :func:`resolve_device` (the encoder, ``fastprompt encode/eval``, the
+trainer, torchrun's processes). Its syntax check, :func:`parse_device`, needs no torch, so the training
+configuration rejects a malformed device before torch is imported. torch itself is imported on first use.
+"""
 from __future__ import annotations
 
 import logging
+import re
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
 _warned: set[tuple[torch.dtype, str]] = set()
+_DEVICE = re.compile(r"([a-z_]+)(?::(\d+))?")
+
+
+def parse_device(spec: str) -> tuple[str, int | None]:
+    """``"cuda:1"`` -> ``("cuda", 1)``, ``"cpu"`` -> ``("cpu", None)``, ``"auto"`` -> ``("auto", None)``.
+
+    Syntax only (whether torch knows the type, and whether this machine has the device, is
+    :func:`resolve_device`'s business); ValueError for anything that is not ``type`` or ``type:index``."""
+    match = _DEVICE.fullmatch(spec) if isinstance(spec, str) else None
+    if match is None:
+        raise ValueError(f"device {spec!r} is not a torch device (e.g. cpu, cuda, cuda:1)")
+    kind, index = match.groups()
+    return kind, None if index is None else int(index)
 
 
 def resolve_device(spec: str | torch.device | None = None) -> torch.device:
     """The torch device for ``spec``: None or "auto" pick CUDA when available, else the CPU; anything else must
     name a device this machine has (ValueError otherwise, instead of an error deep inside torch)."""
+    import torch
+
     if spec is None or spec == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if isinstance(spec, str):
+        parse_device(spec)
     try:
         device = torch.device(spec)
     except (RuntimeError, TypeError) as exc:
@@ -39,6 +64,8 @@ def resolve_device(spec: str | torch.device | None = None) -> torch.device:
 def warn_if_slow(dtype: torch.dtype | None, device: str | torch.device) -> None:
     """Warn (once per process and combination) when ``dtype`` is known to be much slower than float32 on
     ``device``: float16 on the CPU, which has no fast half-precision matrix kernels on most processors."""
+    import torch
+
     device = torch.device(device)
     key = (dtype, device.type)
     if dtype != torch.float16 or device.type != "cpu" or key in _warned:

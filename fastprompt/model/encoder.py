@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from fastprompt.choices import BACKENDS, MLP_MODES, POOLERS, PREFIX_MODES, check_choice
+from fastprompt.choices import BACKENDS, MLP_MODES, POOLERS, PREFIX_MODES, TEMPLATE_POOLERS, check_choice
 
 from .attention import PrefixState, build_prefix_cache, cache_keyword, register_attention
 from .backbone import load_backbone, max_input_length
@@ -86,7 +86,7 @@ class PromptEncoder(nn.Module):
             init = self.backbone.get_input_embeddings().weight[cls_id].detach().clone()
             self.cls_prompt = nn.Parameter(init)
         self.pooler = Pooler(pooler, self.hidden_size, mlp)
-        if pooler in ("mask", "topk") and template is None:
+        if pooler in TEMPLATE_POOLERS and template is None:
             template = DEFAULT_TEMPLATE
         self.template = template
         self._template = parse_template(tokenizer, template) if template is not None else None
@@ -256,8 +256,8 @@ class PromptEncoder(nn.Module):
         if self.backbone_trained or holds_backbone_weights(saved):
             current.update({f"backbone.{k}": v.detach().clone() for k, v in self.backbone.state_dict().items()})
         was_training = self.training
-        load_checkpoint_weights(self, checkpoint_dir, saved)
         try:
+            load_checkpoint_weights(self, checkpoint_dir, saved)  # inside: a load that fails half-way is undone
             yield self
         finally:
             with torch.no_grad():  # in place, so an optimizer holding these parameters keeps working

@@ -52,6 +52,11 @@ from torch import nn
 
 from fastprompt.data.collate import Batch
 
+#: Views a sentence objective reads by name (they are the data's column names): the contradiction of an NLI
+#: triplet, used as a hard negative, and the SKI of a sentence (SKICSE).
+HARD_NEGATIVE_VIEW = "hard_neg"
+SKI_VIEW = "ski"
+
 
 @dataclass
 class ObjectiveOutput:

@@ -7,9 +7,10 @@ adds its own section dataclass here, with flat keys prefixed by the term's name 
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
-from fastprompt.choices import BACKENDS, OBJECTIVE_NAMES
+from fastprompt.choices import BACKENDS, MLM_HEADS, OBJECTIVE_NAMES, RTD_CONDITIONS, RTD_DISCRIMINATORS, RTD_SAMPLING
 from fastprompt.fields import option, validate_fields
 
 #: hinge_weight when the config leaves it null: PromCSE's objective is L_CL + 10 L_EH, SimCSE's has none.
@@ -49,11 +50,11 @@ class ObjectiveConfig:
                                         "(simcse 0, promcse_eh 10)", ge=0.0)
     loss_backend: str = option("auto", "implementation of the fused contrastive_loss op", choices=BACKENDS)
     ski_weight: float = option(0.15, "skicse, sent0,ski rows: weight λ of L_ski in (1 - λ) L_simcse + λ L_ski",
-                               ge=0.0)
+                               ge=0.0, le=1.0)
     ski1_weight: float = option(0.1, "skicse, NLI rows with a ski column: weight λ1 of L_ski1 (sentence vs its SKI)",
-                                ge=0.0)
+                                ge=0.0, le=1.0)
     ski2_weight: float = option(0.3, "skicse, NLI rows with a ski column: weight λ2 of L_ski2 (SKI vs the "
-                                "entailment)", ge=0.0)
+                                "entailment)", ge=0.0, le=1.0)
 
     def __post_init__(self):
         self.validate()
@@ -73,8 +74,11 @@ class ObjectiveConfig:
         return DEFAULT_HINGE_WEIGHT[self.name] if self.hinge_weight is None else self.hinge_weight
 
 
-#: Where the MLM term's head comes from: the backbone's checkpoint, or a new head tied to the word embeddings.
-MLM_HEADS = ("checkpoint", "tied_new")
+def objective_default(field: str):
+    """The default of an :class:`ObjectiveConfig` field (``backend``: ``loss_backend``'s), so the objective
+    classes (``SimCSE(...)``, ``SKICSE(...)``) built without a config default to the config's values."""
+    name = "loss_backend" if field == "backend" else field
+    return next(f.default for f in dataclasses.fields(ObjectiveConfig) if f.name == name)
 
 
 @dataclass
@@ -86,7 +90,7 @@ class MLMConfig:
                            "predicted through the prompted encoder", key="do_mlm")
     weight: float = option(0.1, "initial weight of the MLM term (DCPCSE's mlm_weight)", ge=0.0, key="mlm_weight")
     decay_rate: float = option(0.95, "the MLM weight is mlm_weight * mlm_decay_rate ** (step / mlm_decay_steps)",
-                               gt=0.0, key="mlm_decay_rate")
+                               gt=0.0, le=1.0, key="mlm_decay_rate")
     decay_steps: int = option(100, "steps per decay of the MLM weight", gt=0, key="mlm_decay_steps")
     probability: float = option(0.15, "share of each sentence's tokens chosen for the MLM term (80% masked, 10% "
                                 "random, 10% kept)", gt=0.0, lt=1.0, key="mlm_probability")
@@ -99,15 +103,7 @@ class MLMConfig:
 
     def validate(self) -> "MLMConfig":
         validate_fields(self)
-        if self.decay_rate > 1:
-            raise ValueError(f"mlm_decay_rate must be in (0, 1], got {self.decay_rate}")
         return self
-
-
-#: CRTD discriminator and conditional-input settings (fastprompt.objectives.crtd: D2CSE's designs).
-RTD_DISCRIMINATORS = ("prompted", "plain")
-RTD_CONDITIONS = ("after_head", "before_head", "none")
-RTD_SAMPLING = ("sample", "argmax")
 
 
 @dataclass
@@ -117,7 +113,7 @@ class CRTDConfig:
     weight: float = option(0.0, "initial weight λ of the replaced-token-detection term (D2CSE: 0.005); 0 = off",
                            ge=0.0, key="rtd_weight")
     decay_rate: float = option(1.0, "λ decays as rtd_weight * rtd_decay_rate ** (step / rtd_decay_steps); "
-                               "1 = constant (D2CSE)", gt=0.0, key="rtd_decay_rate")
+                               "1 = constant (D2CSE)", gt=0.0, le=1.0, key="rtd_decay_rate")
     decay_steps: int = option(1, "steps per decay of λ", ge=1, key="rtd_decay_steps")
     masking_ratio: float = option(0.3, "share of each sentence's real, non-special tokens the generator replaces",
                                   gt=0.0, lt=1.0, key="rtd_masking_ratio")
@@ -141,8 +137,6 @@ class CRTDConfig:
 
     def validate(self) -> "CRTDConfig":
         validate_fields(self)
-        if self.decay_rate > 1:
-            raise ValueError(f"rtd_decay_rate must be in (0, 1], got {self.decay_rate}")
         return self
 
     @property

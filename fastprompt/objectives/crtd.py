@@ -27,9 +27,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastprompt.choices import RTD_CONDITIONS, RTD_DISCRIMINATORS, check_choice
 from fastprompt.objectives.base import AFTER_HEAD, TokenTerm, WeightSchedule
-from fastprompt.objectives.config import RTD_CONDITIONS as CONDITIONS
-from fastprompt.objectives.config import RTD_DISCRIMINATORS as DISCRIMINATORS
 
 
 @contextlib.contextmanager
@@ -63,10 +62,8 @@ class CRTDTerm(TokenTerm):
 
     def __init__(self, hidden_size: int, replacer, weight: WeightSchedule = WeightSchedule(0.005), *,
                  discriminator: str = "prompted", condition: str = AFTER_HEAD, name: str = "rtd"):
-        if discriminator not in DISCRIMINATORS:
-            raise ValueError(f"discriminator must be one of {DISCRIMINATORS}, got {discriminator!r}")
-        if condition not in CONDITIONS:
-            raise ValueError(f"condition must be one of {CONDITIONS}, got {condition!r}")
+        check_choice("discriminator", discriminator, RTD_DISCRIMINATORS)
+        check_choice("condition", condition, RTD_CONDITIONS)
         self.sentence_embedding = None if condition == "none" else condition
         super().__init__(name, weight)
         self.replacer, self.discriminator, self.condition = replacer, discriminator, condition

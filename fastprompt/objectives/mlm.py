@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastprompt.choices import MLM_HEADS, check_choice
 from fastprompt.data.collate import Batch
 from fastprompt.objectives.base import TokenTerm, WeightSchedule
 
@@ -101,10 +102,9 @@ def build_mlm_head(encoder, head: str = "checkpoint") -> nn.Module:
     from fastprompt.model.mlm_head import load_mlm_head, new_tied_mlm_head
     from fastprompt.model.resolve import resolve_model_path
 
+    check_choice("mlm_head", head, MLM_HEADS)
     if head == "tied_new":
         return new_tied_mlm_head(encoder.backbone)
-    if head != "checkpoint":
-        raise ValueError(f"mlm_head must be 'checkpoint' or 'tied_new', got {head!r}")
     if getattr(encoder, "mlm_head", None) is not None:
         return encoder.mlm_head
     if encoder.base_model is None:

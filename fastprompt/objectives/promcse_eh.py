@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastprompt.objectives.config import check_hinge_weight
+from fastprompt.objectives.config import DEFAULT_HINGE_WEIGHT, check_hinge_weight, objective_default
 from fastprompt.objectives.simcse import SimCSE
 
 
@@ -17,8 +17,8 @@ from fastprompt.objectives.simcse import SimCSE
 class PromCSEEH(SimCSE):
     """total = L_CL + hinge_weight · L_EH (PromCSE: margin m = 0.2, weight 10)."""
 
-    hinge_margin: float = 0.2
-    hinge_weight: float = 10.0
+    hinge_margin: float = objective_default("hinge_margin")
+    hinge_weight: float = DEFAULT_HINGE_WEIGHT["promcse_eh"]
 
     name = "promcse_eh"
 

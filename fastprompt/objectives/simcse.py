@@ -12,10 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from fastprompt.objectives.base import ObjectiveOutput, SentenceObjective, Views
+from fastprompt.objectives.base import HARD_NEGATIVE_VIEW, SKI_VIEW, ObjectiveOutput, SentenceObjective, Views
+from fastprompt.objectives.config import DEFAULT_HINGE_WEIGHT, objective_default
 from fastprompt.ops import contrastive_loss
-
-HARD_NEGATIVE_VIEW = "hard_neg"
 
 
 def split_views(views: Views) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
@@ -35,11 +34,11 @@ def split_views(views: Views) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor 
 class SimCSE(SentenceObjective):
     """InfoNCE over cosine similarities (SimCSE / DCPCSE). ``hinge_weight`` > 0 adds PromCSE's L_EH."""
 
-    temperature: float = 0.05
-    hard_negative_weight: float = 0.0
-    hinge_margin: float = 0.2
-    hinge_weight: float = 0.0
-    backend: str = "auto"
+    temperature: float = objective_default("temperature")
+    hard_negative_weight: float = objective_default("hard_negative_weight")
+    hinge_margin: float = objective_default("hinge_margin")
+    hinge_weight: float = DEFAULT_HINGE_WEIGHT["simcse"]
+    backend: str = objective_default("backend")
 
     name = "simcse"
 
@@ -49,7 +48,7 @@ class SimCSE(SentenceObjective):
 
     def views_for(self, columns: tuple[str, ...]) -> tuple[str, ...]:
         """As the base class, leaving out a ``ski`` column (only objective=skicse reads the SKI)."""
-        return super().views_for(tuple(c for c in columns if c != "ski"))
+        return super().views_for(tuple(c for c in columns if c != SKI_VIEW))
 
     def loss(self, views: Views) -> ObjectiveOutput:
         z1, z2, z3 = split_views(views)

@@ -28,24 +28,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastprompt.objectives.base import ObjectiveOutput, SentenceObjective, Views
-from fastprompt.objectives.config import check_ski_weights
+from fastprompt.objectives.base import HARD_NEGATIVE_VIEW, SKI_VIEW, ObjectiveOutput, SentenceObjective, Views
+from fastprompt.objectives.config import check_ski_weights, objective_default
 from fastprompt.ops import contrastive_loss
-
-SKI_VIEW = "ski"
-HARD_NEGATIVE_VIEW = "hard_neg"
 
 
 @dataclass
 class SKICSE(SentenceObjective):
     """(1 - λ) L_simcse + λ L_ski (unsupervised) or (1 - λ1 - λ2) L_sup + λ1 L_ski1 + λ2 L_ski2 (supervised)."""
 
-    temperature: float = 0.05
-    hard_negative_weight: float = 0.0
-    ski_weight: float = 0.15
-    ski1_weight: float = 0.1
-    ski2_weight: float = 0.3
-    backend: str = "auto"
+    temperature: float = objective_default("temperature")
+    hard_negative_weight: float = objective_default("hard_negative_weight")
+    ski_weight: float = objective_default("ski_weight")
+    ski1_weight: float = objective_default("ski1_weight")
+    ski2_weight: float = objective_default("ski2_weight")
+    backend: str = objective_default("backend")
 
     name = "skicse"
     # loss_ski is L_ski (unsupervised) or L_ski1; loss_ski2 is left empty in unsupervised runs.

@@ -5,10 +5,9 @@ and as the last-resort fallback backend. Autograd differentiates them.
 """
 import torch  # noqa: F401
 
-# --- contrastive loss ----------------------------------------------------------------------------
+from fastprompt.constants import COSINE_EPS
 
-#: Norm floor of the cosine similarity: a row z is normalised as z / max(||z||, COSINE_EPS).
-COSINE_EPS = 1e-8
+# --- contrastive loss ----------------------------------------------------------------------------
 
 
 def contrastive_loss_reference(

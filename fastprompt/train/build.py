@@ -28,14 +28,6 @@ logger = logging.getLogger(__name__)
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device={device!r} but CUDA is not available; use device=cpu or auto")
-    return torch.device(device)
-
-
 def load_examples(cfg: TrainConfig) -> TrainExamples:
     ex = load_train_file(cfg.data.train_file, fmt=cfg.data.train_format, on_decode_error=cfg.data.on_decode_error)
     logger.info("training data: %d rows of %s from %s", len(ex), "/".join(ex.columns), ex.source or "memory")
@@ -73,6 +65,19 @@ def build_encoder(cfg: TrainConfig, resume_dir: Path | None):
     return PromptEncoder.from_pretrained(enc.model, prompt_config=dataclasses.replace(cfg.prompt), pooler=enc.pooler,
                                          mlp=enc.mlp, attn_backend=enc.attn_backend, prefix_mode=enc.prefix_mode,
                                          template=tpl.template, denoise=tpl.resolved_eval_denoise, topk=tpl.topk)
+
+
+def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device):
+    """The encoder on ``device`` in training mode, with what the config turns on: a trainable backbone,
+    gradient checkpointing, ``torch.compile`` (in place: parameter names, checkpoints and the module stay)."""
+    encoder.to(device).train()
+    if cfg.backbone.train_backbone:
+        encoder.train_backbone()
+    if cfg.large_batch.gradient_checkpointing:
+        encoder.gradient_checkpointing_enable()
+    if cfg.run.compile:
+        encoder.compile()
+    return encoder
 
 
 def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> Method:
@@ -142,6 +147,26 @@ class Optimization:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler | None  # fp16 only
+
+    def step(self, params: list[torch.nn.Parameter], max_grad_norm: float) -> tuple[float, bool]:
+        """Unscale, clip (``max_grad_norm`` > 0), step. Returns (gradient norm, applied); a non-finite gradient
+        skips the update."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        if max_grad_norm > 0:
+            norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+        if self.scaler is not None:
+            # the scaler skips the update itself on inf/nan (a normal event while it calibrates its scale)
+            scale = self.scaler.get_scale()
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+            return norm, self.scaler.get_scale() >= scale
+        if not math.isfinite(norm):
+            return norm, False
+        self.optimizer.step()
+        return norm, True
 
 
 def build_optimization(cfg: TrainConfig, params: list[torch.nn.Parameter], total_steps: int,

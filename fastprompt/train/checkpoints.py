@@ -1,9 +1,12 @@
-"""A run's folder: where its checkpoints, logs and summary live, and whether a new run may resume there.
+"""A run's folder: where its checkpoints, logs and summary live, whether a new run may resume there, and the
+restoration of everything ``last/`` holds.
 
 ``<output_dir>/last/`` is the resume point: the prompt checkpoint, the token terms' weights
 (``method.safetensors``, when the method has any) and the training state (:mod:`fastprompt.train.state`).
 ``<output_dir>/best/`` is the prompt checkpoint of the best STS-B dev score. Both are written into a
-temporary folder and renamed into place, so a killed run leaves either the old or the new checkpoint.
+temporary folder and renamed into place, so a killed run leaves either the old or the new checkpoint. A run
+finds its resume point with :meth:`RunDirectory.resume_point_for` (refusing another run's checkpoint) and,
+once built, puts it back in place with :meth:`RunDirectory.restore`.
 """
 from __future__ import annotations
 
@@ -15,7 +18,13 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 
 from fastprompt.io import atomic_directory, recover_directory, write_json_atomic
-from fastprompt.train.state import has_training_state, read_training_state, save_training_state
+from fastprompt.train.state import (
+    TrainerState,
+    has_training_state,
+    load_training_state,
+    read_training_state,
+    save_training_state,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +73,36 @@ class RunDirectory:
             for f in (self.log_csv, self.summary):
                 f.unlink(missing_ok=True)
         return None
+
+    def resume_point_for(self, config) -> Path | None:
+        """:meth:`resume_point` for a :class:`~fastprompt.train.config.TrainConfig`, and the checks that a
+        resumed checkpoint belongs to this run (same identity keys, same full/prompt-only mode)."""
+        from fastprompt.train.backbone import check_resume_mode
+
+        resume_dir = self.resume_point(resume=config.run.resume, overwrite=config.run.overwrite_output_dir)
+        if resume_dir is not None:
+            check_resume_mode(resume_dir, config)
+            self.check_same_run(resume_dir, config.to_dict())
+        return resume_dir
+
+    @staticmethod
+    def restore(resume_dir: Path, *, method, optimizer, scheduler, scaler, total_steps: int,
+                encoder=None) -> TrainerState:
+        """Put everything ``resume_dir`` holds back in place, in the objects of a freshly built run, and return
+        the trainer's counters: the token terms' weights, the optimizer, schedule, scaler and RNG states, and,
+        when ``encoder`` is given (one not built from ``resume_dir``), its prompt (and trained backbone). Warns
+        when the schedule's length (``total_steps``) changed since the checkpoint was written."""
+        if encoder is not None:
+            from fastprompt.model.checkpoint import load_checkpoint_weights, read_checkpoint_config
+
+            load_checkpoint_weights(encoder, resume_dir, read_checkpoint_config(resume_dir))
+        RunDirectory.load_method(method, resume_dir)
+        saved = load_training_state(resume_dir, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+        state = TrainerState(**saved["state"])
+        logger.info("resumed from %s at step %d (epoch %d, batch %d)", resume_dir, state.global_step, state.epoch,
+                    state.batch_in_epoch)
+        _warn_if_schedule_moved(scheduler, total_steps)
+        return state
 
     @staticmethod
     def check_same_run(resume_dir: Path, config: dict[str, Any]) -> None:
@@ -114,3 +153,14 @@ class RunDirectory:
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         write_json_atomic(self.summary, summary)
+
+
+def _warn_if_schedule_moved(scheduler, total_steps: int) -> None:
+    """The learning-rate schedule is a function of the total step count: resuming with another max_steps or
+    epochs moves it, and the next step's rate would jump (up, when the run was lengthened) silently."""
+    saved = scheduler.get_last_lr()  # the rates last/ was saved with
+    now = [base * fn(scheduler.last_epoch) for base, fn in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    if any(abs(a - b) > 1e-6 * max(abs(a), abs(b), 1e-30) for a, b in zip(saved, now)):
+        logger.warning("the learning-rate schedule now spans %d steps: at step %d the learning rate becomes "
+                       "%.3g (it was %.3g when the checkpoint was saved); the change of max_steps or epochs "
+                       "stretches the decay from here on", total_steps, scheduler.last_epoch, now[0], saved[0])

@@ -9,6 +9,8 @@ import logging
 import signal
 import sys
 
+from fastprompt.cli import add_config_args, load_config_args
+
 logger = logging.getLogger(__name__)
 
 EPILOG = """\
@@ -27,9 +29,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
         description="Train deep prompts on a frozen encoder. Writes <output_dir>/best/ and last/ prompt "
                     "checkpoints, train_log.csv, train.log and summary.json.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", "-c", help="YAML recipe (keys: --help-config); defaults if omitted")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable; the value is parsed as YAML: 1e-3, true, null)")
+    add_config_args(p)
     p.add_argument("--output-dir", help="shorthand for --set output_dir=DIR")
     p.add_argument("--no-resume", action="store_true",
                    help="start over even if <output_dir>/last exists (needs --set overwrite_output_dir=true "
@@ -44,20 +44,18 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
 def run_train(args: argparse.Namespace) -> int:
     import yaml
 
-    # The config modules load no torch: a bad recipe or --set fails in a fraction of a second.
-    from fastprompt.train.config import load_config, parse_overrides
-
     if args.help_config:
         from fastprompt.train.config_doc import config_reference_text
 
         print(config_reference_text(), end="")
         return 0
-    overrides = parse_overrides(args.overrides)
+    keys = {}
     if args.output_dir:
-        overrides["output_dir"] = args.output_dir
+        keys["output_dir"] = args.output_dir
     if args.no_resume:
-        overrides["resume"] = False
-    config = load_config(args.config, overrides)
+        keys["resume"] = False
+    # The config modules load no torch: a bad recipe or --set fails in a fraction of a second.
+    config = load_config_args(args, **keys)
     if args.print_config:
         print(yaml.safe_dump(config.to_dict(), sort_keys=False), end="")
         return 0

@@ -22,10 +22,21 @@ from typing import Any
 
 import yaml
 
-from fastprompt.choices import BACKENDS, DECODE_ERROR_MODES, MLP_MODES, POOLERS, PRECISIONS, PREFIX_MODES, TRAIN_FORMATS
+from fastprompt.choices import (
+    BACKENDS,
+    DECODE_ERROR_MODES,
+    MLP_MODES,
+    POOLERS,
+    PRECISIONS,
+    PREFIX_MODES,
+    TEMPLATE_POOLERS,
+    TRAIN_DEVICE_TYPES,
+    TRAIN_FORMATS,
+)
 from fastprompt.fields import flat_key, option, validate_fields
 from fastprompt.io import read_utf8_text, write_text_atomic
 from fastprompt.model.config import PromptConfig
+from fastprompt.model.device import parse_device
 from fastprompt.objectives.config import CRTDConfig, MLMConfig, ObjectiveConfig
 from fastprompt.train.model_sections import BackboneConfig, TemplateConfig, check_template_settings
 
@@ -156,9 +167,19 @@ class RunConfig(_Section):
         super().validate()
         if not self.output_dir:
             raise ValueError("output_dir must be set")
-        if self.device != "auto" and not (self.device == "cpu" or self.device.startswith("cuda")):
-            raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {self.device!r}")
+        check_train_device(self.device)
         return self
+
+
+def check_train_device(spec: str) -> None:
+    """The devices a run takes: auto, cpu, cuda or cuda:N (syntax only: whether this machine has it is checked
+    by :func:`fastprompt.model.device.resolve_device` when the run starts, before the model loads)."""
+    try:
+        kind, index = parse_device(spec)
+    except ValueError:
+        kind, index = None, None
+    if kind not in TRAIN_DEVICE_TYPES or (index is not None and kind != "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
 
 
 @dataclass
@@ -170,8 +191,9 @@ class EvalConfig(_Section):
     eval_batch_size: int = option(128, "sentences per batch in evaluation", gt=0)
     eval_at_start: bool = option(False, "also evaluate before the first step")
     final_eval: bool = option(True, "seven-task STS test table of the best checkpoint at the end (needs sts_dir)")
-    frozen_baseline: bool = option(False, "with final_eval, also score the untouched base model (same pooler, no "
-                                   "prompt) on STS-B dev and the seven tasks, so the summary shows the gain")
+    frozen_baseline: bool = option(False, "with final_eval, also score the untouched base model (same pooler and "
+                                   "template, no prompt) on STS-B dev and the seven tasks, so the summary shows "
+                                   "the gain")
 
     def validate(self):
         if isinstance(self.eval_steps, int) and not isinstance(self.eval_steps, bool) and self.eval_steps <= 0:
@@ -296,7 +318,7 @@ class TrainConfig:
     @property
     def uses_template(self) -> bool:
         """Whether sentences are wrapped in a template (set, or the mask/topk poolers' default)."""
-        return self.templates.template is not None or self.encoder.pooler in ("mask", "topk")
+        return self.templates.template is not None or self.encoder.pooler in TEMPLATE_POOLERS
 
     @property
     def gradient_cache(self) -> bool:

@@ -57,6 +57,19 @@ class DistributedContext:
                              f"{[int(s) for s in sizes]}")
         return torch.cat(all_gather(x.contiguous()), dim=1)
 
+    def local_rows(self, rows: list[int]) -> list[int]:
+        """This process's equal shard of a global batch's rows (all of them in a single process)."""
+        if not self.enabled:
+            return rows
+        n = len(rows) // self.world_size
+        return rows[self.rank * n:(self.rank + 1) * n]
+
+    def agree(self, flag: bool) -> bool:
+        """A decision every process takes together: true if any process's ``flag`` is."""
+        if not self.enabled:
+            return flag
+        return bool(self.sum(torch.tensor(float(flag), device=self.device)) > 0)
+
     def sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum a (detached) tensor over processes."""
         value = value.detach().clone()
@@ -104,14 +117,16 @@ def init_distributed(device: str | None = None) -> DistributedContext:
     """Set up ``torch.distributed`` from torchrun's environment (RANK, WORLD_SIZE, LOCAL_RANK).
 
     gloo on CPU, NCCL on CUDA. Without those variables (a plain ``python`` run) nothing is initialised.
+    ``device``: as :func:`fastprompt.model.device.resolve_device` takes it (None or "auto": CUDA when available).
     """
+    from fastprompt.model.device import resolve_device
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank, local = int(os.environ.get("RANK", "0")), int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None or device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    dev = resolve_device(device)  # a device this machine lacks fails here, before any model loads
     if dev.type == "cuda":
-        dev = torch.device("cuda", local)
+        if world > 1 or dev.index is None:  # under torchrun every process takes the GPU of its local rank
+            dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
     owns = world > 1 and not dist.is_initialized()
     if owns:

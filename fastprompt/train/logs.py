@@ -1,11 +1,16 @@
-"""Training logs: a CSV of metrics (appended; truncated atomically on resume), TensorBoard if installed, a text log."""
+"""What a run writes about itself: train_log.csv (appended; truncated atomically on resume) with TensorBoard if
+installed, the text log, and the summary (``summary.json``, and what ``train()`` returns)."""
 from __future__ import annotations
 
 import csv
 import io
 import logging
 import math
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from fastprompt.io import write_text_atomic
 from fastprompt.train.collapse import SPREAD_STAT
@@ -15,12 +20,74 @@ logger = logging.getLogger(__name__)
 #: Columns of every run; a method's statistics (``Method.log_columns()``) go between the two groups.
 LEADING_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm")
 TRAILING_COLUMNS = ("skipped", "tokens_per_s", "stsb_dev", "elapsed_s")
+#: With ``train_backbone``: the backbone's learning rate (its own AdamW group), after ``lr`` (the prompt's).
+BACKBONE_LR = "backbone_lr"
 
 
-def csv_columns(method_columns: tuple[str, ...] = ()) -> tuple[str, ...]:
+def csv_columns(method_columns: tuple[str, ...] = (), *, backbone_lr: bool = False) -> tuple[str, ...]:
     """The header of train_log.csv for a method that logs ``method_columns`` (then every run's ``emb_spread``:
-    :mod:`fastprompt.train.collapse`)."""
-    return LEADING_COLUMNS + tuple(method_columns) + (SPREAD_STAT,) + TRAILING_COLUMNS
+    :mod:`fastprompt.train.collapse`); ``backbone_lr`` adds the backbone group's learning rate after ``lr``."""
+    leading = LEADING_COLUMNS
+    if backbone_lr:
+        i = leading.index("lr") + 1
+        leading = (*leading[:i], BACKBONE_LR, *leading[i:])
+    return leading + tuple(method_columns) + (SPREAD_STAT,) + TRAILING_COLUMNS
+
+
+def window_row(window: Sequence, *, step: int, epoch: int, lrs: Sequence[float], backbone_lr: bool,
+               elapsed_s: float) -> dict[str, Any]:
+    """The train_log.csv row of the steps in ``window`` (each a :class:`~fastprompt.train.trainer.StepOutput`):
+    means over the finite ones. ``lrs``: the optimizer groups' learning rates (``lr`` is the first group's; with
+    ``backbone_lr``, the backbone's group is the last)."""
+    finite = [w for w in window if math.isfinite(w.loss)]
+    seconds = max(1e-9, sum(w.seconds for w in window))
+    row: dict[str, Any] = {"step": step, "epoch": epoch, "lr": lrs[0], "skipped": sum(w.skipped for w in window),
+                           "elapsed_s": elapsed_s, "tokens_per_s": sum(w.tokens for w in window) / seconds}
+    if backbone_lr:
+        row[BACKBONE_LR] = lrs[-1]
+    if finite:
+        row["loss"] = float(np.mean([w.loss for w in finite]))
+        norms = [w.grad_norm for w in finite if w.grad_norm is not None and math.isfinite(w.grad_norm)]
+        if norms:
+            row["grad_norm"] = float(np.mean(norms))
+        for key in finite[0].stats:
+            row[key] = float(np.mean([w.stats[key] for w in finite]))
+    return row
+
+
+def run_summary(status: str, state, *, total_steps: int, run_dir, config, test: dict | None,
+                frozen: dict | None) -> dict[str, Any]:
+    """What ``Trainer.train()`` returns and writes to ``summary.json``: how the run ended, its dev history and
+    best step, the final test table (and the frozen baseline's), where its files are, and its flat config."""
+    best = run_dir.best
+    return {
+        "status": status,
+        "global_step": state.global_step,
+        "total_steps": total_steps,
+        "epoch": state.epoch,
+        "best_stsb_dev": state.best_score,
+        "best_step": state.best_step,
+        "dev_history": state.dev_history,
+        "test": test,
+        "frozen_baseline": frozen,
+        "nonfinite_steps": state.nonfinite_total,
+        "train_seconds": round(state.train_seconds, 2),
+        "output_dir": str(run_dir.root),
+        "best_checkpoint": str(best) if best.is_dir() else None,
+        "last_checkpoint": str(run_dir.last),
+        "log_csv": str(run_dir.log_csv),
+        "config": config.to_dict(),
+    }
+
+
+class NullLog:
+    """The metrics sink of the non-main processes (only the main process writes logs)."""
+
+    def write(self, row):
+        pass
+
+    def close(self):
+        pass
 
 
 class MetricsLog:

@@ -104,3 +104,15 @@ def check_step_memory(shape: ModelShape, *, rows: int, views: int, max_length: i
         f"step (estimate), more than the {_size(available)} available; set micro_batch_size={suggestion} "
         "(the gradient cache: same gradients, one micro-batch in memory at a time), lower batch_size or "
         "max_length, or set check_memory=false to try anyway")
+
+
+def check_run_memory(cfg, encoder, views: int, *, rows_available: int, world_size: int, device) -> int:
+    """:func:`check_step_memory` for a training run: this process's share of a batch of the config's
+    ``batch_size`` (at most ``rows_available`` training rows) with ``views`` views a row, the config's precision,
+    gradient cache and checkpointing, against the memory free on ``device``."""
+    lb = cfg.large_batch
+    rows = min(cfg.optim.batch_size, rows_available) // world_size
+    micro = lb.micro_batch_size or (lb.max_tokens_per_micro_batch // cfg.data.max_length) or None
+    return check_step_memory(ModelShape.of(encoder), rows=rows, views=views, max_length=cfg.data.max_length,
+                             element_size=4 if cfg.run.precision == "fp32" else 2, micro_batch_rows=micro,
+                             gradient_checkpointing=lb.gradient_checkpointing, available=available_bytes(device))

@@ -1,4 +1,5 @@
-"""Progress of long evaluations in the log, for runs whose stderr is not a terminal (tqdm's bar is off there).
+"""Progress: the training bar's text, and long evaluations in the log for runs whose stderr is not a terminal
+(tqdm's bar is off there).
 
 The final seven-task STS evaluation encodes ~25k sentences: minutes on a CPU with no sign of life in a log
 file or a batch job's output. :class:`LoggedEncoder` wraps a model's ``encode`` and logs how far it got.
@@ -12,6 +13,16 @@ import time
 import numpy as np
 
 logger = logging.getLogger(__name__)
+
+
+def bar_postfix(loss: float | None, dev: float | None) -> str:
+    """The training bar's postfix: ``loss=0.1234 dev=81.20`` (what is known)."""
+    parts = []
+    if loss is not None:
+        parts.append(f"loss={loss:.4f}")
+    if dev is not None:
+        parts.append(f"dev={dev:.2f}")
+    return " ".join(parts)
 
 
 class LoggedEncoder:

@@ -2,12 +2,13 @@
 
 ``<checkpoint>/training_state.safetensors`` holds the optimizer moments and the RNG states;
 ``<checkpoint>/training_state.json`` holds the optimizer's param groups, the LR scheduler, the GradScaler,
-Python's RNG, the data position and the trainer's counters. Python floats survive JSON exactly
-(``repr`` round-trips), so a resumed run continues bit for bit.
+Python's RNG, the data position and the trainer's counters (:class:`TrainerState`). Python floats survive JSON
+exactly (``repr`` round-trips), so a resumed run continues bit for bit.
 """
 from __future__ import annotations
 
 import random
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,23 @@ from fastprompt.io import read_json, write_json_atomic
 TENSORS_FILE = "training_state.safetensors"
 META_FILE = "training_state.json"
 FORMAT_VERSION = 1
+
+
+@dataclass
+class TrainerState:
+    """The trainer's counters, saved with ``last`` (as ``trainer.state`` of the JSON file);
+    ``(epoch, batch_in_epoch)`` is the data position of the next step."""
+
+    global_step: int = 0
+    epoch: int = 0
+    batch_in_epoch: int = 0
+    best_score: float | None = None
+    best_step: int | None = None
+    nonfinite_streak: int = 0
+    nonfinite_total: int = 0
+    train_seconds: float = 0.0
+    dev_history: list = field(default_factory=list)  # [[step, stsb_dev], ...]
+    probe_spread_start: float | None = None  # emb_spread of the collapse probe before the first step
 
 
 # ---------------------------------------------------------------------- RNG

@@ -27,7 +27,6 @@ from transformers import AutoModel, AutoTokenizer, DynamicCache
 from fastprompt import cli
 from fastprompt.integrations import papers
 from fastprompt.integrations._common import prefix_from_rows
-from fastprompt.integrations.cli import PAPER_POOLER_TYPES
 from fastprompt.model import PromptEncoder
 from fastprompt.model.attention import cache_keyword
 
@@ -199,10 +198,6 @@ def test_import_errors_are_clear(tiny_bert_dir, tmp_path, capsys):
         err = capsys.readouterr().err
         assert "fastprompt import: error:" in err and message in err, err
     assert not (tmp_path / "out").exists()
-
-
-def test_cli_pooler_types_match_the_importer():
-    assert PAPER_POOLER_TYPES == papers.POOLER_TYPES
 
 
 def test_output_holding_other_files_needs_overwrite(tiny_bert_dir, tmp_path, capsys):

@@ -132,6 +132,29 @@ def test_using_weights_swaps_a_checkpoint_in_and_puts_the_live_weights_back(tiny
         assert torch.equal(live.prompt_state_dict()[k], v), k
 
 
+def test_using_weights_undoes_a_load_that_fails_half_way(tiny_bert_dir, tmp_path, monkeypatch):
+    """A checkpoint whose load fails after some weights were copied in (a disk error, a truncated file) leaves
+    the live weights as they were: the load runs inside the block that restores them."""
+    from fastprompt.model import checkpoint
+
+    _trained_like(tiny_bert_dir).save(tmp_path / "best")
+    live = _trained_like(tiny_bert_dir).train()
+    before = {k: v.clone() for k, v in live.prompt_state_dict().items()}
+
+    def half_then_fail(encoder, path, config, **kwargs):
+        with torch.no_grad():
+            next(iter(encoder.trainable_parameters())).add_(5.0)  # one tensor already overwritten
+        raise OSError("read error in the middle of the load")
+
+    monkeypatch.setattr(checkpoint, "load_checkpoint_weights", half_then_fail)
+    with pytest.raises(OSError, match="read error"):
+        with live.using_weights(tmp_path / "best"):
+            raise AssertionError("the block must not run")
+    assert live.training
+    for k, v in before.items():
+        assert torch.equal(live.prompt_state_dict()[k], v), k
+
+
 # ------------------------------------------------------------------ saving never deletes what is not a checkpoint
 
 

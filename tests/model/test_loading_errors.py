@@ -173,6 +173,9 @@ def test_resolve_device_accepts_auto_and_cpu_rejects_nonsense():
     assert resolve_device("cpu") == torch.device("cpu")
     with pytest.raises(ValueError, match="'gpu' is not a torch device"):
         resolve_device("gpu")
+    for malformed in ("cuda:x", "cuda:", "cpu 0", ""):  # parse_device: the syntax check the training config shares
+        with pytest.raises(ValueError, match="is not a torch device"):
+            resolve_device(malformed)
 
 
 def test_float16_on_cpu_warns_once(tiny_bert_dir, monkeypatch, caplog):

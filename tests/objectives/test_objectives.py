@@ -78,3 +78,14 @@ def test_registry_and_errors():
     nan = torch.randn(2, 3, 4)
     nan[0, 0, 0] = float("nan")
     assert not torch.isfinite(SimCSE()(nan).loss)  # reported as a non-finite loss, not an exception
+
+
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_an_objective_built_without_a_config_has_the_configs_defaults(name):
+    """The classes take their defaults from ObjectiveConfig: SimCSE() is what a default config builds."""
+    import dataclasses
+
+    from fastprompt.objectives import ObjectiveConfig, objective_from_config
+
+    assert build_objective(name) == objective_from_config(ObjectiveConfig(name=name))
+    assert all(f.default is not dataclasses.MISSING for f in dataclasses.fields(OBJECTIVES[name]))

@@ -1,6 +1,10 @@
 """kernels/_common.py: what both Triton kernel modules share, and that they do share it (one cosine epsilon
-with the reference and the C++ kernel, one TF32 policy, one launch-config type, one interpreter flag)."""
+with the reference and the C++ kernel, one TF32 policy, one bf16 upcast rule, one launch-config type, one
+interpreter flag), and that loading them loads no autograd op."""
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -11,6 +15,7 @@ from fastprompt.kernels import _common  # noqa: E402
 from fastprompt.kernels import contrastive_loss as cl  # noqa: E402
 from fastprompt.kernels import prefix_attention as pa  # noqa: E402
 
+from fastprompt import constants  # noqa: E402
 from fastprompt.ops import _cpp, reference  # noqa: E402
 
 
@@ -21,10 +26,21 @@ def test_named_constants():
 
 
 def test_one_cosine_epsilon_for_reference_triton_and_cpp():
-    assert _common.COSINE_EPS is reference.COSINE_EPS and cl.COSINE_EPS is reference.COSINE_EPS
+    assert _common.COSINE_EPS is constants.COSINE_EPS and cl.COSINE_EPS is constants.COSINE_EPS
+    assert reference.COSINE_EPS is constants.COSINE_EPS
     if not _cpp.available():
         pytest.skip("fastprompt._C (the C++ extension) is not built")
-    assert torch.ops.fastprompt.cosine_eps() == reference.COSINE_EPS  # csrc/constants.h
+    assert torch.ops.fastprompt.cosine_eps() == constants.COSINE_EPS  # csrc/constants.h
+
+
+def test_kernel_modules_load_no_autograd_op():
+    """kernels/ knows nothing of torch.autograd: importing both kernel modules loads no fastprompt.ops module."""
+    code = ("import sys, fastprompt.kernels.contrastive_loss, fastprompt.kernels.prefix_attention; "
+            "print(sorted(m for m in sys.modules if m.startswith('fastprompt.ops')))")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
 
 
 @pytest.fixture
@@ -47,9 +63,19 @@ def test_tf32_policy(monkeypatch, allow_tf32):
     assert _common.dot_precision(torch.float32) == "ieee"
 
 
+def test_upcast_rule(monkeypatch):
+    """Only bf16 under the interpreter is upcast (the interpreter computes bf16 on the raw bits); fp16 runs the
+    kernels' own half-precision path there too, as on a GPU."""
+    monkeypatch.setattr(_common, "INTERPRETED", True)
+    assert [_common.upcast(dt) for dt in (torch.bfloat16, torch.float16, torch.float32)] == [True, False, False]
+    monkeypatch.setattr(_common, "INTERPRETED", False)
+    assert not any(_common.upcast(dt) for dt in _common.TRITON_TYPE)
+
+
 def test_both_kernel_modules_use_the_shared_helpers():
     for module in (cl, pa):
         assert module.dot_precision is _common.dot_precision
+        assert module.upcast is _common.upcast
         assert module.interpreting is _common.interpreting
         assert module.TRITON_TYPE is _common.TRITON_TYPE
     assert isinstance(cl.config(torch.float16, interpret=False), _common.LaunchConfig)

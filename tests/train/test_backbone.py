@@ -95,6 +95,28 @@ def test_full_fine_tuning_trains_saves_hf_layout_and_loads(base_config, tiny_ber
                        before["encoder.layer.0.attention.self.query.weight"])
 
 
+def test_the_log_has_the_backbone_learning_rate_beside_the_prompts(base_config, tmp_path):
+    """lr is the prompt/head group's rate, backbone_lr the backbone group's (both follow the linear decay);
+    a prompt-only run has no backbone_lr column."""
+    import csv
+
+    def log(cfg):
+        Trainer(cfg).train()
+        with open(Path(cfg["output_dir"]) / "train_log.csv", newline="") as f:
+            reader = csv.DictReader(f)
+            return reader.fieldnames, [r for r in reader if r["loss"]]
+
+    header, rows = log(_full_config(base_config, max_steps=3, output_dir=str(tmp_path / "full")))
+    assert header[header.index("lr") + 1] == "backbone_lr"
+    assert [int(r["step"]) for r in rows] == [1, 2, 3]
+    for r in rows:  # after step s the schedule is at (3 - s) / 3 of each group's peak
+        decay = (3 - int(r["step"])) / 3
+        assert float(r["lr"]) == pytest.approx(1e-2 * decay, rel=1e-5)
+        assert float(r["backbone_lr"]) == pytest.approx(1e-3 * decay, rel=1e-5)
+    header, _ = log(base_config(max_steps=1, output_dir=str(tmp_path / "prompt")))
+    assert "backbone_lr" not in header and "lr" in header
+
+
 def test_full_fine_tuning_resumes_bit_for_bit_with_gradient_cache(base_config, tmp_path):
     ref_cfg = _full_config(base_config, micro_batch_size=3, output_dir=str(tmp_path / "ref"))
     Trainer(ref_cfg).train()

@@ -84,3 +84,24 @@ def test_binary_config_file_is_named(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.startswith("fastprompt train: error: ") and str(path) in err and "Traceback" not in err, err
     assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the message on a machine without CUDA")
+def test_device_cuda_without_a_gpu_fails_in_one_line_before_the_model_loads(base_config, tmp_path, capsys,
+                                                                             monkeypatch):
+    """The one device rule (fastprompt.model.device.resolve_device) runs when the run starts: nothing is loaded
+    or written before it (the encoder and the data readers would fail this test if reached)."""
+    from fastprompt.train import build
+
+    def never(*args, **kwargs):
+        raise AssertionError("loaded before the device was checked")
+
+    monkeypatch.setattr(build, "build_encoder", never)
+    monkeypatch.setattr(build, "load_examples", never)
+    out_dir = tmp_path / "cuda-run"
+    path = _write(tmp_path, base_config(max_steps=1))
+    assert _main(["train", "--config", str(path), "--set", "device=cuda", "--output-dir", str(out_dir)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("fastprompt train: error: device 'cuda' requested but "), err
+    assert "use device cpu" in err and len(err.strip().splitlines()) == 1, err
+    assert not out_dir.exists()

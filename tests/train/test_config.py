@@ -138,6 +138,17 @@ def test_one_rule_per_key_whether_set_through_the_config_or_the_model():
         TrainConfig(objective="promcse_eh", hinge_weight=0)
 
 
+@pytest.mark.parametrize("device", ["auto", "cpu", "cuda", "cuda:0", "cuda:3"])
+def test_devices_a_run_takes(device):
+    assert TrainConfig(device=device).device == device  # syntax only: whether the machine has it is checked later
+
+
+@pytest.mark.parametrize("device", ["gpu", "cudax", "cuda:", "cuda:x", "cuda:-1", "cpu:0", "auto:1", "CUDA", ""])
+def test_a_malformed_device_fails_at_config_time(device):
+    with pytest.raises(ValueError, match="device must be auto, cpu, cuda or cuda:N, got"):
+        TrainConfig(device=device)
+
+
 @pytest.mark.parametrize("key", ["attn_backend", "loss_backend"])
 def test_backend_typos_fail_at_config_time_with_the_choices(key):
     with pytest.raises(ValueError, match=f"{key} must be one of auto, triton, cpu, reference; got 'trition'"):

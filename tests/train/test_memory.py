@@ -3,7 +3,7 @@ import sys
 
 import pytest
 
-import fastprompt.train.trainer as trainer_module
+import fastprompt.train.memory as memory_module
 from fastprompt.train import Trainer
 from fastprompt.train.memory import GiB, ModelShape, activation_bytes, available_bytes, check_step_memory
 
@@ -38,7 +38,7 @@ def test_available_memory_without_psutil(monkeypatch):
 
 
 def test_trainer_refuses_a_huge_batch_before_the_first_step(base_config, monkeypatch):
-    monkeypatch.setattr(trainer_module, "available_bytes", lambda device: 4 * 1024 ** 2)  # 4 MiB free
+    monkeypatch.setattr(memory_module, "available_bytes", lambda device: 4 * 1024 ** 2)  # 4 MiB free
     cfg = base_config(batch_size=1000000)
     with pytest.raises(ValueError, match=r"a batch of 96 rows .* more than the 4.0 MiB available; set "
                                          r"micro_batch_size=\d+"):

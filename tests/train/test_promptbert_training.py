@@ -145,3 +145,26 @@ def test_trainer_runs_promptbert_with_gradient_cache_and_saves_the_template(base
     assert summary["status"] == "completed"
     saved = PromptEncoder.load(trainer.best_dir)
     assert saved.template == T1 and saved.denoise is False
+
+
+def test_frozen_baseline_of_a_promptbert_run_uses_its_template(base_config, tiny_sts_dir):
+    """frozen_baseline scores the base model the way the run evaluates: its pooler, its template, its evaluation
+    denoising (and top-k), with no prompt; not PromptBERT's default template."""
+    from fastprompt.eval.sts import evaluate_sts
+    from fastprompt.model import DEFAULT_TEMPLATE
+    from fastprompt.train import Trainer
+
+    assert T1 != DEFAULT_TEMPLATE
+    keys = base_config(pooler="mask", max_steps=2, eval_steps=2, sts_dir=str(tiny_sts_dir), frozen_baseline=True,
+                       template=T1, denoise=True, eval_denoise=True)
+    frozen = Trainer(keys).train()["frozen_baseline"]
+    assert frozen["pooler"] == "mask"
+
+    def scores(**template):
+        enc = PromptEncoder.from_pretrained(keys["model"], pooler="mask", **template).eval()
+        return evaluate_sts(enc, tiny_sts_dir)
+
+    own = scores(template=T1, denoise=True)
+    assert frozen["test"] == pytest.approx(own, abs=1e-9)
+    default = scores()  # what the baseline computed before it read the run's template
+    assert any(abs(own[k] - default[k]) > 1e-6 for k in own)
