@@ -122,3 +122,17 @@ def test_resume_refuses_the_other_mode(base_config):
     Trainer(full).train()
     with pytest.raises(ValueError, match=r"full fine-tuning \(train_backbone=true\) run"):
         Trainer(dict(full, max_steps=4, train_backbone=False)).setup()
+
+
+@pytest.mark.parametrize("change", [dict(prompt_type="input"), dict(prompt_type="both"),
+                                    dict(input_prompt_length=3), dict(optiprompt=True), dict(eval_denoise=True),
+                                    dict(topk=3), dict(position_mode="shifted")], ids=lambda c: next(iter(c)))
+def test_resume_refuses_another_prompt_or_embedding_setup(base_config, change, tmp_path_factory):
+    """Each of these keys changes the trained parameters or the evaluated embedding: resuming would keep the
+    checkpoint's prompt under the new setting (or fail to load it), so it is refused by name."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = base_config(max_steps=2, eval_steps=100, pooler="mask", output_dir=str(out))
+    Trainer(cfg).train()
+    key, value = next(iter(change.items()))
+    with pytest.raises(ValueError, match=rf"different configuration \({key}: .* -> {value!r}\)"):
+        Trainer(dict(cfg, max_steps=4, **change)).setup()
