@@ -523,8 +523,10 @@ class PromptEncoder(nn.Module):
         """PromptBERT's template bias: the [MASK] state of the template alone, for each sentence length, (B, hidden).
 
         In training it is recomputed on every call (dropout and gradients as for the sentences, once per distinct
-        length of the batch). In evaluation (``eval()`` and no autograd) it depends only on (template, length)
-        and the weights, so it is cached per (template, length) until a parameter changes.
+        length of the batch). In evaluation (``eval()`` and no autograd) it depends only on (template, length),
+        the weights and the numerics it runs in, so it is cached per (template, length, device, weight dtype,
+        autocast dtype or none) until a parameter changes: a bias computed under bf16 autocast is never reused
+        in float32, nor the other way round.
         """
         tpl = self._resolve_template(template)
         if tpl is None:
@@ -536,7 +538,9 @@ class PromptEncoder(nn.Module):
         version = tuple((id(p), p._version) for p in self.parameters())
         if version != self._bias_cache_version:
             self._bias_cache, self._bias_cache_version = {}, version
-        key = (tpl.text, self.device, next(self.backbone.parameters()).dtype)
+        device = self.device
+        autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        key = (tpl.text, device, next(self.backbone.parameters()).dtype, autocast)
         store = self._bias_cache.setdefault(key, {})
         missing = [int(L) for L in uniq.tolist() if int(L) not in store]
         if missing:
