@@ -303,8 +303,17 @@ class PromptEncoder(nn.Module):
 
         From then on :meth:`save` writes the backbone too, in the Hugging Face layout
         (``AutoModel.from_pretrained(checkpoint_dir)`` loads it), next to the prompt files.
+
+        The backbone's own pooler (BERT's and RoBERTa's ``pooler``: dense + tanh over [CLS]) stays frozen: the
+        encoder pools the last hidden states itself, so that layer is never in the graph and could receive no
+        gradient. Trainable, it would get none in one process (AdamW skips it) but zeros from the all-reduce
+        of several processes (AdamW's weight decay would then shrink it): the saved weights would depend on
+        the number of processes.
         """
         self.backbone.requires_grad_(enable)
+        unused = getattr(self.backbone, "pooler", None)
+        if enable and isinstance(unused, nn.Module):
+            unused.requires_grad_(False)
         self.backbone_trained = self.backbone_trained or enable
         return self
 
