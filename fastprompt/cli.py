@@ -58,8 +58,8 @@ def load_config_args(args: argparse.Namespace, **keys):
 
 # ------------------------------------------------------------------------------ shared model options
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model/--prompt/--pooler/--max-length/--template/--denoise/--device/--dtype/--attn-backend/--batch-size, read by
-    :func:`load_encoder`."""
+    """--model/--prompt/--pooler/--max-length/--template/--topk/--denoise/--device/--dtype/--attn-backend/
+    --batch-size, read by :func:`load_encoder`."""
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="NAME_OR_PATH",
                    help="base encoder: a local Hugging Face folder, an installed model package "
@@ -79,6 +79,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help='PromptBERT template with [X] (the sentence) and [MASK], e.g. \'This sentence : "[X]" means '
                         '[MASK] .\' (default: the checkpoint\'s; with --pooler mask and none, that one); with a '
                         'template --max-length counts the sentence\'s own tokens, the template comes on top')
+    g.add_argument("--topk", type=_positive_int, metavar="K",
+                   help="k of the topk pooler: the static embeddings of the K tokens the MLM head ranks highest at "
+                        "the [MASK], weighted by their probabilities (PromptBERT Eq. 3; default: the "
+                        "checkpoint's, else 10)")
     g.add_argument("--denoise", action=argparse.BooleanOptionalAction, default=None,
                    help="PromptBERT template denoising: subtract the [MASK] state of the template fed alone "
                         "(needs --pooler mask; default: the checkpoint's, else off)")
@@ -100,7 +104,8 @@ def load_encoder(args: argparse.Namespace):
         raise ValueError("give --model NAME_OR_PATH, --prompt CHECKPOINT_DIR, or both")
     device = resolve_device(args.device)  # before loading: a device this machine lacks fails at once
     kwargs = {"pooler": args.pooler, "max_length": args.max_length, "template": args.template,
-              "denoise": args.denoise, "torch_dtype": getattr(torch, args.dtype), "attn_backend": args.attn_backend}
+              "topk": args.topk, "denoise": args.denoise, "torch_dtype": getattr(torch, args.dtype),
+              "attn_backend": args.attn_backend}
     if args.model:
         encoder = PromptEncoder.from_pretrained(args.model, prompt=args.prompt, **kwargs)
     else:

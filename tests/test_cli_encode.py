@@ -189,3 +189,28 @@ def test_encode_full_disk_keeps_the_previous_file(tmp_path, capsys, input_file, 
     rc, _, err = _run(capsys, "--model", tiny_bert_dir, "--input", input_file, "--output", out)
     assert rc == 2 and "No space left on device; nothing was written" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == [input_file.name]
+
+
+def test_topk_option_sets_k_of_the_topk_pooler(tmp_path, capsys, input_file, tiny_bert_dir):
+    """`--pooler topk --topk K` gives PromptEncoder(pooler="topk", topk=K)'s embeddings; K changes them."""
+    from transformers import AutoConfig, AutoModelForMaskedLM, AutoTokenizer
+
+    from fastprompt.model import PromptEncoder
+
+    mlm = tmp_path / "mlm"
+    AutoTokenizer.from_pretrained(tiny_bert_dir).save_pretrained(mlm)
+    torch.manual_seed(3)
+    AutoModelForMaskedLM.from_config(AutoConfig.from_pretrained(tiny_bert_dir)).save_pretrained(mlm)
+    out = {}
+    for k in (3, None):
+        out[k] = tmp_path / f"emb-{k}.npy"
+        extra = ["--topk", k] if k else []
+        rc, _, err = _run(capsys, "--model", mlm, "--pooler", "topk", *extra, "--input", input_file, "--output", out[k])
+        assert rc == 0, err
+    ref = PromptEncoder.from_pretrained(mlm, pooler="topk", topk=3).eval()
+    np.testing.assert_allclose(np.load(out[3]), ref.encode(LINES), atol=1e-5)
+    assert ref.topk == 3 and not np.allclose(np.load(out[3]), np.load(out[None]), atol=1e-3)  # default k is 10
+    with pytest.raises(SystemExit):
+        cli.main(["encode", "--model", str(mlm), "--pooler", "topk", "--topk", "0", "--input", str(input_file),
+                  "--output", str(tmp_path / "x.npy")])
+    assert "expected a positive integer, got 0" in capsys.readouterr().err

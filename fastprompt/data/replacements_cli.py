@@ -13,6 +13,7 @@ examples:
 Tokenises every sentence of the config's train_file as training does (model, template, max_length), and
 writes one JSON line per distinct tokenised sentence with the generator's replacements (rtd_generator,
 rtd_masking_ratio, rtd_sampling), seeded by --seed and the sentence. Run it again to resume a killed run.
+A masked-LM generator runs --batch-size sentences at a time on --device (cpu by default).
 """
 
 
@@ -25,15 +26,24 @@ def add_make_replacements_parser(subparsers) -> argparse.ArgumentParser:
     add_config_args(p, required=True)
     p.add_argument("--output", required=True, metavar="FILE.jsonl", help="replacement file (appended to on resume)")
     p.add_argument("--seed", type=int, default=0, help="seed of the replacements (0)")
-    p.add_argument("--batch-size", type=int, default=256, metavar="N", help="sentences tokenised at a time (256)")
+    p.add_argument("--batch-size", type=int, default=256, metavar="N",
+                   help="sentences tokenised and run through the generator at a time (256)")
+    p.add_argument("--device", default="cpu",
+                   help="where a masked-LM generator runs: cpu (default), cuda, cuda:1, or auto (cuda when "
+                        "available); the file does not depend on it but for float rounding (docs/crtd.md)")
     p.set_defaults(func=run_make_replacements)
     return p
 
 
 def run_make_replacements(args: argparse.Namespace) -> int:
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
     cfg = load_config_args(args)
-    from fastprompt.data.replacements import build_generator, write_replacement_file
+    from fastprompt.data.replacements import build_generator, replacement_settings, write_replacement_file
+    from fastprompt.model import resolve_device
     from fastprompt.train import build
+
+    device = resolve_device(args.device)  # a device this machine lacks fails at once
 
     examples = build.load_examples(cfg)
     encoder = build.build_encoder(cfg, None)
@@ -44,9 +54,9 @@ def run_make_replacements(args: argparse.Namespace) -> int:
         for ids, mask in zip(tok["input_ids"], tok["attention_mask"]):
             sentences.append(ids[:int(mask.sum())].tolist())
     rtd = cfg.rtd
-    gen = build_generator(rtd.generator, encoder.tokenizer, rtd.masking_ratio, rtd.sampling)
-    settings = {"generator": rtd.generator, "masking_ratio": rtd.masking_ratio, "sampling": rtd.sampling,
-                "model": str(cfg.encoder.model), "max_length": cfg.data.max_length}
-    added = write_replacement_file(args.output, sentences, gen, seed=args.seed, settings=settings)
+    gen = build_generator(rtd.generator, encoder.tokenizer, rtd.masking_ratio, rtd.sampling, device)
+    settings = replacement_settings(rtd, encoder.base_model, cfg.data.max_length)
+    added = write_replacement_file(args.output, sentences, gen, seed=args.seed, settings=settings,
+                                   chunk_size=args.batch_size)
     print(f"{args.output}: {added} sentences added ({len(set(map(tuple, sentences)))} distinct in the data)")
     return 0

@@ -37,7 +37,9 @@ class PromptConfig:
     prefix_projection: bool = option(False, "reparameterise the prefix through an MLP (PromCSE/DCPCSE)")
     projection_hidden_size: int = option(512, "width of the prefix_projection MLP", ge=1)
     shared_across_layers: bool = option(False, "one prefix shared by every layer (PromCSE's ablation)")
-    input_layer_only: bool = option(False, "a prefix on the first attention layer only (the shallow ablation)")
+    input_layer_only: bool = option(False, "a prefix that only the first attention layer attends to (PromCSE's "
+                                    "input-layer-only ablation); for soft tokens that travel up every layer, "
+                                    "use prompt_type: input")
     cls_prompt: bool = option(False, "a trainable vector replaces the [CLS] token embedding (D2CSE)")
     prompt_dropout: float = option(0.0, "dropout on the prefix key/values (P-tuning v2: the hidden dropout)",
                                    ge=0.0, lt=1.0)

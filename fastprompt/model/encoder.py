@@ -303,8 +303,17 @@ class PromptEncoder(nn.Module):
 
         From then on :meth:`save` writes the backbone too, in the Hugging Face layout
         (``AutoModel.from_pretrained(checkpoint_dir)`` loads it), next to the prompt files.
+
+        The backbone's own pooler (BERT's and RoBERTa's ``pooler``: dense + tanh over [CLS]) stays frozen: the
+        encoder pools the last hidden states itself, so that layer is never in the graph and could receive no
+        gradient. Trainable, it would get none in one process (AdamW skips it) but zeros from the all-reduce
+        of several processes (AdamW's weight decay would then shrink it): the saved weights would depend on
+        the number of processes.
         """
         self.backbone.requires_grad_(enable)
+        unused = getattr(self.backbone, "pooler", None)
+        if enable and isinstance(unused, nn.Module):
+            unused.requires_grad_(False)
         self.backbone_trained = self.backbone_trained or enable
         return self
 
@@ -524,8 +533,10 @@ class PromptEncoder(nn.Module):
         """PromptBERT's template bias: the [MASK] state of the template alone, for each sentence length, (B, hidden).
 
         In training it is recomputed on every call (dropout and gradients as for the sentences, once per distinct
-        length of the batch). In evaluation (``eval()`` and no autograd) it depends only on (template, length)
-        and the weights, so it is cached per (template, length) until a parameter changes.
+        length of the batch). In evaluation (``eval()`` and no autograd) it depends only on (template, length),
+        the weights and the numerics it runs in, so it is cached per (template, length, device, weight dtype,
+        autocast dtype or none) until a parameter changes: a bias computed under bf16 autocast is never reused
+        in float32, nor the other way round.
         """
         tpl = self._resolve_template(template)
         if tpl is None:
@@ -537,7 +548,9 @@ class PromptEncoder(nn.Module):
         version = tuple((id(p), p._version) for p in self.parameters())
         if version != self._bias_cache_version:
             self._bias_cache, self._bias_cache_version = {}, version
-        key = (tpl.text, self.device, next(self.backbone.parameters()).dtype)
+        device = self.device
+        autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
+        key = (tpl.text, device, next(self.backbone.parameters()).dtype, autocast)
         store = self._bias_cache.setdefault(key, {})
         missing = [int(L) for L in uniq.tolist() if int(L) not in store]
         if missing:

@@ -4,7 +4,9 @@
 tensors (``cls.predictions.*`` for BERT, ``lm_head.*`` for RoBERTa, from ``model.safetensors`` or a sharded
 safetensors index) into the head module of the matching ``AutoModelForMaskedLM`` class, built on the meta
 device so the rest of that model costs nothing. The decoder shares the backbone's word embeddings, as in BERT
-and RoBERTa, unless the checkpoint stores its own.
+and RoBERTa, unless the checkpoint stores its own. A pre-training checkpoint (``BertForPreTraining``, the layout
+of bert-base-uncased) also keeps the next-sentence head under ``cls.seq_relationship.*``: those tensors are
+skipped by name (:data:`OTHER_HEADS`); any other unknown tensor under the head's prefix is an error.
 """
 from __future__ import annotations
 
@@ -16,6 +18,9 @@ from safetensors import safe_open
 from torch import nn
 
 HEAD_ATTRIBUTES = ("cls", "lm_head")  # BertForMaskedLM.cls, RobertaForMaskedLM.lm_head
+# heads that share the MLM head's prefix in a checkpoint but are not part of it: BertForPreTraining's
+# next-sentence classifier (cls.seq_relationship.weight / .bias)
+OTHER_HEADS = ("seq_relationship.",)
 NO_HEAD_HINT = ("the topk pooler needs a checkpoint saved from a *ForMaskedLM model (e.g. bert-base-uncased, "
                 "roberta-base), or choose another pooler (mask, cls, mean)")
 
@@ -55,7 +60,8 @@ def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module, hint: str 
     tensors = {}
     for file in _safetensors_files(path, hint):
         with safe_open(str(file), framework="pt") as f:
-            tensors.update({k[len(prefix):]: f.get_tensor(k) for k in f.keys() if k.startswith(prefix)})
+            tensors.update({k[len(prefix):]: f.get_tensor(k) for k in f.keys()
+                            if k.startswith(prefix) and not k[len(prefix):].startswith(OTHER_HEADS)})
     if not tensors:
         raise ValueError(f"{path} holds no MLM head weights ({prefix}*): {hint}")
     emb = backbone.get_input_embeddings().weight

@@ -95,15 +95,12 @@ class CRTDTerm(TokenTerm):
 def build_crtd_term(cfg, encoder) -> CRTDTerm:
     """The term a training config's ``rtd`` section (:class:`~fastprompt.objectives.config.CRTDConfig`)
     describes, for ``encoder`` (its tokenizer and hidden size; the generator runs on its device)."""
-    from fastprompt.data.replacements import ReplacementTable, build_generator
+    from fastprompt.data.replacements import ReplacementTable, build_generator, check_replacement_settings
 
     if cfg.replacements_file is not None:
         replacer = ReplacementTable(cfg.replacements_file)
-        made = replacer.settings
-        if made.get("masking_ratio") != cfg.masking_ratio or made.get("generator") != cfg.generator:
-            raise ValueError(f"{cfg.replacements_file} was made with generator={made.get('generator')!r}, "
-                             f"masking_ratio={made.get('masking_ratio')}; the config asks for "
-                             f"{cfg.generator!r}, {cfg.masking_ratio}")
+        check_replacement_settings(replacer.settings, cfg, getattr(encoder, "base_model", None),
+                                   cfg.replacements_file)
     else:
         replacer = build_generator(cfg.generator, encoder.tokenizer, cfg.masking_ratio, cfg.sampling,
                                    encoder.device)

@@ -2,9 +2,10 @@
 
 With ``train_backbone: true`` the backbone's weights are trained next to the prompt and the pooler head, with
 their own learning rate and weight decay (``backbone_learning_rate``, ``backbone_weight_decay``; the linear
-schedule scales both groups alike). Checkpoints then hold the backbone in the Hugging Face layout
-(:mod:`fastprompt.model.checkpoint`). The gradient cache, gradient checkpointing, autocast and several processes
-need nothing more: they act on whatever parameters require grad.
+schedule scales every group alike); the backbone's biases and LayerNorm weights are never decayed (Hugging
+Face's Trainer rule, which SimCSE and PromptBERT trained with). Checkpoints then hold the backbone in the Hugging
+Face layout (:mod:`fastprompt.model.checkpoint`). The gradient cache, gradient checkpointing, autocast and
+several processes need nothing more: they act on whatever parameters require grad.
 """
 from __future__ import annotations
 
@@ -15,17 +16,34 @@ import torch
 from fastprompt.io import read_json
 
 
+def no_decay_parameter_ids(module: torch.nn.Module) -> set[int]:
+    """Parameters Hugging Face's Trainer (which SimCSE and PromptBERT fine-tune with) never decays: every bias
+    and every LayerNorm weight (its rule: ``get_parameter_names(model, [nn.LayerNorm])`` minus the names that
+    contain "bias")."""
+    out = set()
+    for sub in module.modules():
+        for name, p in sub.named_parameters(recurse=False):
+            if isinstance(sub, torch.nn.LayerNorm) or "bias" in name:
+                out.add(id(p))
+    return out
+
+
 def optimizer_groups(cfg, params: list[torch.nn.Parameter], encoder=None) -> list[dict]:
     """AdamW parameter groups: the backbone's weights (when trained) apart from the rest, each with its own
-    learning rate and weight decay."""
+    learning rate and weight decay; the backbone's biases and LayerNorm weights in a group of their own with no
+    weight decay, as Hugging Face's Trainer does for SimCSE's and PromptBERT's fine-tuning."""
     if encoder is None or not cfg.backbone.train_backbone:
         return [{"params": params}]
     in_backbone = {id(p) for p in encoder.backbone.parameters()}
-    backbone = [p for p in params if id(p) in in_backbone]
+    no_decay = no_decay_parameter_ids(encoder.backbone)
+    backbone = [p for p in params if id(p) in in_backbone and id(p) not in no_decay]
+    exempt = [p for p in params if id(p) in in_backbone and id(p) in no_decay]
     rest = [p for p in params if id(p) not in in_backbone]
+    lr = cfg.backbone.backbone_learning_rate
     groups = [{"params": rest}] if rest else []
-    groups.append({"params": backbone, "lr": cfg.backbone.backbone_learning_rate,
-                   "weight_decay": cfg.backbone.backbone_weight_decay})
+    groups.append({"params": backbone, "lr": lr, "weight_decay": cfg.backbone.backbone_weight_decay})
+    if exempt:
+        groups.append({"params": exempt, "lr": lr, "weight_decay": 0.0})
     return groups
 
 

@@ -11,9 +11,12 @@ recomputation in large transformer models", section 4.1): ``34 h`` bytes of 16-b
 attention and MLP blocks (LayerNorms, projections, GELU input, dropout masks) plus ``5 a k`` bytes of attention
 scores (scores, softmax, dropout mask), with ``k`` keys (the sentence plus the prefix). In units of the
 activation element size ``e`` (4 in fp32, 2 under autocast) that is ``17 e h + a k (2 e + 1)``. Gradient
-checkpointing keeps each layer's input plus one layer's activations. The frozen backbone's weights carry no
-gradient and are not counted; neither are the (small) prompt and optimizer state. It is an estimate of the
-order of magnitude: the check refuses only runs that cannot fit, and ``check_memory=false`` turns it off.
+checkpointing keeps each layer's input plus one layer's activations. On top come the trained parameters'
+gradient and AdamW's two moments, each the parameter's size (12 bytes a float32 parameter): negligible for a
+prompt, but ~1.2 GiB for a trained BERT-base backbone (110M parameters, ``train_backbone``). The weights
+themselves are already loaded when the free memory is read, and a frozen backbone carries no gradient. It is
+an estimate of the order of magnitude: the check refuses only runs that cannot fit, and ``check_memory=false``
+turns it off.
 """
 from __future__ import annotations
 
@@ -29,18 +32,28 @@ GiB = 1024 ** 3
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What activation memory depends on: the backbone's layers, width and heads (keys include the prefix)."""
+    """What a step's memory depends on: the backbone's layers, width and heads (keys include the prefix), and
+    the bytes of the trained parameters (their gradient and AdamW moments are each that size again)."""
 
     num_layers: int
     hidden_size: int
     num_heads: int
     prefix_length: int = 0
+    trained_bytes: int = 0
 
     @classmethod
     def of(cls, encoder) -> "ModelShape":
+        """The shape of ``encoder`` as it will train: call it after the trainable parameters are chosen
+        (``train_backbone``)."""
         c = encoder.backbone.config
         prefix = int(getattr(getattr(encoder, "prompt_config", None), "prompt_length", 0) or 0)
-        return cls(int(c.num_hidden_layers), int(c.hidden_size), int(c.num_attention_heads), prefix)
+        trained = sum(p.numel() * p.element_size() for p in encoder.parameters() if p.requires_grad)
+        return cls(int(c.num_hidden_layers), int(c.hidden_size), int(c.num_attention_heads), prefix, trained)
+
+    @property
+    def optimizer_bytes(self) -> int:
+        """Gradient + AdamW's exp_avg and exp_avg_sq of the trained parameters (each the parameter's dtype)."""
+        return 3 * self.trained_bytes
 
 
 def activation_bytes(shape: ModelShape, sequences: int, seq_len: int, *, element_size: int = 4,
@@ -90,18 +103,26 @@ def check_step_memory(shape: ModelShape, *, rows: int, views: int, max_length: i
                             gradient_checkpointing=gradient_checkpointing)
     if micro_batch_rows:  # the cached vectors and their gradients, for the whole batch
         need += 2 * rows * views * shape.hidden_size * 4
-    logger.info("estimated activation memory of one step: %s%s", _size(need),
-                f" of {_size(available)} available" if available is not None else "")
+    state = shape.optimizer_bytes
+    need += state
+    logger.info("estimated memory of one step: %s%s (activations, and %s of gradients and AdamW moments)",
+                _size(need), f" of {_size(available)} available" if available is not None else "", _size(state))
     if available is None or need <= available:
         return need
+    if state >= available:
+        raise ValueError(
+            f"the trained parameters' gradients and AdamW moments alone need about {_size(state)} (3 x "
+            f"{_size(shape.trained_bytes)} of trained weights), more than the {_size(available)} available; "
+            "train fewer weights (train_backbone=false, a smaller model), or set check_memory=false to try anyway")
     per_row = activation_bytes(shape, views, max_length, element_size=element_size,
                                gradient_checkpointing=gradient_checkpointing)
-    fit = max(1, int(available // 2 // per_row))
+    fit = max(1, int((available - state) // 2 // per_row))
     suggestion = 2 ** int(math.log2(fit)) if fit >= 2 else 1
     what = f"micro_batch_size={micro_batch_rows}" if micro_batch_rows else f"a batch of {rows} rows"
     raise ValueError(
-        f"{what} x {views} views x {max_length} tokens needs about {_size(need)} of activation memory per "
-        f"step (estimate), more than the {_size(available)} available; set micro_batch_size={suggestion} "
+        f"{what} x {views} views x {max_length} tokens needs about {_size(need)} of memory per step "
+        f"(estimate{f', {_size(state)} of it gradients and AdamW moments' if state >= available // 100 else ''}), "
+        f"more than the {_size(available)} available; set micro_batch_size={suggestion} "
         "(the gradient cache: same gradients, one micro-batch in memory at a time), lower batch_size or "
         "max_length, or set check_memory=false to try anyway")
 

@@ -116,3 +116,26 @@ def test_sentence_lengths_and_template_inputs(tiny_bert_dir):
 def test_denoise_needs_the_mask_pooler(tiny_bert_dir):
     with pytest.raises(ValueError, match="needs pooler='mask'"):
         PromptEncoder.from_pretrained(tiny_bert_dir, pooler="cls", denoise=True)
+
+
+def test_eval_cache_keeps_autocast_and_float32_biases_apart(tiny_bert_dir):
+    """A bias cached under bf16 autocast (bf16 rounding, ~3e-3 relative) is not served to a float32 call, and
+    the other way round; each equals a fresh computation in its own numerics."""
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(2), pooler="mask",
+                                        denoise=True).eval()
+    lengths = torch.tensor([3, 5, 3])
+
+    def fresh():
+        enc.clear_template_cache()
+        return enc.template_bias(None, lengths)
+
+    with torch.no_grad():
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            low = enc.template_bias(None, lengths)
+            assert torch.equal(low, fresh())
+        assert not torch.equal(low.float(), enc.template_bias(None, lengths).float())  # not the bf16 entry
+        full = enc.template_bias(None, lengths)
+        assert full.dtype == torch.float32 and torch.equal(full, fresh())
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            assert torch.equal(enc.template_bias(None, lengths), low)  # its own entry, not the float32 one
+        assert len(enc._bias_cache) == 2

@@ -235,3 +235,43 @@ def test_gradient_cache_equals_reference_with_the_mlm_term(mlm_dir, head):
         assert ref[k].abs().sum() > 0, k
         torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
     assert out.stats["w_mlm"] == pytest.approx(0.095) and out.stats["loss_mlm"] > 0
+
+
+def test_a_pretraining_checkpoint_loads_its_mlm_head_and_skips_the_next_sentence_head(tiny_bert_dir, tmp_path):
+    """bert-base-uncased is saved as ``BertForPreTraining``: ``cls.predictions.*`` next to the next-sentence
+    head ``cls.seq_relationship.*``. The MLM head is ``cls.predictions`` exactly; the term's loss equals the
+    cross-entropy of HF's own ``prediction_logits`` (same tolerance analysis as above)."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoTokenizer, BertForPreTraining
+
+    AutoTokenizer.from_pretrained(tiny_bert_dir).save_pretrained(tmp_path)
+    torch.manual_seed(5)
+    BertForPreTraining(AutoConfig.from_pretrained(tiny_bert_dir)).save_pretrained(tmp_path)
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        assert any(k.startswith("cls.seq_relationship.") for k in f.keys())
+    enc = PromptEncoder.from_pretrained(tmp_path).eval()
+    term = MLMTerm.for_encoder(enc)
+    hf = BertForPreTraining.from_pretrained(tmp_path).eval()
+    ours = term.head.state_dict()
+    theirs = hf.cls.state_dict()
+    assert set(ours) == {k for k in theirs if k.startswith("predictions.")}
+    for k, v in ours.items():
+        torch.testing.assert_close(v, theirs[k], atol=0, rtol=0, msg=k)
+    batch = _batch_with_extras(enc, term)
+    labels = batch.extras["mlm_labels"]
+    loss = term(enc, batch.model_inputs(), batch.extras, None) / term.num_targets(batch.extras)
+    logits = hf(input_ids=batch.extras["mlm_input_ids"], attention_mask=batch.attention_mask).prediction_logits
+    ref = torch.nn.functional.cross_entropy(logits.view(-1, logits.shape[-1]), labels.view(-1))
+    torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_unknown_tensors_under_the_head_prefix_are_still_an_error(tiny_bert_dir, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = _save_mlm(tiny_bert_dir, tmp_path, 3)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["cls.something_else.weight"] = torch.zeros(2)
+    save_file(tensors, str(src / "model.safetensors"), metadata={"format": "pt"})
+    enc = PromptEncoder.from_pretrained(src)
+    with pytest.raises(ValueError, match="unexpected.*something_else"):
+        MLMTerm.for_encoder(enc)

@@ -72,9 +72,9 @@ def test_full_fine_tuning_trains_saves_hf_layout_and_loads(base_config, tiny_ber
     trainer = Trainer(cfg)
     trainer.setup()
     groups = trainer.optimizer.param_groups
-    assert len(groups) == 2
-    assert groups[1]["weight_decay"] == 0.01 and groups[0]["weight_decay"] == 0.0
-    assert groups[1]["initial_lr"] == 1e-3 and groups[0]["initial_lr"] == 1e-2
+    assert len(groups) == 3  # the rest; the backbone's decayed weights; its biases and LayerNorm weights
+    assert groups[1]["weight_decay"] == 0.01 and groups[0]["weight_decay"] == 0.0 and groups[2]["weight_decay"] == 0
+    assert groups[1]["initial_lr"] == groups[2]["initial_lr"] == 1e-3 and groups[0]["initial_lr"] == 1e-2
     before = {k: v.clone() for k, v in trainer.encoder.backbone.state_dict().items()}
     assert trainer.train()["status"] == "completed"
     after = trainer.encoder.backbone.state_dict()
@@ -144,3 +144,59 @@ def test_resume_refuses_the_other_mode(base_config):
     Trainer(full).train()
     with pytest.raises(ValueError, match=r"full fine-tuning \(train_backbone=true\) run"):
         Trainer(dict(full, max_steps=4, train_backbone=False)).setup()
+
+
+@pytest.mark.parametrize("change", [dict(prompt_type="input"), dict(prompt_type="both"),
+                                    dict(input_prompt_length=3), dict(optiprompt=True), dict(eval_denoise=True),
+                                    dict(topk=3), dict(position_mode="shifted")], ids=lambda c: next(iter(c)))
+def test_resume_refuses_another_prompt_or_embedding_setup(base_config, change, tmp_path_factory):
+    """Each of these keys changes the trained parameters or the evaluated embedding: resuming would keep the
+    checkpoint's prompt under the new setting (or fail to load it), so it is refused by name."""
+    out = tmp_path_factory.mktemp("run")
+    cfg = base_config(max_steps=2, eval_steps=100, pooler="mask", output_dir=str(out))
+    Trainer(cfg).train()
+    key, value = next(iter(change.items()))
+    with pytest.raises(ValueError, match=rf"different configuration \({key}: .* -> {value!r}\)"):
+        Trainer(dict(cfg, max_steps=4, **change)).setup()
+
+
+def test_biases_and_layernorm_weights_are_not_decayed_as_in_hf_trainer(tiny_model_dir):
+    """The backbone's groups follow the rule of the Hugging Face Trainer SimCSE and PromptBERT used (transformers
+    4.2.1: ``get_parameter_names(model, [nn.LayerNorm])`` minus names containing "bias")."""
+    from transformers.trainer_pt_utils import get_parameter_names
+
+    from fastprompt.train.backbone import optimizer_groups
+    from fastprompt.train.config import TrainConfig
+
+    enc = PromptEncoder.from_pretrained(tiny_model_dir, prompt_config=PromptConfig(3), mlp="train").train_backbone()
+    cfg = TrainConfig(train_backbone=True, backbone_weight_decay=0.01, weight_decay=0.0)
+    rest, decayed, exempt = optimizer_groups(cfg, enc.trainable_parameters(), enc)
+    names = {id(p): n for n, p in enc.backbone.named_parameters()}
+    hf_decay = {n for n in get_parameter_names(enc.backbone, [torch.nn.LayerNorm]) if "bias" not in n}
+    assert {names[id(p)] for p in decayed["params"]} == hf_decay - {n for n in hf_decay if n.startswith("pooler.")}
+    assert decayed["weight_decay"] == 0.01 and exempt["weight_decay"] == 0.0
+    exempt_names = {names[id(p)] for p in exempt["params"]}
+    assert exempt_names and all("bias" in n or "LayerNorm" in n for n in exempt_names)
+    assert any(n.endswith("LayerNorm.weight") for n in exempt_names)
+    assert {id(p) for p in rest["params"]} == {id(p) for n, p in enc.named_parameters()
+                                             if p.requires_grad and not n.startswith("backbone.")}
+
+
+def test_the_backbones_own_pooler_is_not_trained_and_is_saved_unchanged(base_config, tiny_bert_dir):
+    """fastprompt pools the last hidden states itself: the backbone's pooler (dense + tanh) never gets a gradient,
+    so it is left out of the trainable set (under several processes the all-reduce would have given it zeros and
+    AdamW's weight decay would have shrunk it) and best/ holds it as the base model has it."""
+    from transformers import AutoModel
+
+    trainer = Trainer(_full_config(base_config, backbone_weight_decay=0.5, max_steps=3))
+    trainer.setup()
+    pooler = trainer.encoder.backbone.pooler
+    assert not any(p.requires_grad for p in pooler.parameters())
+    assert not {id(p) for p in pooler.parameters()} & {id(p) for p in trainer.params}
+    assert trainer.encoder.backbone.encoder.layer[0].output.dense.weight.requires_grad
+    assert trainer.train()["status"] == "completed"
+    base, best = AutoModel.from_pretrained(tiny_bert_dir), AutoModel.from_pretrained(trainer.best_dir)
+    for k in ("pooler.dense.weight", "pooler.dense.bias"):
+        assert torch.equal(best.state_dict()[k], base.state_dict()[k]), k
+    assert not torch.equal(best.state_dict()["encoder.layer.0.output.dense.weight"],
+                           base.state_dict()["encoder.layer.0.output.dense.weight"])

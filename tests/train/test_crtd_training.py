@@ -8,6 +8,7 @@ import yaml
 from transformers import AutoTokenizer, BertConfig, BertForMaskedLM
 
 from fastprompt import cli
+from fastprompt.data.replacements import ReplacementTable
 from fastprompt.train import Trainer
 from fastprompt.train.config import TrainConfig
 
@@ -63,3 +64,16 @@ def test_make_replacements_then_train_from_the_file(base_config, tmp_path, capsy
     rc = cli.main(["train", "--config", str(recipe), "--set", f"rtd_replacements_file={out}",
                    "--set", "rtd_masking_ratio=0.2", "--output-dir", str(tmp_path / "run2")])
     assert rc == 2 and "masking_ratio" in capsys.readouterr().err
+
+
+def test_make_replacements_device_option(base_config, tmp_path, capsys):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump(base_config(rtd_weight=0.01, rtd_generator="random")))
+    out = tmp_path / "rep.jsonl"
+    args = ["make-replacements", "--config", str(recipe), "--output", str(out)]
+    assert cli.main(args + ["--device", "cpu", "--batch-size", "7"]) == 0
+    assert ReplacementTable(out).settings["sampling"] == "sample" and len(ReplacementTable(out)) > 7
+    assert cli.main(args + ["--device", "nonsense"]) == 2
+    assert "not a torch device" in capsys.readouterr().err
+    assert cli.main(args + ["--batch-size", "0"]) == 2
+    assert "--batch-size must be at least 1" in capsys.readouterr().err

@@ -49,3 +49,40 @@ def test_trainer_refuses_a_huge_batch_before_the_first_step(base_config, monkeyp
     assert summary["status"] == "completed" and len(steps) == 1
     assert Trainer(dict(cfg, check_memory=False, max_steps=1, overwrite_output_dir=True,
                         resume=False)).train()["status"] == "completed"
+
+
+def test_trained_weights_gradients_and_adamw_moments_are_counted(tiny_bert_dir):
+    from fastprompt.model import PromptConfig, PromptEncoder
+
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(4))
+    prompt_only = ModelShape.of(enc)
+    assert prompt_only.trained_bytes == 4 * enc.prompt.prefix.numel()
+    enc.train_backbone()
+    full = ModelShape.of(enc)
+    backbone = sum(p.numel() for n, p in enc.backbone.named_parameters() if not n.startswith("pooler."))
+    assert full.trained_bytes == 4 * (backbone + enc.prompt.prefix.numel())
+    assert full.optimizer_bytes == 12 * (backbone + enc.prompt.prefix.numel())  # fp32 grad + exp_avg + exp_avg_sq
+    kw = dict(rows=8, views=2, max_length=16, element_size=4, micro_batch_rows=None, gradient_checkpointing=False)
+    activations = check_step_memory(prompt_only, available=None, **kw) - prompt_only.optimizer_bytes
+    assert check_step_memory(full, available=None, **kw) == activations + full.optimizer_bytes
+    # room for the activations but not for the backbone's optimizer state: refused, naming it
+    room = activations + full.optimizer_bytes // 2
+    assert check_step_memory(prompt_only, available=room, **kw) <= room
+    with pytest.raises(ValueError, match="gradients and AdamW moments"):
+        check_step_memory(full, available=room, **kw)
+    # the state alone does not fit: no micro-batch size can help, and the message says what can
+    with pytest.raises(ValueError, match=r"alone need about .*train_backbone=false"):
+        check_step_memory(full, available=full.optimizer_bytes - 1, **kw)
+
+
+def test_trainer_counts_the_trained_backbone(base_config, monkeypatch):
+    """The trainer's estimate sees the backbone's parameters once train_backbone made them trainable."""
+    seen = []
+    real = memory_module.check_step_memory
+    monkeypatch.setattr(memory_module, "check_step_memory",
+                        lambda shape, **kw: seen.append(shape) or real(shape, **kw))
+    Trainer(base_config(max_steps=1, train_backbone=True)).setup()
+    Trainer(base_config(max_steps=1, output_dir=base_config()["output_dir"] + "-prompt")).setup()
+    full, prompt = seen
+    assert prompt.trained_bytes == 4 * 4 * 2 * 2 * 32  # the tiny BERT's prefix: P x layers x (k, v) x hidden
+    assert full.trained_bytes > 50 * prompt.trained_bytes

@@ -26,3 +26,24 @@ def test_recipe_resolves_to_its_pinned_values(name):
     assert set(expected) <= set(resolved), f"keys no longer resolved: {sorted(set(expected) - set(resolved))}"
     diffs = {k: (expected[k], resolved[k]) for k in expected if resolved[k] != expected[k]}
     assert not diffs, f"{name}: (pinned, now) = {diffs}"
+
+
+def test_pin_script_rewrites_only_the_named_entries(tmp_path):
+    """scripts/pin_recipes.py is how entries are written: re-pinning an unchanged recipe changes nothing."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pin_recipes", CONFIG_DIR.parent / "scripts" / "pin_recipes.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    pins = tmp_path / "recipe_values.json"
+    original = (Path(__file__).with_name("recipe_values.json")).read_text(encoding="utf-8")
+    pins.write_text(original, encoding="utf-8")
+    names = sorted(CONFIG_DIR.glob("d2cse-*.yaml"))
+    assert script.main([str(p) for p in names], pins) == 0
+    assert pins.read_text(encoding="utf-8") == original
+    edited = json.loads(original)
+    edited["d2cse-unsup-minilm.yaml"]["epochs"] = 99.0
+    pins.write_text(json.dumps(edited, indent=1) + "\n", encoding="utf-8")
+    assert script.main([str(CONFIG_DIR / "d2cse-unsup-minilm.yaml")], pins) == 0
+    assert pins.read_text(encoding="utf-8") == original
+    assert script.main([], pins) == 2
