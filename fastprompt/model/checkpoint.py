@@ -10,6 +10,7 @@ config says so. The whole folder is written atomically.
 """
 from __future__ import annotations
 
+import fnmatch
 import os
 from pathlib import Path
 
@@ -31,27 +32,51 @@ def _backbone_shape(encoder) -> dict:
             "head_dim": encoder.head_dim, "hidden_size": encoder.hidden_size}
 
 
+#: What a checkpoint that holds a fine-tuned backbone may also hold, for checkpoints written before their config
+#: listed their files: Hugging Face's model and tokenizer files.
+_BACKBONE_FILES = ("config.json", "generation_config.json", "model.safetensors", "model.safetensors.index.json",
+                   "model-*-of-*.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                   "added_tokens.json", "vocab.txt", "vocab.json", "merges.txt", "*.model", "chat_template.jinja")
+
+
+def _checkpoint_config(path: Path) -> dict | None:
+    try:
+        config = read_json(path / CONFIG_NAME)
+    except (OSError, ValueError):
+        return None
+    return config if config.get("format") == FORMAT else None
+
+
 def is_checkpoint(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a folder holding a fastprompt prompt checkpoint's config."""
-    try:
-        return read_json(Path(path) / CONFIG_NAME).get("format") == FORMAT
-    except (OSError, ValueError):
-        return False
+    return _checkpoint_config(Path(path)) is not None
+
+
+def _own_file(name: str, config: dict) -> bool:
+    """Whether a file of a checkpoint folder is one its save wrote (its config lists them)."""
+    if "files" in config:
+        return name in config["files"]
+    if name in (CONFIG_NAME, WEIGHTS_NAME):
+        return True
+    return holds_backbone_weights(config) and any(fnmatch.fnmatchcase(name, p) for p in _BACKBONE_FILES)
 
 
 def check_save_target(path: str | os.PathLike, overwrite: bool = False) -> None:
-    """Saving replaces the whole target folder: refuse anything that is not new, empty or an earlier checkpoint
-    unless ``overwrite`` (FileExistsError naming what is there)."""
+    """Saving replaces the whole target folder: refuse anything but a new or empty folder or an earlier checkpoint
+    holding only its own files, unless ``overwrite`` (FileExistsError naming what saving would delete)."""
     path = Path(path)
     if overwrite or not os.path.lexists(path):
         return
     if not path.is_dir():
         raise FileExistsError(f"cannot save a prompt checkpoint to {path}: it is a file; choose a folder name, "
                               "or pass overwrite=True to replace the file")
+    config = _checkpoint_config(path)
     names = sorted(p.name for p in path.iterdir())
-    if names and not is_checkpoint(path):
-        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
-        raise FileExistsError(f"cannot save a prompt checkpoint to {path}: the folder holds other files ({shown}) "
+    others = names if config is None else [n for n in names if not _own_file(n, config)]
+    if others:
+        shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
+        what = "other files" if config is None else "a prompt checkpoint and other files"
+        raise FileExistsError(f"cannot save a prompt checkpoint to {path}: the folder holds {what} ({shown}) "
                               "that saving would delete; choose a new or empty folder, or pass overwrite=True")
 
 
@@ -82,6 +107,8 @@ def save_checkpoint(encoder, checkpoint_dir: str | os.PathLike, overwrite: bool 
             encoder.backbone.save_pretrained(tmp, safe_serialization=True)
             encoder.tokenizer.save_pretrained(tmp)
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": FORMAT})
+        # what this save wrote: a later save may replace exactly these, and refuses a folder with anything else
+        config["files"] = sorted([p.name for p in tmp.iterdir()] + [CONFIG_NAME])
         write_json_atomic(tmp / CONFIG_NAME, config)
     return Path(checkpoint_dir)
 

@@ -210,9 +210,10 @@ class PromptEncoder(nn.Module):
     def save(self, checkpoint_dir: str | os.PathLike, overwrite: bool = False) -> Path:
         """Write the prompt-only checkpoint (safetensors + JSON), atomically.
 
-        ``checkpoint_dir`` may be new, an empty folder or an earlier fastprompt checkpoint (which is replaced);
-        anything else (a file, a folder with other content) raises FileExistsError unless ``overwrite=True``,
-        because saving replaces the whole folder."""
+        ``checkpoint_dir`` may be new, an empty folder or an earlier fastprompt checkpoint holding only its own
+        files (which is replaced); anything else (a file, a folder with other content, a checkpoint folder that
+        other files were put into) raises FileExistsError unless ``overwrite=True``, because saving replaces the
+        whole folder."""
         from .checkpoint import save_checkpoint
 
         return save_checkpoint(self, checkpoint_dir, overwrite=overwrite)

@@ -193,6 +193,57 @@ def test_save_into_an_empty_folder_and_over_a_checkpoint(tiny_bert_dir, tmp_path
     assert torch.equal(loaded.prompt.prefix, enc.prompt.prefix)
 
 
+def test_save_refuses_a_checkpoint_folder_that_also_holds_other_files(tiny_bert_dir, tmp_path):
+    """A checkpoint folder the user has put other files into is not replaced without overwrite=True: saving
+    would delete them with the old checkpoint."""
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(4))
+    ckpt = tmp_path / "ckpt"
+    enc.save(ckpt)
+    assert json.loads((ckpt / CONFIG_NAME).read_text())["files"] == sorted([CONFIG_NAME, WEIGHTS_NAME])
+    (ckpt / "notes.md").write_text("mine")
+    (ckpt / "plots").mkdir()
+    with pytest.raises(FileExistsError, match=r"the folder holds a prompt checkpoint and other files \(notes.md, "
+                                              r"plots\) that saving would delete; .* or pass overwrite=True"):
+        enc.save(ckpt)
+    assert (ckpt / "notes.md").read_text() == "mine" and (ckpt / "plots").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary folder left
+    enc.save(ckpt, overwrite=True)
+    assert sorted(p.name for p in ckpt.iterdir()) == [CONFIG_NAME, WEIGHTS_NAME]
+
+
+def test_a_checkpoint_without_a_file_list_is_replaced_only_when_it_holds_its_own_files(tiny_bert_dir, tmp_path):
+    """Checkpoints written before the config listed its files: the config and the prompt weights are their own
+    (and Hugging Face's model and tokenizer files when they hold a backbone), nothing else."""
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(4))
+    ckpt = tmp_path / "old"
+
+    def save_as_before(**extra):
+        enc.save(ckpt, overwrite=True)
+        config = json.loads((ckpt / CONFIG_NAME).read_text())
+        del config["files"]
+        (ckpt / CONFIG_NAME).write_text(json.dumps(dict(config, **extra)))
+
+    save_as_before()
+    enc.save(ckpt)  # only its own files: replaced without asking
+    save_as_before()
+    (ckpt / "vocab.txt").write_text("not a backbone checkpoint's: someone else's")
+    with pytest.raises(FileExistsError, match=r"prompt checkpoint and other files \(vocab.txt\)"):
+        enc.save(ckpt)
+    save_as_before(backbone_weights=True)
+    (ckpt / "vocab.txt").write_text("a backbone checkpoint's tokenizer file")
+    enc.save(ckpt)
+    assert not (ckpt / "vocab.txt").exists()
+
+
+def test_a_fine_tuned_backbone_checkpoint_is_replaced_by_the_next_save(tiny_bert_dir, tmp_path):
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(4)).train_backbone()
+    enc.save(tmp_path / "full")
+    files = json.loads((tmp_path / "full" / CONFIG_NAME).read_text())["files"]
+    assert {"config.json", "model.safetensors", CONFIG_NAME, WEIGHTS_NAME} <= set(files)
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == files
+    enc.save(tmp_path / "full")
+
+
 # ------------------------------------------------------------------ the base model a checkpoint names
 
 

@@ -1,6 +1,7 @@
 """`fastprompt train`: config + --set overrides, printed summary, exit codes."""
 import argparse
 import json
+import logging
 import sys
 
 import pytest
@@ -105,3 +106,16 @@ def test_device_cuda_without_a_gpu_fails_in_one_line_before_the_model_loads(base
     assert err.startswith("fastprompt train: error: device 'cuda' requested but "), err
     assert "use device cpu" in err and len(err.strip().splitlines()) == 1, err
     assert not out_dir.exists()
+
+
+def test_a_collapsed_run_exits_with_status_3_and_says_why(base_config, tmp_path, caplog):
+    """`fastprompt train` at learning_rate=1e6: the run stops on representation collapse with exit status 3 (the
+    console script's sys.exit(main())), and its last log line says what happened and what to do
+    (docs/troubleshooting.md, "Training runs")."""
+    cfg = base_config(learning_rate=1e6, max_steps=40, log_every=1, collapse_patience=2)
+    with caplog.at_level(logging.INFO):
+        assert _main(["train", "--config", str(_write(tmp_path, cfg))]) == 3
+    last = caplog.records[-1]
+    assert last.levelno == logging.ERROR and last.exc_info is None
+    assert "representation collapse in 2 consecutive checks" in last.getMessage()
+    assert "lower learning_rate" in last.getMessage()

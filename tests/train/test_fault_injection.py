@@ -1,10 +1,12 @@
 """Fault injection: a training run SIGKILLed at random points, several times over, then resumed, ends with the
 prompt of the uninterrupted run bit for bit (and a log holding every step exactly once).
 
-Kill points are drawn from a seeded generator, so a failure replays. Each kill is a real SIGKILL the run
-sends itself (no handler runs, nothing is flushed): after a step, inside the ``last/`` checkpoint write (its
-files are in the temporary folder, not yet renamed into place), or between the two renames of the swap
-(``last`` moved aside, the new one not yet in place: the next run must restore the old one).
+Each kill is a real SIGKILL the run sends itself (no handler runs, nothing is flushed), one of each kind, in an
+order and at steps drawn from a seeded generator: after a step, inside the ``last/`` checkpoint write (its files
+are in the temporary folder, not yet renamed into place), or between the two renames of the swap (``last`` moved
+aside, the new one not yet in place: the next run must restore the old one). The seed is printed with any
+failure, so the failure replays; ``FASTPROMPT_FAULT_SEED=<int>`` replaces it, so repeated runs try new plans
+(``FASTPROMPT_FAULT_SEED=$RANDOM pytest tests/train/test_fault_injection.py``).
 """
 import csv
 import json
@@ -23,6 +25,7 @@ from fastprompt.train import Trainer
 
 REPO = Path(__file__).resolve().parents[2]
 MODES = ("after_step", "in_checkpoint_write", "between_renames")
+SEED = int(os.environ.get("FASTPROMPT_FAULT_SEED", "20261122"))
 
 _VICTIM = textwrap.dedent("""
     import json, os, signal, sys
@@ -83,16 +86,20 @@ def test_random_sigkills_then_resume_give_the_uninterrupted_prompt_bit_for_bit(t
     Trainer(reference).train()
     torch.set_num_threads(n_threads)
 
-    rng = random.Random(20261122)
-    kills = sorted(rng.sample(range(1, 10), 3))
-    plan = [(step, rng.choice(MODES)) for step in kills]
+    rng = random.Random(SEED)
+    modes = list(MODES)
+    rng.shuffle(modes)
+    # increasing steps: every run resumes from a checkpoint before its kill step, so each one is killed
+    kills = list(zip(sorted(rng.sample(range(1, 10), len(modes))), modes))
+    assert {m for _, m in kills} == set(MODES)
+    plan = f"seed {SEED}, kills {kills}"  # in every failure message: FASTPROMPT_FAULT_SEED replays it
     run = tmp_path / "run"
     cfg = _config(tiny_bert_dir, tiny_corpus, run)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    for step, mode in plan:
+    for step, mode in kills:
         proc = subprocess.run([sys.executable, "-c", _VICTIM, json.dumps(cfg), mode, str(step)], env=env,
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, timeout=300)
-        assert proc.returncode == -signal.SIGKILL, f"{mode} at step {step}: {proc.stderr[-2000:]}"
+        assert proc.returncode == -signal.SIGKILL, f"{plan}: {mode} at step {step}: {proc.stderr[-2000:]}"
     summary = Trainer(cfg).train()
     torch.set_num_threads(n_threads)
 
@@ -100,7 +107,7 @@ def test_random_sigkills_then_resume_give_the_uninterrupted_prompt_bit_for_bit(t
     ref, got = _tensors(tmp_path / "reference"), _tensors(run)
     assert ref.keys() == got.keys() and any(k.startswith("prompt.safetensors:") for k in ref)
     for k in ref:
-        assert torch.equal(ref[k], got[k]), f"{k} differs after kills {plan}"
+        assert torch.equal(ref[k], got[k]), f"{k} differs after {plan}"
     with open(run / "train_log.csv", newline="") as f:
         steps = [int(r["step"]) for r in csv.DictReader(f)]
     assert steps == list(range(1, 11)), plan

@@ -14,6 +14,8 @@ from safetensors.torch import load_file
 from fastprompt.train import Trainer
 from fastprompt.train.config import TrainConfig, parse_overrides
 
+from .numerics import CHAIN_ULPS, U32, assert_same_gradients, conditioning
+
 
 def _prompt(run_dir):
     return load_file(str(Path(run_dir) / "last" / "prompt.safetensors"))
@@ -51,42 +53,10 @@ def test_large_batch_keys_from_set_and_validation():
 # ------------------------------------------------------------------ comparing two float32 training runs
 # The runs below evaluate the same float32 function of the same inputs in a different order of operations
 # (micro-batch shapes change GEMM blocking and the order in which rows are summed; two processes all-reduce two
-# halves), so their gradients differ by rounding alone, which is estimated as follows, relative to a tensor's largest
-# entry. Each gradient entry comes out of a chain of about 50 reductions (2 layers forward and backward, mean pooling,
-# the head, cosines, the loss), each over at most 64 terms (the tiny BERT's intermediate size): with random rounding
-# errors (Higham & Mary 2019) that is sqrt(50) * sqrt(64) ~ 57 ulps. The loss amplifies it twice: a cosine error
-# enters the softmax and the hinge divided by the temperature (x 20), and the gradient w.r.t. an embedding is a
-# weighted difference of unit vectors, whose tangential part has norm sin(angle) = sqrt(1 - cos^2): relative errors
-# grow as kappa = 1 / sqrt(1 - max_cos^2). So rtol = 2 runs x 57 x 20 x kappa x u (u = 2^-24), ~7e-4 at this
-# test's kappa ~ 5; measured differences are ~1e-6 (AVX-512 and AVX2/SSE MKL code paths alike). A wrong dropout
-# replay, padding or set of negatives is off by O(1), which rtol <= 1e-3 resolves.
-# The estimate needs a well-conditioned step: cosines well below 1, and no rounding-level near-tie in the two
-# discontinuous choices of the hinge loss (which column is the hardest negative; whether the hinge is active).
-# _conditioning checks both on the step's embeddings. (The tiny BERT's [CLS] vectors fail both: their cosines are all
-# within 1.5e-5 of 1, kappa ~ 900, so rtol would be ~0.1, and hardest negatives tie within 4e-9, below float32's
-# resolution; hence mean pooling here, which gives cosines <= 0.98.)
-U32 = 2.0 ** -24  # float32 unit roundoff
-CHAIN_ULPS = 50 ** 0.5 * 64 ** 0.5
-TIE_GAP = 1e-4  # >> the rounding of a cosine here (~1e-6: sqrt(32) ulps + the embeddings' own rounding)
-
-
-def _conditioning(embeddings, temperature, margin):
-    """rtol for comparing two float32 runs' gradients of this step (see above), after checking its assumptions."""
-    z = torch.nn.functional.normalize(embeddings.double(), dim=-1)  # (views, B, H)
-    n = z.shape[1]
-    cos = z[0] @ torch.cat(list(z[1:])).T  # anchors x (positives, hard negatives); positive of row i: column i
-    pos = cos.diagonal().clone()
-    neg = cos.clone()
-    neg[range(n), range(n)] = float("-inf")
-    top2 = neg.topk(2, dim=1).values
-    tie = float((top2[:, 0] - top2[:, 1]).min())
-    hinge = float((margin + top2[:, 0] - pos).abs().min())
-    assert tie > TIE_GAP, f"hardest negative is a near-tie ({tie:.1e}): its choice would be decided by rounding"
-    assert hinge > TIE_GAP, f"a hinge term is {hinge:.1e} from switching: rounding would decide it"
-    kappa = 1.0 / (1.0 - float(cos.max()) ** 2) ** 0.5
-    rtol = 2 * CHAIN_ULPS * kappa / temperature * U32
-    assert rtol <= 1e-3, f"ill-conditioned step (max cosine {float(cos.max()):.6f}): rounding could reach {rtol:.1e}"
-    return rtol
+# halves), so their gradients differ by rounding alone: the rtol of tests/train/numerics.py ("different forward",
+# ~7e-4 at this test's kappa ~ 5; measured differences are ~1e-6 with AVX-512 and AVX2/SSE MKL code paths alike),
+# after its conditioning check. Mean pooling: the tiny BERT's [CLS] vectors fail that check (cosines all within
+# 1.5e-5 of 1, hardest negatives tied within 4e-9); mean pooling gives cosines <= 0.98.
 
 
 class _GradRecorder(Trainer):
@@ -111,15 +81,6 @@ class _GradRecorder(Trainer):
         return super().optimizer_step()
 
 
-def _assert_same_gradients(a, b, rtol):
-    """Every tensor agrees within rtol of its largest entry (rtol from _conditioning)."""
-    assert a.keys() == b.keys()
-    for k in a:
-        scale = a[k].abs().max()
-        assert scale > 0, f"{k}: zero gradient, the comparison would be vacuous"
-        assert (a[k] - b[k]).abs().max() <= rtol * scale, f"{k}: {(a[k] - b[k]).abs().max()} vs {rtol} x {scale}"
-
-
 @pytest.mark.parametrize("keys", [dict(micro_batch_size=3), dict(max_tokens_per_micro_batch=40)])
 def test_gradient_cache_training_matches_plain_training(base_config, no_dropout_bert, tiny_triplets, tmp_path, keys):
     # Triplets: with dropout off, two views of one sentence would be identical and the loss nearly flat.
@@ -136,8 +97,8 @@ def test_gradient_cache_training_matches_plain_training(base_config, no_dropout_
     # the loss sees the same embeddings (the forward half of the chain: well within CHAIN_ULPS of their scale)
     emb_plain, emb_cached = runs[0].embeddings[0], runs[1].embeddings[0]
     assert (emb_cached - emb_plain).abs().max() <= CHAIN_ULPS * U32 * emb_plain.abs().max()
-    rtol = _conditioning(runs[0].embeddings[0], temperature=0.05, margin=0.2)
-    _assert_same_gradients(runs[0].recorded[0], runs[1].recorded[0], rtol)
+    rtol = conditioning(runs[0].embeddings[0], temperature=0.05, margin=0.2)
+    assert_same_gradients(runs[0].recorded[0], runs[1].recorded[0], rtol)
 
 
 def test_gradient_checkpointing_training_is_identical_with_dropout_on(base_config, tmp_path):
@@ -183,8 +144,8 @@ def test_torchrun_two_processes_train_like_one(base_config, no_dropout_bert, tin
     trainer.setup()
     initial = {k: v.clone() for k, v in trainer.encoder.prompt_state_dict().items()}
     trainer.train()
-    rtol = _conditioning(trainer.embeddings[0], temperature=0.05, margin=0.2)
-    _assert_same_gradients(_first_step_gradients(tmp_path / "single", initial, lr),
-                           _first_step_gradients(tmp_path / "two", initial, lr), rtol)
+    rtol = conditioning(trainer.embeddings[0], temperature=0.05, margin=0.2)
+    assert_same_gradients(_first_step_gradients(tmp_path / "single", initial, lr),
+                          _first_step_gradients(tmp_path / "two", initial, lr), rtol)
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["global_step"] == 1 and summary["status"] == "completed"

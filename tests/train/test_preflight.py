@@ -1,5 +1,7 @@
 """Bad input found before the first step, each with a one-line message (no traceback from deep inside)."""
 import os
+import random
+import re
 import shutil
 import subprocess
 import sys
@@ -16,12 +18,21 @@ def _never_steps(trainer, out):
     raise AssertionError("a training step ran before the bad input was reported")
 
 
-def test_corrupt_sts_test_file_is_found_before_the_first_step(base_config, tiny_sts_dir, tmp_path):
+@pytest.mark.parametrize("corruption", ["bad-score", "truncated"])
+def test_corrupt_sts_test_file_is_found_before_the_first_step(base_config, tiny_sts_dir, tmp_path, corruption):
     sts = tmp_path / "sts"
     shutil.copytree(tiny_sts_dir, sts)
-    gs = next((sts / "STS12-en-test").glob("STS.gs.*.txt"))
-    gs.write_text("4.0\nnot-a-score\n", encoding="utf-8")  # SICK/STS-B dev still fine: only the test table breaks
-    with pytest.raises(ValueError, match="STS"):
+    gs = next((sts / "STS12-en-test").glob("STS.gs.*.txt"))  # SICK/STS-B dev stay fine: only a test table breaks
+    scores = gs.read_text(encoding="utf-8").splitlines()
+    if corruption == "bad-score":
+        scores[3] = "not-a-score"
+        message = rf"{re.escape(str(gs))}:4: gold score 'not-a-score' is not a number"
+    else:
+        scores = scores[:2]
+        pairs = gs.with_name(gs.name.replace("STS.gs.", "STS.input."))
+        message = rf"{re.escape(str(pairs))} has 12 lines but {re.escape(str(gs))} has 2; they must match"
+    gs.write_text("\n".join(scores) + "\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=message):
         Trainer(base_config(sts_dir=str(sts)), callbacks=[_never_steps]).train()
 
 
@@ -45,13 +56,24 @@ def test_output_dir_that_is_a_file_under_a_file_or_not_writable(base_config, tmp
         Trainer(base_config(output_dir="/sys/fastprompt-run")).train()
 
 
-@pytest.mark.parametrize("name,content", [("data.csv", os.urandom(4096)), ("model.bin", b"\x00" * 64 + b"abc\n"),
-                                          ("nul.csv", b"sent0,sent1\na\x00b,c\n")])
-def test_binary_train_file(base_config, tmp_path, name, content):
+@pytest.mark.parametrize("name,content,message", [
+    ("data.csv", b"sent0,sent1\n" + random.Random(0).randbytes(4096),
+     r"a binary file, not UTF-8 text \(a NUL byte on line \d+\)"),
+    ("model.bin", b"\x00" * 64 + b"abc\n", r"a binary file, not UTF-8 text \(a NUL byte on line 1\)"),
+    ("nul.csv", b"sent0,sent1\na\x00b,c\n", r"a binary file, not UTF-8 text \(a NUL byte on line 2\)"),
+    ("latin1.csv", "sent0,sent1\ncaf\xe9,th\xe9\n".encode("latin-1"),
+     r"not valid UTF-8 \(line 2, byte 15: invalid continuation byte\)"),
+    ("latin1.txt", "a sentence\ncaf\xe9 au lait\n".encode("latin-1"),
+     r"1 line\(s\) are not valid UTF-8: line 2 \(byte 3\) \(re-encode the file as UTF-8, or set "
+     r"on_decode_error=skip\)"),
+    ("quote.csv", b'sent0,sent1\n"' + b"a" * 200_000 + b"\n",
+     r"not a valid CSV file \(line \d+: field larger than field limit \(131072\)\); the training file must be"),
+])
+def test_binary_train_file(base_config, tmp_path, name, content, message):
     path = tmp_path / name
     path.write_bytes(content)
-    with pytest.raises(ValueError, match=r"binary file|not valid UTF-8|not a valid CSV"):
-        Trainer(base_config(train_file=str(path))).train()
+    with pytest.raises(ValueError, match=re.escape(str(path)) + ": " + message):
+        Trainer(base_config(train_file=str(path)), callbacks=[_never_steps]).train()
 
 
 def test_binary_train_file_from_the_cli_is_one_line(base_config, tmp_path):

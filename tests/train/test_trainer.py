@@ -1,6 +1,7 @@
 """Trainer end to end on a tiny random BERT: checkpoints, logs, evaluation, faults, exact resume."""
 import csv
 import json
+import logging
 import math
 import os
 import signal
@@ -90,9 +91,17 @@ def test_prompt_parameters_change_and_loss_uses_all_views(base_config, tiny_trip
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_mixed_precision_runs(base_config, precision):
-    summary = Trainer(base_config(precision=precision, max_steps=2)).train()
+def test_mixed_precision_runs(base_config, precision, monkeypatch, caplog):
+    """Both train on the CPU; fp16 there (many times slower than fp32: no fast float16 matrix kernels on most
+    CPUs) warns once (docs/troubleshooting.md)."""
+    import fastprompt.model.device as device_mod
+
+    monkeypatch.setattr(device_mod, "_warned", set())
+    with caplog.at_level(logging.WARNING, logger="fastprompt.model.device"):
+        summary = Trainer(base_config(precision=precision, max_steps=2)).train()
     assert summary["status"] == "completed" and summary["global_step"] == 2
+    warnings = [r for r in caplog.records if "float16 on the CPU is many times slower" in r.getMessage()]
+    assert len(warnings) == (1 if precision == "fp16" else 0)
 
 
 # --------------------------------------------------------------------------- resume
