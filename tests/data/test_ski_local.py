@@ -17,35 +17,6 @@ from fastprompt.data.ski.local import (
     split_at_eos,
 )
 
-_WORDS = ("the a cat dog sat ran on in mat park sentence answer what you know about is was it and of "
-          "make sure four contain important information objectively 1 2 ) . , \" :").split()
-_CHAT = ("{% for m in messages %}<user> {{ m['content'] }} </s> {% endfor %}"
-         "{% if add_generation_prompt %}<assistant>{% endif %}")
-
-
-@pytest.fixture(scope="module")
-def tiny_llama_dir(tmp_path_factory):
-    """A random 2-layer Llama and a word-level tokenizer (with a chat template), saved offline."""
-    import torch
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    vocab = {w: i for i, w in enumerate(["<pad>", "<s>", "</s>", "<unk>", "<user>", "<assistant>", *_WORDS])}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                                        pad_token="<pad>", additional_special_tokens=["<user>", "<assistant>"])
-    tokenizer.chat_template = _CHAT
-    tokenizer.save_pretrained(path)
-    config = LlamaConfig(vocab_size=len(vocab), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                         initializer_range=0.5, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(path)
-    return path
-
-
 PROMPTS = ["the cat sat", "a dog ran in the park and it was a dog", "what", "the mat , the cat , the dog , the park",
            "sure"]
 
