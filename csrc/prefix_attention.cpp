@@ -89,9 +89,9 @@ typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
 
 // exp(x) for x <= 0, lane by lane (Cephes' expf polynomial, within 2 ulp; x is clamped at -87.3, so the result
 // is at least 1.2e-38, never 0). Written with vector types: GCC does not vectorise the scalar form.
-FASTPROMPT_INLINE vfloat vexp_nonpositive(vfloat x) {
+FASTPROMPT_INLINE vfloat vexp_nonpositive(const vfloat& x_in) {
   const vfloat lo = vfloat{} - 87.33654475f;
-  x = x > lo ? x : lo;
+  const vfloat x = x_in > lo ? x_in : lo;
   const vfloat t = x * 1.44269504088896341f + 0.5f;
   const vint n0 = __builtin_convertvector(t, vint);  // floor(t) (t <= 0.5): truncation, minus one below a
   const vint n = n0 + (__builtin_convertvector(n0, vfloat) > t);  // negative fraction (a true compare is -1)
@@ -277,6 +277,13 @@ void check_inputs(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
   }
 }
 
+// The seed is a 0-d int64 tensor, so a compiled graph can draw it from torch's generator without a host sync.
+int64_t seed_value(const at::Tensor& seed) {
+  TORCH_CHECK(seed.device().is_cpu() && seed.scalar_type() == at::kLong && seed.numel() == 1,
+              "prefix_attention_cpu: seed must be a one-element int64 CPU tensor");
+  return seed.item<int64_t>();
+}
+
 bool poison_outputs() {  // tests: every output element must be written by the kernel
   const char* env = std::getenv("FASTPROMPT_CPU_POISON");
   return env != nullptr && env[0] == '1';
@@ -385,9 +392,10 @@ void forward_item(const Operands& o, int64_t b, int64_t h, Tiles& t, float* out,
 std::tuple<at::Tensor, at::Tensor> prefix_attention_cpu_fwd(
     const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& pk_, const at::Tensor& pv_,
     const c10::optional<at::Tensor>& mask, const c10::optional<at::Tensor>& pidx, double scale, double dropout_p,
-    int64_t seed) {
+    const at::Tensor& seed_) {
   at::NoGradGuard no_grad;  // a kernel: autograd is registered around the op
   check_inputs(q_, k_, v_, pk_, pv_, mask, pidx);
+  const int64_t seed = seed_value(seed_);
   const at::Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), pk = unit_last(pk_),
                    pv = unit_last(pv_);
   const Operands o = operands(q, k, v, pk, pv, mask, pidx, scale, dropout_p, seed);
@@ -478,10 +486,11 @@ void strides3(const at::Tensor& x, int64_t* s) {
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prefix_attention_cpu_bwd(
     const at::Tensor& dout_, const at::Tensor& q_, const at::Tensor& k_, const at::Tensor& v_, const at::Tensor& pk_,
     const at::Tensor& pv_, const at::Tensor& lse_, const c10::optional<at::Tensor>& mask,
-    const c10::optional<at::Tensor>& pidx, double scale, double dropout_p, int64_t seed, bool need_dq,
+    const c10::optional<at::Tensor>& pidx, double scale, double dropout_p, const at::Tensor& seed_, bool need_dq,
     bool need_dkv, bool need_dprefix) {
   at::NoGradGuard no_grad;
   check_inputs(q_, k_, v_, pk_, pv_, mask, pidx);
+  const int64_t seed = seed_value(seed_);
   TORCH_CHECK(dout_.sizes() == q_.sizes() && dout_.scalar_type() == at::kFloat,
               "prefix_attention_cpu_bwd: dout must be a float32 tensor of q's shape");
   TORCH_CHECK(lse_.scalar_type() == at::kFloat && lse_.dim() == 3 && lse_.size(0) == q_.size(0) &&
@@ -580,10 +589,10 @@ at::Tensor prefix_attention_cpu_keep_mask(int64_t B, int64_t H, int64_t S, int64
 TORCH_LIBRARY_FRAGMENT(fastprompt, m) {
   m.def(
       "prefix_attention_cpu_fwd(Tensor q, Tensor k, Tensor v, Tensor prefix_k, Tensor prefix_v, "
-      "Tensor? key_padding_mask, Tensor? prompt_index, float scale, float dropout_p, int seed) -> (Tensor, Tensor)");
+      "Tensor? key_padding_mask, Tensor? prompt_index, float scale, float dropout_p, Tensor seed) -> (Tensor, Tensor)");
   m.def(
       "prefix_attention_cpu_bwd(Tensor dout, Tensor q, Tensor k, Tensor v, Tensor prefix_k, Tensor prefix_v, "
-      "Tensor lse, Tensor? key_padding_mask, Tensor? prompt_index, float scale, float dropout_p, int seed, "
+      "Tensor lse, Tensor? key_padding_mask, Tensor? prompt_index, float scale, float dropout_p, Tensor seed, "
       "bool need_dq, bool need_dkv, bool need_dprefix) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("prefix_attention_cpu_keep_mask(int B, int H, int S, int P, float dropout_p, int seed) -> Tensor",
         &prefix_attention_cpu_keep_mask);

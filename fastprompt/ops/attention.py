@@ -111,18 +111,21 @@ def prefix_attention(
         prompt_index = prompt_index.to(torch.long)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     dropout_p = float(dropout_p)
+    fused_cpu = resolved == "cpu" and attention_cpu.available(q)
     if dropout_p > 0 and seed is None:
-        seed = draw_seed()
-    seed = 0 if seed is None else int(seed)
-    if resolved != "triton" and prompt_index is not None:  # the Triton op checks inside (without a sync)
+        # the C++ kernel takes the seed as a tensor: no host sync, so torch.compile does not break the graph here
+        seed = _draw_seed_tensor() if fused_cpu else draw_seed()
+    # the kernels check prompt_index inside (the Triton op without a sync); the Python check reads it on the host
+    if resolved != "triton" and prompt_index is not None and not (fused_cpu and torch.compiler.is_compiling()):
         _check_prompt_index(prompt_index, prefix_k.shape[0])
+    if fused_cpu:
+        return attention_cpu.prefix_attention_cpu(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale,
+                                                  dropout_p, seed)
+    seed = 0 if seed is None else int(seed)
     if resolved == "reference":
         return prefix_attention_reference(q, k, v, prefix_k, prefix_v, mask, scale=scale, dropout_p=dropout_p,
                                           seed=seed, prompt_index=prompt_index)
     if resolved == "cpu":
-        if attention_cpu.available(q):
-            return attention_cpu.prefix_attention_cpu(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale,
-                                                      dropout_p, seed)
         return _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed)
     out, _ = torch.ops.fastprompt.prefix_attention_fwd(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale,
                                                        dropout_p, seed)
@@ -131,7 +134,12 @@ def prefix_attention(
 
 def draw_seed() -> int:
     """A fresh 63-bit dropout seed from torch's default CPU generator (replayable via its RNG state)."""
-    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
+    return int(_draw_seed_tensor().item())
+
+
+def _draw_seed_tensor() -> torch.Tensor:
+    """The draw of :func:`draw_seed`, left as a 0-d int64 tensor."""
+    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
 
 
 def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p):

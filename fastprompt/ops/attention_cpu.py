@@ -29,17 +29,18 @@ def available(q: torch.Tensor) -> bool:
 
 def prefix_attention_cpu(q, k, v, prefix_k, prefix_v, mask: Optional[torch.Tensor],
                          prompt_index: Optional[torch.Tensor], scale: float, dropout_p: float,
-                         seed: int) -> torch.Tensor:
-    """The op on validated inputs (``mask`` bool or None, ``prompt_index`` int64 or None); (B, H, S, D) in q's
-    dtype, a transposed (B, S, H, D) buffer for float32."""
+                         seed: int | torch.Tensor | None) -> torch.Tensor:
+    """The op on validated inputs (``mask`` bool or None, ``prompt_index`` int64 or None; ``seed`` an int, a 0-d
+    int64 tensor or None for 0); (B, H, S, D) in q's dtype, a transposed (B, S, H, D) buffer for float32."""
     if not _register():
         raise RuntimeError(_cpp.missing_reason())
     dtype = q.dtype
     args = [_unit_last(x.to(torch.float32)) for x in (q, k, v, prefix_k, prefix_v)]
     mask = None if mask is None else mask.contiguous()
     prompt_index = None if prompt_index is None else prompt_index.contiguous()
-    out, _ = torch.ops.fastprompt.prefix_attention_cpu_fwd(*args, mask, prompt_index, scale, dropout_p,
-                                                           signed_seed(seed))
+    if not isinstance(seed, torch.Tensor):
+        seed = torch.tensor(signed_seed(0 if seed is None else seed), dtype=torch.int64)
+    out, _ = torch.ops.fastprompt.prefix_attention_cpu_fwd(*args, mask, prompt_index, scale, dropout_p, seed)
     return out.to(dtype)
 
 
@@ -51,7 +52,7 @@ def keep_mask(B: int, H: int, S: int, P: int, dropout_p: float, seed: int) -> to
 
 
 def signed_seed(seed: int) -> int:
-    """A seed's 64 bits as the signed int64 a torch op schema takes."""
+    """A seed's 64 bits as a signed int64 (what a tensor or an op schema's int holds)."""
     seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
     return seed - (1 << 64) if seed >= 1 << 63 else seed
 
@@ -94,8 +95,8 @@ def _bwd_fake(dout, q, k, v, prefix_k, prefix_v, lse, key_padding_mask, prompt_i
 def _setup_context(ctx, inputs, output):
     q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed = inputs
     _, lse = output
-    ctx.save_for_backward(q, k, v, prefix_k, prefix_v, lse, mask, prompt_index)
-    ctx.params = (scale, dropout_p, seed)
+    ctx.save_for_backward(q, k, v, prefix_k, prefix_v, lse, mask, prompt_index, seed)
+    ctx.params = (scale, dropout_p)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)
 
@@ -104,10 +105,11 @@ def _backward(ctx, dout, _dlse):
     none = (None,) * 5
     if dout is None:
         return (None,) * 5 + none
-    q, k, v, prefix_k, prefix_v, lse, mask, prompt_index = ctx.saved_tensors
+    q, k, v, prefix_k, prefix_v, lse, mask, prompt_index, seed = ctx.saved_tensors
     need = ctx.needs_input_grad
+    scale, dropout_p = ctx.params
     dq, dk, dv, dpk, dpv = torch.ops.fastprompt.prefix_attention_cpu_bwd(
-        dout, q, k, v, prefix_k, prefix_v, lse, mask, prompt_index, *ctx.params, need[0], need[1] or need[2],
-        need[3] or need[4])
+        dout, q, k, v, prefix_k, prefix_v, lse, mask, prompt_index, scale, dropout_p, seed, need[0],
+        need[1] or need[2], need[3] or need[4])
     grads = (dq, dk, dv, dpk, dpv)
     return tuple(g if n else None for g, n in zip(grads, need[:5])) + none

@@ -64,6 +64,11 @@ def reference(q, k, v, pk, pv, mask, pidx, dout, dropout_p=0.0, keep=None):
     return out, lse, torch.autograd.grad(out, leaves, dout.float())
 
 
+def seed(value):
+    """The C++ ops take the seed as a 0-d int64 tensor."""
+    return torch.tensor(value, dtype=torch.int64)
+
+
 def assert_close(name, got, want, dtype=torch.float32):
     atol, rtol = TOL[dtype]
     assert got.shape == want.shape, name
@@ -95,7 +100,7 @@ def test_matches_reference(shape, dropout_p, poisoned):
         assert_close(name, g, r)
     # the saved log-sum-exp, read from the op itself
     detached = [x.detach() for x in (q, k, v, pk, pv)]
-    _, lse = torch.ops.fastprompt.prefix_attention_cpu_fwd(*detached, mask, pidx, D ** -0.5, dropout_p, 1234)
+    _, lse = torch.ops.fastprompt.prefix_attention_cpu_fwd(*detached, mask, pidx, D ** -0.5, dropout_p, seed(1234))
     assert_close("lse", lse, r_lse)
 
 
@@ -123,7 +128,7 @@ def test_no_prefix_and_an_all_padding_example_give_zeros(poisoned):
     for name, g, r in zip(GRADS[:3], grads, r_grads):
         assert_close(name, g, r)
     _, lse = torch.ops.fastprompt.prefix_attention_cpu_fwd(*(x.detach() for x in (q, k, v, pk, pv)), mask, None,
-                                                           0.5, 0.0, 0)
+                                                           0.5, 0.0, seed(0))
     assert torch.isneginf(lse[0]).all() and torch.isfinite(lse[1]).all()
 
 
@@ -169,8 +174,8 @@ def test_backward_computes_only_the_gradients_asked_for():
     assert torch.equal(out0, out)
     assert torch.equal(dpk, grads[3]) and torch.equal(dpv, grads[4])
     empty = torch.ops.fastprompt.prefix_attention_cpu_bwd(
-        dout, q0, k0, v0, pk.detach(), pv.detach(), torch.zeros(3, 2, 11), mask, None, 0.1, 0.0, 0, False, False,
-        False)
+        dout, q0, k0, v0, pk.detach(), pv.detach(), torch.zeros(3, 2, 11), mask, None, 0.1, 0.0, seed(0), False,
+        False, False)
     assert all(t.numel() == 0 for t in empty)
 
 
@@ -241,7 +246,8 @@ def test_results_do_not_depend_on_the_thread_count():
 def test_opcheck():
     q, k, v, pk, pv, mask, pidx = make_inputs(2, 1, 6, 2, 32, T=2)
     fwd = torch.ops.fastprompt.prefix_attention_cpu_fwd.default
-    for args in ((q, k, v, pk, pv, mask, pidx, 32 ** -0.5, 0.0, 0), (q, k, v, pk[0], pv[0], None, None, 0.3, 0.2, 7)):
+    for args in ((q, k, v, pk, pv, mask, pidx, 32 ** -0.5, 0.0, seed(0)),
+                 (q, k, v, pk[0], pv[0], None, None, 0.3, 0.2, seed(7))):
         torch.library.opcheck(fwd, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
                                                      "test_aot_dispatch_dynamic"))
 
@@ -271,6 +277,24 @@ def test_torch_compile_keeps_the_kernel_as_one_node():
     assert "softmax" not in code and "matmul" not in code and "cat" not in code
 
 
+def test_compile_draws_the_seed_inside_the_graph():
+    """seed=None with dropout: the seed is drawn as a tensor (no .item()), so fullgraph compilation works, and
+    under aot_eager the draw consumes torch's generator exactly as eager does (the same output)."""
+    q, k, v, pk, pv, mask, _ = make_inputs(2, 2, 8, 3, 32)
+
+    def f(q, k, v, pk, pv, mask):
+        return prefix_attention(q, k, v, pk, pv, mask, dropout_p=0.2, backend="cpu")
+
+    compiled = torch.compile(f, backend="aot_eager", fullgraph=True)
+    state = torch.get_rng_state()
+    want = f(q, k, v, pk, pv, mask)
+    after = torch.get_rng_state()
+    torch.set_rng_state(state)
+    got = compiled(q, k, v, pk, pv, mask)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.get_rng_state(), after)
+
+
 def test_float64_stays_on_the_aten_composite():
     q, k, v, pk, pv, mask, _ = make_inputs(2, 1, 7, 2, 16, dtype=torch.float64)
     assert not attention_cpu.available(q)
@@ -282,7 +306,9 @@ def test_raw_op_rejects_what_the_kernel_does_not_take():
     q, k, v, pk, pv, mask, _ = make_inputs(1, 1, 4, 2, 16)
     args = [x.detach() for x in (q, k, v, pk, pv)]
     with pytest.raises(RuntimeError, match="float32 CPU tensors"):
-        torch.ops.fastprompt.prefix_attention_cpu_fwd(*[a.double() for a in args], mask, None, 0.25, 0.0, 0)
+        torch.ops.fastprompt.prefix_attention_cpu_fwd(*[a.double() for a in args], mask, None, 0.25, 0.0, seed(0))
     with pytest.raises(RuntimeError, match="prompt_index out of range"):
         torch.ops.fastprompt.prefix_attention_cpu_fwd(*args[:3], pk.detach()[None], pv.detach()[None], mask,
-                                                      torch.tensor([1]), 0.25, 0.0, 0)
+                                                      torch.tensor([1]), 0.25, 0.0, seed(0))
+    with pytest.raises(RuntimeError, match="seed must be"):
+        torch.ops.fastprompt.prefix_attention_cpu_fwd(*args, mask, None, 0.25, 0.0, torch.tensor(1.0))
