@@ -13,22 +13,27 @@ Backends:
                  tiles then the token tiles; the backward recomputes from the saved log-sum-exp; prefix
                  gradients are per-program partial sums reduced in a fixed order). On CPU tensors this
                  runs the Triton interpreter (``TRITON_INTERPRET=1`` before the kernels are imported).
-``"cpu"``        a composite of aten ops, the fastest we measured on CPU: SDPA (the fused CPU
-                 flash-attention kernel, forward and backward) over an on-the-fly concatenation, or eager
-                 attention with the seeded mask when dropout is on; autograd differentiates it. It runs on
-                 any device (the CUDA fallback for float64 or D > 128).
+``"cpu"``        on CPU tensors of float32/16/bf16, the fused C++ kernel of ``fastprompt._C``
+                 (:mod:`fastprompt.ops.attention_cpu`: reads the prefix once per (example, head), never
+                 concatenates it, saves only the log-sum-exp, regenerates the dropout mask in the backward;
+                 half precision computed in float32). Otherwise (float64, the extension not built, CUDA
+                 tensors the Triton kernels do not take: float64 or D > 128) a composite of aten ops that
+                 autograd differentiates: SDPA over an on-the-fly concatenation, or eager attention with the
+                 seeded mask when dropout is on.
 ``"reference"``  :func:`fastprompt.ops.reference.prefix_attention_reference` (explicit concatenation, float32).
 ``"auto"``       CUDA -> "triton" (when supported), otherwise "cpu" (the rule shared by every op:
                  :func:`fastprompt.backends.resolve_backend`; this op declares :data:`SUPPORT`).
 
 "triton" is one ``torch.library`` custom op (``fastprompt::prefix_attention_fwd`` / ``_bwd`` with fake
-implementations and a registered autograd formula), so ``torch.compile`` keeps it as a single opaque node;
-the "cpu" composite is traced through (and can be fused) like any aten code.
+implementations and a registered autograd formula), and so is the C++ kernel
+(``fastprompt::prefix_attention_cpu_fwd`` / ``_bwd``), so ``torch.compile`` keeps either as a single opaque
+node; the aten composite is traced through (and can be fused) like any aten code.
 
 Dropout acts on the attention probabilities. Its mask is a pure function of ``seed`` and the position:
 the same seed reproduces the same mask exactly (the gradient cache replays forwards). ``seed=None`` with
 ``dropout_p > 0`` draws the seed from torch's default CPU generator, so restoring ``torch.get_rng_state()``
-replays it. The Triton kernels use Philox in-kernel; the CPU/reference paths use a seeded
+replays it. The Triton kernels and the C++ kernel draw the same Philox mask (bit for bit:
+:func:`fastprompt.ops.attention_cpu.keep_mask`); the aten composite and the reference use a seeded
 ``torch.Generator`` (same contract, different masks).
 
 A row that sees no key at all (P = 0 and an all-padding example) outputs zeros. With P >= 1 every row
@@ -41,6 +46,7 @@ from typing import Optional
 import torch
 
 from fastprompt.backends import OpSupport, register_op, resolve_backend
+from fastprompt.ops import attention_cpu
 from fastprompt.ops.reference import prefix_attention_dropout_mask, prefix_attention_reference
 
 __all__ = ["prefix_attention", "draw_seed", "SUPPORT", "MAX_TRITON_HEAD_DIM"]
@@ -59,7 +65,7 @@ SUPPORT = register_op(OpSupport(
     name="prefix_attention",
     triton_dtypes=(torch.float16, torch.bfloat16, torch.float32),
     triton_limits=_triton_limits,
-    native="the aten composite (SDPA over an on-the-fly concatenation)",
+    native="the C++ kernel of fastprompt._C (an aten composite for float64 or without the extension)",
     native_devices=None,  # aten ops run on every device: the CUDA fallback for float64 or D > 128
 ))
 
@@ -95,8 +101,8 @@ def prefix_attention(
         prompt_index: ``(B,)`` integer prompt id per example, required with a 4-D prefix.
         backend: "auto", "triton", "cpu" or "reference" (see the module docstring).
 
-    The "triton" backend returns a transposed ``(B, S, H, D)`` buffer, so ``out.transpose(1, 2).reshape(B, S,
-    H * D)`` needs no copy (the "cpu" composite returns what SDPA returns: the same layout for such q).
+    The Triton and C++ kernels return a transposed ``(B, S, H, D)`` buffer, so ``out.transpose(1, 2).reshape(B,
+    S, H * D)`` needs no copy (the aten composite returns what SDPA returns: the same layout for such q).
     """
     _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p)
     resolved = resolve_backend(SUPPORT, q, backend)  # before a seed is drawn: a bad backend consumes no RNG
@@ -105,11 +111,17 @@ def prefix_attention(
         prompt_index = prompt_index.to(torch.long)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     dropout_p = float(dropout_p)
+    fused_cpu = resolved == "cpu" and attention_cpu.available(q)
     if dropout_p > 0 and seed is None:
-        seed = draw_seed()
-    seed = 0 if seed is None else int(seed)
-    if resolved != "triton" and prompt_index is not None:  # the Triton op checks inside (without a sync)
+        # the C++ kernel takes the seed as a tensor: no host sync, so torch.compile does not break the graph here
+        seed = _draw_seed_tensor() if fused_cpu else draw_seed()
+    # the kernels check prompt_index inside (the Triton op without a sync); the Python check reads it on the host
+    if resolved != "triton" and prompt_index is not None and not (fused_cpu and torch.compiler.is_compiling()):
         _check_prompt_index(prompt_index, prefix_k.shape[0])
+    if fused_cpu:
+        return attention_cpu.prefix_attention_cpu(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale,
+                                                  dropout_p, seed)
+    seed = 0 if seed is None else int(seed)
     if resolved == "reference":
         return prefix_attention_reference(q, k, v, prefix_k, prefix_v, mask, scale=scale, dropout_p=dropout_p,
                                           seed=seed, prompt_index=prompt_index)
@@ -122,7 +134,12 @@ def prefix_attention(
 
 def draw_seed() -> int:
     """A fresh 63-bit dropout seed from torch's default CPU generator (replayable via its RNG state)."""
-    return int(torch.randint(0, 2**63 - 1, (), dtype=torch.int64).item())
+    return int(_draw_seed_tensor().item())
+
+
+def _draw_seed_tensor() -> torch.Tensor:
+    """The draw of :func:`draw_seed`, left as a 0-d int64 tensor."""
+    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
 
 
 def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p):
@@ -199,10 +216,7 @@ def _cpu_compute_dtype(dtype):
 def _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed):
     """SDPA (the fused CPU flash-attention kernel forward and backward) over an on-the-fly concatenation
     without dropout; with dropout, eager attention whose mask comes from the seed. Autograd differentiates it.
-
-    Measured on CPU (bench/bench_prefix_attention.py, docs/ops/prefix_attention.md) this beats a custom op with
-    a hand-written backward: autograd keeps the concatenated keys/values and returns strided gradients
-    without the copies a fixed output layout costs, and the dropout path keeps its probabilities."""
+    The "cpu" backend's path where the C++ kernel does not run (float64, no extension, CUDA fallback)."""
     B, H, S, D = q.shape
     P = prefix_k.shape[-2]
     cd = _cpu_compute_dtype(q.dtype)

@@ -147,7 +147,8 @@ class RunConfig(_Section):
     seed: int = option(42, "seed of the prompt initialisation, the batch order and every step's dropout")
     device: str = option("auto", "auto (cuda if available), cpu, cuda or cuda:N")
     num_threads: int = option(0, "torch intra-op threads on CPU; 0 keeps torch's default", ge=0)
-    compile: bool = option(False, "torch.compile the encoder (same losses and gradients; speed: docs/speed.md)")
+    compile: bool | None = option(None, "torch.compile the encoder (same losses and gradients); null: only for CPU "
+                                  "runs long enough to pay back the compilation (docs/speed.md)")
     max_nonfinite_steps: int = option(5, "stop after this many consecutive non-finite losses (each is skipped)",
                                       gt=0)
     output_dir: str = option("runs/fastprompt", "folder of the checkpoints (best/, last/), logs and summary")

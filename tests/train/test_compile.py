@@ -1,5 +1,11 @@
-"""``compile: true`` (torch.compile of the encoder): the same losses and prompt gradients as eager, and the
-trainer's config key turns it on.
+"""``compile`` (torch.compile of the encoder): the same losses and prompt gradients as eager in a training step,
+a compiled run resumes bit for bit, the trainer's config key turns it on, and ``null`` (auto) resolves by the run's
+size (fastprompt/train/compile.py).
+
+The non-slow tests compile with torch.compile's ``aot_eager`` backend: Dynamo captures the graphs and AOTAutograd
+traces forward and backward through the fused ops' fake implementations and registered autograd (what Inductor
+receives), but the kernels run eagerly, so a test takes seconds instead of Inductor's minutes; the slow test
+runs Inductor itself.
 
 Tolerance: the compiled graph runs the same fp32 matrix products (Inductor leaves them to the same aten/BLAS
 kernels on CPU) but fuses the elementwise chains and re-associates the reductions of LayerNorm, softmax and the
@@ -9,10 +15,13 @@ entries are ~1e-5 while the per-token terms they sum are orders larger), so its 
 terms, not to the entry: bounded here by 1e-4 x the largest |entry| of the same gradient (a real bug, e.g. a
 dropped path or a wrong mask, moves the gradient by O(1) of its size).
 """
+import os
 import shutil
+import signal
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from fastprompt.data import Collator
 from fastprompt.model import PromptConfig, PromptEncoder
@@ -35,23 +44,27 @@ def _compile_unavailable():
 needs_compile = pytest.mark.skipif(_compile_unavailable() is not None, reason=str(_compile_unavailable()))
 
 
-def _loss_and_grad(model_dir, compiled):
+def _loss_and_grad(model_dir, compiled, backend="inductor", train=False):
+    """One PlainStep (forward of both views, fused loss, backward) with dropout off; ``train``: in training mode
+    (train-only parts on, every dropout probability 0), else in eval mode."""
     torch.manual_seed(0)
     enc = PromptEncoder.from_pretrained(model_dir, prompt_config=PromptConfig(3, init_std=0.3), pooler="cls",
-                                        mlp="none")
-    enc.eval()  # dropout off: both sides must then compute the same function
+                                        mlp="train" if train else "none")
+    if train:
+        enc.train()
+        for module in enc.modules():
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+    else:
+        enc.eval()  # dropout off: both sides must then compute the same function
     if compiled:
-        enc.compile()
-    step = PlainStep(LossSide(Method(SimCSE(temperature=0.05), []), enc, DistributedContext()))
+        enc.compile(backend=backend)
+    step = PlainStep(LossSide(Method(SimCSE(temperature=0.05), []).train(train), enc, DistributedContext()))
     loss = step(Collator(enc.tokenize, 16)(SENTENCES), step=0, seed=0).loss
     return loss, {n: p.grad.clone() for n, p in enc.named_parameters() if p.grad is not None}
 
 
-@pytest.mark.slow  # compiling the forward and the backward takes 1-2 minutes on 2 cores
-@needs_compile
-def test_compiled_encoder_matches_eager(tiny_bert_dir):
-    eager_loss, eager_grads = _loss_and_grad(tiny_bert_dir, compiled=False)
-    loss, grads = _loss_and_grad(tiny_bert_dir, compiled=True)
+def _assert_matches(loss, grads, eager_loss, eager_grads):
     assert loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-5)
     assert grads.keys() == eager_grads.keys() and any("prompt" in n for n in grads)
     for name, want in eager_grads.items():
@@ -60,11 +73,100 @@ def test_compiled_encoder_matches_eager(tiny_bert_dir):
         torch.testing.assert_close(grads[name], want, atol=atol, rtol=1e-4, msg=lambda m, name=name: f"{name}: {m}")
 
 
+@pytest.mark.slow  # compiling the forward and the backward takes 1-2 minutes on 2 cores
+@needs_compile
+def test_compiled_encoder_matches_eager(tiny_bert_dir):
+    eager_loss, eager_grads = _loss_and_grad(tiny_bert_dir, compiled=False)
+    loss, grads = _loss_and_grad(tiny_bert_dir, compiled=True)
+    _assert_matches(loss, grads, eager_loss, eager_grads)
+
+
+def test_compiled_training_step_matches_eager(tiny_bert_dir):
+    """A training-mode step (the MLP head on, dropout probabilities 0) through Dynamo + AOTAutograd."""
+    eager_loss, eager_grads = _loss_and_grad(tiny_bert_dir, compiled=False, train=True)
+    loss, grads = _loss_and_grad(tiny_bert_dir, compiled=True, backend="aot_eager", train=True)
+    _assert_matches(loss, grads, eager_loss, eager_grads)
+    assert any("pooler" in n or "mlp" in n for n in grads)  # the train-only head took part
+
+
+@pytest.fixture
+def aot_eager_compile(monkeypatch):
+    """The trainer's ``encoder.compile()`` with the aot_eager backend (see the module docstring)."""
+    calls = []
+
+    def compile_(self, *args, **kwargs):
+        calls.append(self)
+        return torch.nn.Module.compile(self, backend="aot_eager")
+
+    monkeypatch.setattr(PromptEncoder, "compile", compile_)
+    return calls
+
+
+def test_compiled_run_resumes_bit_for_bit(base_config, aot_eager_compile, tmp_path):
+    """Interrupted at step 3 and resumed, a compiled run (dropout on) ends with the same prompt and optimizer
+    state as an uninterrupted one, bit for bit."""
+    from fastprompt.train import Trainer
+
+    cfg = base_config(compile=True, max_steps=6, save_steps=2, eval_steps=100, log_every=1, mlp="train",
+                      prompt_dropout=0.1)
+    ref = dict(cfg, output_dir=str(tmp_path / "ref"))
+    assert Trainer(ref).train()["status"] == "completed"
+    assert aot_eager_compile  # the trainer compiled its encoder
+
+    def interrupt_at_step_3(trainer, out):
+        if trainer.state.global_step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    run = dict(cfg, output_dir=str(tmp_path / "run"))
+    assert Trainer(run, callbacks=[interrupt_at_step_3]).train()["global_step"] == 3
+    assert Trainer(run).train()["global_step"] == 6
+    for name in ("prompt.safetensors", "training_state.safetensors"):
+        got, want = (load_file(str(tmp_path / d / "last" / name)) for d in ("run", "ref"))
+        assert got.keys() == want.keys()
+        for key in want:
+            if name == "prompt.safetensors" or key.startswith("optimizer."):
+                assert torch.equal(got[key], want[key]), f"{name}: {key} differs"
+
+
 def test_compile_key_compiles_the_trainers_encoder(base_config):
     from fastprompt.train import Trainer
 
-    for compile_ in (False, True):
+    for compile_ in (False, True, None):  # null (auto): a run this small stays eager
         trainer = Trainer(base_config(compile=compile_, max_steps=1))
         trainer.setup()
         # nn.Module.compile wraps the module in place (torch compiles lazily, at the first call)
-        assert (getattr(trainer.encoder, "_compiled_call_impl", None) is not None) == compile_
+        assert (getattr(trainer.encoder, "_compiled_call_impl", None) is not None) == bool(compile_)
+
+
+def test_auto_compiles_only_cpu_runs_with_enough_work(base_config, tiny_bert_dir):
+    from transformers import AutoConfig
+
+    from fastprompt.train import TrainConfig
+    from fastprompt.train.compile import AUTO_MIN_RUN_FLOPS, estimated_run_flops, estimated_step_flops, resolve_compile
+
+    minilm_like = AutoConfig.for_model("bert", hidden_size=384, intermediate_size=1536, num_hidden_layers=6,
+                                       num_attention_heads=12)
+    # the count agrees with the training-step benchmark's FLOP floor (175.4 GFLOP at 64 pairs x 32 tokens, P = 16)
+    assert estimated_step_flops(minilm_like, 128, 32, 16) == pytest.approx(175.4e9, rel=0.02)
+    assert estimated_step_flops(minilm_like, 128, 32, 16, train_backbone=True) == pytest.approx(
+        1.5 * estimated_step_flops(minilm_like, 128, 32, 16))
+
+    class Encoder:  # what resolve_compile reads of an encoder
+        class backbone:
+            config = minilm_like
+
+    cfg = TrainConfig(**base_config(batch_size=64, max_length=32, prompt_length=16))
+    per_step = estimated_run_flops(cfg, minilm_like, 1)
+    enough = int(AUTO_MIN_RUN_FLOPS // per_step) + 1
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert resolve_compile(cfg, Encoder, cpu, enough)
+    assert not resolve_compile(cfg, Encoder, cpu, enough - 1)
+    assert not resolve_compile(cfg, Encoder, cuda, 10 * enough)  # not measured on GPUs: eager
+    for setting in (True, False):  # an explicit value is kept
+        cfg.run.compile = setting
+        assert resolve_compile(cfg, Encoder, cpu, 1) is setting and resolve_compile(cfg, Encoder, cuda, 1) is setting
+    # the suite's runs (tiny model, a few steps) resolve to eager
+    tiny = TrainConfig(**base_config())
+    assert tiny.run.compile is None
+    assert not resolve_compile(tiny, type("E", (), {"backbone": type("B", (), {
+        "config": AutoConfig.from_pretrained(tiny_bert_dir)})}), cpu, 10_000)

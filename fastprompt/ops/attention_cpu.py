@@ -1,0 +1,115 @@
+"""The fused CPU kernel of :func:`fastprompt.ops.prefix_attention` (``csrc/prefix_attention.cpp``): its
+``torch.library`` registration (fake implementations and autograd formula on the C++ ops) and its call.
+
+The kernel reads q, k, v in the layout transformers hands the attention function (``(B, S, H, D)`` buffers
+seen as ``(B, H, S, D)``), reads the prefix once per (example, head) without expanding or concatenating it,
+computes an exact softmax per query row, drops probabilities with the Philox counter generator of the Triton
+kernels (the same keep decisions for a seed, bit for bit), and writes its output into a ``(B, S, H, D)``
+buffer. It saves only the per-row log-sum-exp; the backward recomputes the probabilities and regenerates the
+mask. ``fastprompt::prefix_attention_cpu_fwd`` / ``_bwd`` are opaque nodes for torch.compile.
+
+float32 kernel: float16/bfloat16 inputs are computed in float32 (as the aten composite does), float64 stays on
+the composite.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fastprompt.ops import _cpp
+
+_state = {"registered": False}
+
+
+def available(q: torch.Tensor) -> bool:
+    """Whether the kernel takes ``q``: a CPU tensor of a float type other than float64, extension built."""
+    return q.device.type == "cpu" and q.dtype != torch.float64 and _register()
+
+
+def prefix_attention_cpu(q, k, v, prefix_k, prefix_v, mask: Optional[torch.Tensor],
+                         prompt_index: Optional[torch.Tensor], scale: float, dropout_p: float,
+                         seed: int | torch.Tensor | None) -> torch.Tensor:
+    """The op on validated inputs (``mask`` bool or None, ``prompt_index`` int64 or None; ``seed`` an int, a 0-d
+    int64 tensor or None for 0); (B, H, S, D) in q's dtype, a transposed (B, S, H, D) buffer for float32."""
+    if not _register():
+        raise RuntimeError(_cpp.missing_reason())
+    dtype = q.dtype
+    args = [_unit_last(x.to(torch.float32)) for x in (q, k, v, prefix_k, prefix_v)]
+    mask = None if mask is None else mask.contiguous()
+    prompt_index = None if prompt_index is None else prompt_index.contiguous()
+    if not isinstance(seed, torch.Tensor):
+        seed = torch.tensor(signed_seed(0 if seed is None else seed), dtype=torch.int64)
+    out, _ = torch.ops.fastprompt.prefix_attention_cpu_fwd(*args, mask, prompt_index, scale, dropout_p, seed)
+    return out.to(dtype)
+
+
+def keep_mask(B: int, H: int, S: int, P: int, dropout_p: float, seed: int) -> torch.Tensor:
+    """The kernel's dropout keep-mask, (B, H, S, P + S) bool (True = kept): the Triton kernels' mask too."""
+    if not _register():
+        raise RuntimeError(_cpp.missing_reason())
+    return torch.ops.fastprompt.prefix_attention_cpu_keep_mask(B, H, S, P, float(dropout_p), signed_seed(seed))
+
+
+def signed_seed(seed: int) -> int:
+    """A seed's 64 bits as a signed int64 (what a tensor or an op schema's int holds)."""
+    seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+    return seed - (1 << 64) if seed >= 1 << 63 else seed
+
+
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+# ------------------------------------------------------------------------------------------------
+# registration on the C++ ops (once, when the extension is loaded)
+
+
+def _register() -> bool:
+    if _state["registered"]:
+        return True
+    if not _cpp.available() or not hasattr(torch.ops.fastprompt, "prefix_attention_cpu_fwd"):
+        return False
+    torch.library.register_fake("fastprompt::prefix_attention_cpu_fwd", _fwd_fake)
+    torch.library.register_fake("fastprompt::prefix_attention_cpu_bwd", _bwd_fake)
+    torch.library.register_autograd("fastprompt::prefix_attention_cpu_fwd", _backward, setup_context=_setup_context)
+    _state["registered"] = True
+    return True
+
+
+def _fwd_fake(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale, dropout_p, seed):
+    B, H, S, D = q.shape
+    return q.new_empty((B, S, H, D)).transpose(1, 2), q.new_empty((B, H, S))
+
+
+def _bwd_fake(dout, q, k, v, prefix_k, prefix_v, lse, key_padding_mask, prompt_index, scale, dropout_p, seed,
+              need_dq, need_dkv, need_dprefix):
+    def like(x, wanted):
+        return torch.empty_like(x) if wanted else q.new_empty((0,))
+
+    return (like(q, need_dq), like(k, need_dkv), like(v, need_dkv),
+            prefix_k.new_empty(prefix_k.shape) if need_dprefix else q.new_empty((0,)),
+            prefix_v.new_empty(prefix_v.shape) if need_dprefix else q.new_empty((0,)))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed = inputs
+    _, lse = output
+    ctx.save_for_backward(q, k, v, prefix_k, prefix_v, lse, mask, prompt_index, seed)
+    ctx.params = (scale, dropout_p)
+    ctx.mark_non_differentiable(lse)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dout, _dlse):
+    none = (None,) * 5
+    if dout is None:
+        return (None,) * 5 + none
+    q, k, v, prefix_k, prefix_v, lse, mask, prompt_index, seed = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    scale, dropout_p = ctx.params
+    dq, dk, dv, dpk, dpv = torch.ops.fastprompt.prefix_attention_cpu_bwd(
+        dout, q, k, v, prefix_k, prefix_v, lse, mask, prompt_index, scale, dropout_p, seed, need[0],
+        need[1] or need[2], need[3] or need[4])
+    grads = (dq, dk, dv, dpk, dpv)
+    return tuple(g if n else None for g, n in zip(grads, need[:5])) + none

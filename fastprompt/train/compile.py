@@ -1,0 +1,55 @@
+"""Whether a training run compiles its encoder: the ``compile`` key resolved (true, false, or null = auto).
+
+``auto`` compiles when the run is on the CPU and long enough for the compiled steps to pay back the compilation:
+its estimated matrix work (:func:`estimated_run_flops`) is at least :data:`AUTO_MIN_RUN_FLOPS`. Otherwise (GPUs,
+where compile has not been measured; short runs such as the test suite's) the encoder runs eagerly. The
+threshold comes from the break-even measured on a 2-core CPU (docs/speed.md, "compile default").
+"""
+from __future__ import annotations
+
+import logging
+
+logger = logging.getLogger(__name__)
+
+#: Matrix work of a run (floating-point operations) from which ``compile: null`` compiles on a CPU: 2-4x the
+#: break-even measured on 2 cores (a compiled MiniLM step saves ~1.5e-12 s per FLOP against the eager step with the
+#: C++ attention kernel; a run compiles 3-4 graphs, train and evaluation, static then dynamic shapes, ~40-90 s
+#: each: 1e14-2.4e14 FLOP to pay back). MiniLM at 64 pairs x 32 tokens: ~2900 steps; BERT-base: ~400.
+AUTO_MIN_RUN_FLOPS = 5e14
+
+
+def estimated_step_flops(backbone_config, rows: int, tokens: int, prompt_length: int = 0,
+                         train_backbone: bool = False) -> float:
+    """Floating-point operations of one step's matrix products: ``rows`` sequences of ``tokens`` tokens through
+    every layer (Q/K/V/output projections, feed-forward, attention over ``prompt_length + tokens`` keys), the
+    forward and the backward to the activations (as much again), plus the weight gradients when the backbone
+    trains (once more). Within a few percent of the training-step benchmark's FLOP floor, which also counts the
+    first layer's savings, the backward's second attention product and the loss."""
+    H = backbone_config.hidden_size
+    F = backbone_config.intermediate_size
+    L = backbone_config.num_hidden_layers
+    per_token = 4 * H * H + 2 * H * F + 2 * (prompt_length + tokens) * H  # multiply-adds, per layer
+    passes = 3 if train_backbone else 2  # forward, backward to the activations, weight gradients
+    return 2.0 * passes * L * per_token * tokens * rows
+
+
+def estimated_run_flops(config, backbone_config, steps: int, views: int = 2) -> float:
+    """The matrix work of ``steps`` steps of a run: ``batch_size * views`` sequences of ``max_length`` tokens each
+    (an upper bound on the padded length; ``views`` = 2, the fewest a contrastive method embeds)."""
+    step = estimated_step_flops(backbone_config, config.batch_size * views, config.max_length, config.prompt_length,
+                                config.train_backbone)
+    return step * max(int(steps), 0)
+
+
+def resolve_compile(config, encoder, device, steps: int) -> bool:
+    """Whether to ``torch.compile`` the encoder for ``steps`` (remaining) optimisation steps on ``device``."""
+    setting = config.run.compile
+    if setting is not None:
+        return bool(setting)
+    if getattr(device, "type", str(device)) != "cpu":
+        return False
+    work = estimated_run_flops(config, encoder.backbone.config, steps)
+    on = work >= AUTO_MIN_RUN_FLOPS
+    logger.info("compile: null (auto) -> %s: %d steps, ~%.2g FLOP of matrix work (compiles from %.2g)",
+                "compiling the encoder" if on else "eager", steps, work, AUTO_MIN_RUN_FLOPS)
+    return on
