@@ -67,15 +67,20 @@ def build_encoder(cfg: TrainConfig, resume_dir: Path | None):
                                          template=tpl.template, denoise=tpl.resolved_eval_denoise, topk=tpl.topk)
 
 
-def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device):
+def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device, total_steps: int):
     """The encoder on ``device`` in training mode, with what the config turns on: a trainable backbone,
-    gradient checkpointing, ``torch.compile`` (in place: parameter names, checkpoints and the module stay)."""
+    gradient checkpointing, ``torch.compile`` (in place: parameter names, checkpoints and the module stay).
+
+    ``compile: null`` (auto) is decided on the run's ``total_steps``, not the steps left, so a resumed run
+    compiles exactly when the uninterrupted one did (a compiled step draws other dropout masks than an eager one)."""
+    from fastprompt.train.compile import resolve_compile
+
     encoder.to(device).train()
     if cfg.backbone.train_backbone:
         encoder.train_backbone()
     if cfg.large_batch.gradient_checkpointing:
         encoder.gradient_checkpointing_enable()
-    if cfg.run.compile:
+    if resolve_compile(cfg, encoder, device, total_steps):
         encoder.compile()
     return encoder
 

@@ -42,7 +42,8 @@ def estimated_run_flops(config, backbone_config, steps: int, views: int = 2) -> 
 
 
 def resolve_compile(config, encoder, device, steps: int) -> bool:
-    """Whether to ``torch.compile`` the encoder for ``steps`` (remaining) optimisation steps on ``device``."""
+    """Whether to ``torch.compile`` the encoder for a run of ``steps`` optimisation steps (its total, so that a
+    resumed run decides as the uninterrupted one did) on ``device``."""
     setting = config.run.compile
     if setting is not None:
         return bool(setting)

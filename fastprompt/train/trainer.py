@@ -204,7 +204,7 @@ class Trainer:
         """The encoder (built from ``last/`` when resuming) and the method on the device."""
         if self.encoder is None:
             self.encoder = build.build_encoder(self.config, resume_dir)
-        build.prepare_encoder(self.config, self.encoder, self.device)
+        build.prepare_encoder(self.config, self.encoder, self.device, self.total_steps)
         self.method = build.build_method(self.config, self.encoder, self.terms).to(self.device).train()
         self.params = self.encoder.trainable_parameters() + [p for p in self.method.parameters() if p.requires_grad]
         if not self.params:

@@ -170,3 +170,24 @@ def test_auto_compiles_only_cpu_runs_with_enough_work(base_config, tiny_bert_dir
     assert tiny.run.compile is None
     assert not resolve_compile(tiny, type("E", (), {"backbone": type("B", (), {
         "config": AutoConfig.from_pretrained(tiny_bert_dir)})}), cpu, 10_000)
+
+
+def test_auto_decides_on_the_runs_total_steps_also_on_resume(base_config, tmp_path, monkeypatch):
+    """compile: null resolves from the run's total steps, not the steps left: a run resumed near its end compiles
+    exactly when the uninterrupted one did (compiled and eager steps draw different dropout masks)."""
+    import fastprompt.train.compile as compile_module
+    from fastprompt.train import Trainer
+
+    seen = []
+    real = compile_module.resolve_compile
+    monkeypatch.setattr(compile_module, "resolve_compile",
+                        lambda cfg, enc, dev, steps: seen.append(steps) or real(cfg, enc, dev, steps))
+
+    def interrupt_at_step_3(trainer, out):
+        if trainer.state.global_step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    run = base_config(max_steps=5, save_steps=2, eval_steps=100, output_dir=str(tmp_path / "run"))
+    assert Trainer(run, callbacks=[interrupt_at_step_3]).train()["global_step"] == 3
+    assert Trainer(run).train()["global_step"] == 5
+    assert seen == [5, 5]
