@@ -103,7 +103,9 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
     path = resolve_model_path(model)
     enc = PromptEncoder.from_pretrained(path, prompt_config=PromptConfig(prompt_length, position_mode="shifted"),
                                         pooler="cls_before_pooler", mlp="none")
-    for module in enc.modules():  # both sides train with the same dropout probability
+    # both sides train with the same dropout in the encoder, and none on the prefix (PEFT's prefix tuning has no
+    # prefix dropout; fastprompt's prompt_dropout defaults to 0 and is left there)
+    for module in enc.backbone.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = dropout
     tokenizer = enc.tokenizer

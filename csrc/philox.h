@@ -16,7 +16,7 @@
 
 #include <cstdint>
 
-// Inlined into the callers' target_clones copies (GCC does not inline a plain inline function into a function
+// Inlined into the callers' per-level copies (GCC does not inline a plain inline function into a function
 // compiled for another -march, even when the callee's ISA is a subset).
 #if defined(__GNUC__) || defined(__clang__)
 #define FASTPROMPT_INLINE inline __attribute__((always_inline))

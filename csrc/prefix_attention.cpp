@@ -11,8 +11,9 @@
 // from the seed (philox.h: the same keep decisions as the Triton kernels).
 //
 // The products run on a register-blocked micro-kernel written with GCC/Clang vector extensions and compiled
-// for several x86-64 levels (target_clones: AVX-512, AVX2+FMA, baseline), chosen at load time; elementwise
-// work (exp, the Philox rounds) is written so the compiler vectorises it in the same clones.
+// for several x86-64 levels (AVX-512, AVX2+FMA, baseline; prefix_attention_simd.h), the best one the CPU
+// supports chosen at run time unless FASTPROMPT_CPU_ISA names one; elementwise work (exp, the Philox rounds)
+// is written so the compiler vectorises it in the same levels.
 //
 // Prefix gradients are reduced without atomics and independently of the thread count: the backward's items
 // are (group of kGroup examples, head) with a fixed grouping; each writes its prefix partial sum to its own
@@ -31,6 +32,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <string>
 #include <vector>
 
 #include "philox.h"
@@ -38,11 +40,12 @@
 // The vector helpers are always inlined, so the AVX-512 argument-passing ABI note does not apply.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-#if (defined(__x86_64__) || defined(_M_X64)) && (defined(__GNUC__) || defined(__clang__)) && \
-    !defined(FASTPROMPT_NO_TARGET_CLONES)
-#define FASTPROMPT_SIMD_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
-#else
-#define FASTPROMPT_SIMD_CLONES
+// Several x86-64 levels of the inner loops (prefix_attention_simd.h) are compiled side by side with GCC:
+// x86-64-v4 (AVX-512), x86-64-v3 (AVX2 + FMA) and the baseline the rest of the file is compiled for. Other
+// compilers and architectures get the baseline only. FASTPROMPT_CPU_ISA picks one (see simd_kernels below).
+#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__) && \
+    !defined(FASTPROMPT_NO_ISA_LEVELS)
+#define FASTPROMPT_ISA_LEVELS 1
 #endif
 
 namespace fastprompt {
@@ -54,147 +57,89 @@ constexpr int64_t kMr = 4;         // rows of the micro-kernel's register block
 constexpr int64_t kGroup = 8;      // examples per backward item (fixed: the prefix reduction order)
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 
-typedef float vfloat __attribute__((vector_size(kLanes * sizeof(float))));
-
 inline int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
 
-FASTPROMPT_INLINE vfloat load(const float* p) {
-  vfloat v;
-  std::memcpy(&v, p, sizeof(v));
-  return v;
+#define FASTPROMPT_SIMD_BYTES 16
+namespace isa_baseline {
+#include "prefix_attention_simd.h"
+}  // namespace isa_baseline
+#undef FASTPROMPT_SIMD_BYTES
+#ifdef FASTPROMPT_ISA_LEVELS
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v3")
+#define FASTPROMPT_SIMD_BYTES 32
+namespace isa_v3 {
+#include "prefix_attention_simd.h"
+}  // namespace isa_v3
+#undef FASTPROMPT_SIMD_BYTES
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("arch=x86-64-v4")
+#define FASTPROMPT_SIMD_BYTES 64
+namespace isa_v4 {
+#include "prefix_attention_simd.h"
+}  // namespace isa_v4
+#undef FASTPROMPT_SIMD_BYTES
+#pragma GCC pop_options
+#endif
+
+// One compiled level of the inner loops. The levels differ only in rounding (x86-64-v3 and v4 contract a * b + c
+// into one fused multiply-add, the baseline rounds twice), never in what they compute.
+struct SimdKernels {
+  const char* name;
+  decltype(&isa_baseline::gemm) gemm;
+  decltype(&isa_baseline::softmax_row) softmax_row;
+  decltype(&isa_baseline::softmax_backward_row) softmax_backward_row;
+};
+
+const SimdKernels kSimdLevels[] = {  // best first
+#ifdef FASTPROMPT_ISA_LEVELS
+    {"x86-64-v4", &isa_v4::gemm, &isa_v4::softmax_row, &isa_v4::softmax_backward_row},
+    {"x86-64-v3", &isa_v3::gemm, &isa_v3::softmax_row, &isa_v3::softmax_backward_row},
+#endif
+    {"baseline", &isa_baseline::gemm, &isa_baseline::softmax_row, &isa_baseline::softmax_backward_row},
+};
+
+bool cpu_supports(const SimdKernels& level) {
+#ifdef FASTPROMPT_ISA_LEVELS
+  __builtin_cpu_init();
+  if (std::strcmp(level.name, "x86-64-v4") == 0) return __builtin_cpu_supports("x86-64-v4");
+  if (std::strcmp(level.name, "x86-64-v3") == 0) return __builtin_cpu_supports("x86-64-v3");
+#endif
+  return std::strcmp(level.name, "baseline") == 0;
 }
 
-FASTPROMPT_INLINE void store(float* p, const vfloat& v) { std::memcpy(p, &v, sizeof(v)); }
+// The levels this build has and this CPU supports, best first.
+std::vector<std::string> supported_levels() {
+  std::vector<std::string> names;
+  for (const SimdKernels& level : kSimdLevels)
+    if (cpu_supports(level)) names.emplace_back(level.name);
+  return names;
+}
 
-// C (M x N, row stride ldc) = [C +] sum_k A(r, k) B(k, :), with A(r, k) = a[r * ars + k * aks] and B row-major
-// (row stride ldb). M must be a multiple of kMr and N of kLanes (callers pad their tiles with zeros).
-FASTPROMPT_SIMD_CLONES
-void gemm(const float* __restrict a, int64_t ars, int64_t aks, const float* __restrict b, int64_t ldb,
-          float* __restrict c, int64_t ldc, int64_t M, int64_t N, int64_t K, bool accumulate) {
-  for (int64_t i = 0; i < M; i += kMr) {
-    for (int64_t j = 0; j < N; j += kLanes) {
-      vfloat acc[kMr];
-      for (int r = 0; r < kMr; ++r) acc[r] = accumulate ? load(c + (i + r) * ldc + j) : vfloat{};
-      const float* ai = a + i * ars;
-      for (int64_t k = 0; k < K; ++k) {
-        const vfloat bk = load(b + k * ldb + j);
-        for (int r = 0; r < kMr; ++r) acc[r] += ai[r * ars + k * aks] * bk;
-      }
-      for (int r = 0; r < kMr; ++r) store(c + (i + r) * ldc + j, acc[r]);
+// The level to run: `requested` is "auto" (or empty: the best level this CPU supports) or a level's name, which
+// must be compiled in and supported by this CPU. Read on every call from FASTPROMPT_CPU_ISA, so tests can run
+// each level on one machine (what a CPU without AVX-512 runs is then tested on one with it).
+const SimdKernels& simd_kernels(const std::string& requested) {
+  if (requested.empty() || requested == "auto") {
+    for (const SimdKernels& level : kSimdLevels)
+      if (cpu_supports(level)) return level;
+  }
+  std::string known;
+  for (const SimdKernels& level : kSimdLevels) {
+    if (requested == level.name) {
+      TORCH_CHECK(cpu_supports(level), "FASTPROMPT_CPU_ISA=", requested,
+                  ": this CPU does not support that level; unset it or choose one of ", c10::Join(", ", supported_levels()));
+      return level;
     }
+    known += known.empty() ? level.name : std::string(", ") + level.name;
   }
+  TORCH_CHECK(false, "FASTPROMPT_CPU_ISA=", requested, " is not a level of this build (auto, ", known, ")");
 }
 
-typedef int32_t vint __attribute__((vector_size(kLanes * sizeof(int32_t))));
-
-// exp(x) for x <= 0, lane by lane (Cephes' expf polynomial, within 2 ulp; x is clamped at -87.3, so the result
-// is at least 1.2e-38, never 0). Written with vector types: GCC does not vectorise the scalar form.
-FASTPROMPT_INLINE vfloat vexp_nonpositive(const vfloat& x_in) {
-  const vfloat lo = vfloat{} - 87.33654475f;
-  const vfloat x = x_in > lo ? x_in : lo;
-  const vfloat t = x * 1.44269504088896341f + 0.5f;
-  const vint n0 = __builtin_convertvector(t, vint);  // floor(t) (t <= 0.5): truncation, minus one below a
-  const vint n = n0 + (__builtin_convertvector(n0, vfloat) > t);  // negative fraction (a true compare is -1)
-  const vfloat fn = __builtin_convertvector(n, vfloat);
-  vfloat r = x - fn * 0.693359375f;
-  r = r + fn * 2.12194440e-4f;
-  vfloat y = vfloat{} + 1.9875691500e-4f;
-  y = y * r + 1.3981999507e-3f;
-  y = y * r + 8.3334519073e-3f;
-  y = y * r + 4.1665795894e-2f;
-  y = y * r + 1.6666665459e-1f;
-  y = y * r + 5.0000001201e-1f;
-  y = y * r * r + r + 1.0f;
-  const vint bits = (n + 127) << 23;  // 2^n, n >= -126
-  return y * __builtin_bit_cast(vfloat, bits);
-}
-
-// s[c] = exp(s[c] * mul - sub) for c < np (a multiple of kLanes), every argument <= 0.
-FASTPROMPT_INLINE void exp_row(float* s, int64_t np, float mul, float sub) {
-  for (int64_t c = 0; c < np; c += kLanes) store(s + c, vexp_nonpositive(load(s + c) * mul - sub));
-}
-
-// Sums and maxima over np = a multiple of kLanes entries, with a fixed association (16 lanes, then the lanes in
-// order): the compiler does not vectorise a float reduction written as a plain loop.
-FASTPROMPT_INLINE float vsum(const float* x, int64_t np) {
-  vfloat acc{};
-  for (int64_t c = 0; c < np; c += kLanes) acc += load(x + c);
-  float s = 0.0f;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
-  return s;
-}
-
-FASTPROMPT_INLINE float vdot(const float* x, const float* y, int64_t np) {
-  vfloat acc{};
-  for (int64_t c = 0; c < np; c += kLanes) acc += load(x + c) * load(y + c);
-  float s = 0.0f;
-  for (int l = 0; l < kLanes; ++l) s += acc[l];
-  return s;
-}
-
-FASTPROMPT_INLINE float vmax(const float* x, int64_t np) {
-  vfloat acc = load(x);
-  for (int64_t c = kLanes; c < np; c += kLanes) {
-    const vfloat v = load(x + c);
-    acc = v > acc ? v : acc;
-  }
-  float m = acc[0];
-  for (int l = 1; l < kLanes; ++l) m = std::max(m, acc[l]);
-  return m;
-}
-
-// --------------------------------------------------------------------------------------------------------
-// row-wise steps of the softmax over n visible columns, padded to np
-
-// Scores -> dropped-out probabilities in place (padding columns 0); returns the row's natural-log log-sum-exp
-// (-inf when n == 0). Column c is key column cols[c] of the virtual concatenation (the dropout counter).
-FASTPROMPT_SIMD_CLONES
-float softmax_row(float* __restrict s, int64_t n, int64_t np, float scale, const int32_t* __restrict cols,
-                  uint32_t row_base, uint32_t bh, const PhiloxKey* key, float keep_scale) {
-  if (n == 0) {
-    for (int64_t c = 0; c < np; ++c) s[c] = 0.0f;
-    return kNegInf;
-  }
-  for (int64_t c = 0; c < np; c += kLanes) store(s + c, load(s + c) * scale);
-  for (int64_t c = n; c < np; ++c) s[c] = kNegInf;
-  const float m = vmax(s, np);
-  exp_row(s, np, 1.0f, m);
-  for (int64_t c = n; c < np; ++c) s[c] = 0.0f;
-  const float sum = vsum(s, np);
-  if (key != nullptr) {
-    const PhiloxKey k = *key;
-    const float dropped = keep_scale / sum;
-    for (int64_t c = 0; c < n; ++c) {
-      const float w = philox_keep(row_base + static_cast<uint32_t>(cols[c]), bh, k) ? dropped : 0.0f;
-      s[c] *= w;
-    }
-  } else {
-    const float inv = 1.0f / sum;
-    for (int64_t c = 0; c < n; ++c) s[c] *= inv;
-  }
-  return m + std::log(sum);
-}
-
-// Backward of one row, in place: on entry s holds the scores and dp = dO . V; on return s holds dS * scale (the
-// gradient of the scaled scores, times the scale) and pd the dropped-out probabilities. Padding columns are 0.
-FASTPROMPT_SIMD_CLONES
-void softmax_backward_row(float* __restrict s, float* __restrict pd, float* __restrict dp, int64_t n, int64_t np,
-                          float scale, float lse, const int32_t* __restrict cols, uint32_t row_base, uint32_t bh,
-                          const PhiloxKey* key, float keep_scale) {
-  exp_row(s, np, scale, lse);  // the probabilities
-  for (int64_t c = n; c < np; ++c) s[c] = pd[c] = dp[c] = 0.0f;
-  if (key != nullptr) {  // dp becomes the gradient of the probability before dropout
-    const PhiloxKey k = *key;
-    for (int64_t c = 0; c < n; ++c) {
-      const float w = philox_keep(row_base + static_cast<uint32_t>(cols[c]), bh, k) ? keep_scale : 0.0f;
-      pd[c] = s[c] * w;
-      dp[c] *= w;
-    }
-  } else {
-    std::memcpy(pd, s, n * sizeof(float));
-  }
-  const float delta = vdot(s, dp, np);  // sum_c p_c g_c = dO . O
-  for (int64_t c = 0; c < n; ++c) s[c] = s[c] * (dp[c] - delta) * scale;
+const SimdKernels& simd_kernels() {
+  const char* env = std::getenv("FASTPROMPT_CPU_ISA");
+  return simd_kernels(env == nullptr ? std::string() : std::string(env));
 }
 
 // --------------------------------------------------------------------------------------------------------
@@ -369,7 +314,7 @@ void parallel_items(int64_t n_items, int64_t n_max, int64_t D, int64_t rows, boo
 // --------------------------------------------------------------------------------------------------------
 // forward
 
-void forward_item(const Operands& o, int64_t b, int64_t h, Tiles& t, float* out, float* lse) {
+void forward_item(const SimdKernels& simd, const Operands& o, int64_t b, int64_t h, Tiles& t, float* out, float* lse) {
   const int64_t D = o.D, S = o.S, np = t.np, dp = t.dp, n_cols = o.P + S;
   const int64_t n = gather_keys(o, b, h, t, false), nc = round_up(n, kLanes);  // columns computed
   const uint32_t bh = static_cast<uint32_t>(b * o.H + h);
@@ -377,14 +322,14 @@ void forward_item(const Operands& o, int64_t b, int64_t h, Tiles& t, float* out,
   for (int64_t i0 = 0; i0 < S; i0 += kRowBlock) {
     const int64_t rows = std::min(kRowBlock, S - i0), rp = round_up(rows, kMr);
     copy_rows_in(qb + i0 * o.sq[2], o.sq[2], rows, D, t.q.data(), dp);
-    gemm(t.q.data(), dp, 1, t.kt.data(), np, t.s.data(), np, rp, nc, D, false);
+    simd.gemm(t.q.data(), dp, 1, t.kt.data(), np, t.s.data(), np, rp, nc, D, false);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
       lse[(b * o.H + h) * S + i] =
-          softmax_row(t.s.data() + r * np, n, nc, o.scale, t.cols.data(), static_cast<uint32_t>(i * n_cols), bh,
+          simd.softmax_row(t.s.data() + r * np, n, nc, o.scale, t.cols.data(), static_cast<uint32_t>(i * n_cols), bh,
                       o.dropout ? &o.key : nullptr, o.keep_scale);
     }
-    gemm(t.s.data(), np, 1, t.vs.data(), dp, t.o.data(), dp, rp, dp, n, false);
+    simd.gemm(t.s.data(), np, 1, t.vs.data(), dp, t.o.data(), dp, rp, dp, n, false);
     copy_rows_out(t.o.data(), dp, rows, D, out + ((b * S + i0) * o.H + h) * D, o.H * D);
   }
 }
@@ -399,13 +344,14 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention_cpu_fwd(
   const at::Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), pk = unit_last(pk_),
                    pv = unit_last(pv_);
   const Operands o = operands(q, k, v, pk, pv, mask, pidx, scale, dropout_p, seed);
+  const SimdKernels& simd = simd_kernels();
   const bool poison = poison_outputs();
   at::Tensor out = poison ? at::full({o.B, o.S, o.H, o.D}, NAN, q.options()) : at::empty({o.B, o.S, o.H, o.D}, q.options());
   at::Tensor lse = poison ? at::full({o.B, o.H, o.S}, NAN, q.options()) : at::empty({o.B, o.H, o.S}, q.options());
   float* out_p = out.data_ptr<float>();
   float* lse_p = lse.data_ptr<float>();
   parallel_items(o.B * o.H, o.P + o.S, o.D, std::min(kRowBlock, o.S), false, [&](int64_t item, Tiles& t) {
-    forward_item(o, item / o.H, item % o.H, t, out_p, lse_p);
+    forward_item(simd, o, item / o.H, item % o.H, t, out_p, lse_p);
   });
   return {out.transpose(1, 2), lse};
 }
@@ -420,7 +366,7 @@ struct Grads {
   bool per_example;        // slot = example (a (T, H, P, D) prefix) or group of kGroup examples
 };
 
-void backward_example(const Operands& o, const Grads& g, const float* dout, const int64_t sdo[3], const float* lse,
+void backward_example(const SimdKernels& simd, const Operands& o, const Grads& g, const float* dout, const int64_t sdo[3], const float* lse,
                       int64_t b, int64_t h, int64_t slot, Tiles& t) {
   const int64_t D = o.D, S = o.S, P = o.P, np = t.np, dp = t.dp, n_cols = P + S;
   const int64_t n = gather_keys(o, b, h, t, true), nc = round_up(n, kLanes);  // columns computed
@@ -436,21 +382,21 @@ void backward_example(const Operands& o, const Grads& g, const float* dout, cons
     const int64_t rows = std::min(kRowBlock, S - i0), rp = round_up(rows, kMr);
     copy_rows_in(qb + i0 * o.sq[2], o.sq[2], rows, D, t.q.data(), dp);
     copy_rows_in(dob + i0 * sdo[2], sdo[2], rows, D, t.dout.data(), dp);
-    gemm(t.q.data(), dp, 1, t.kt.data(), np, t.s.data(), np, rp, nc, D, false);
-    gemm(t.dout.data(), dp, 1, t.vt.data(), np, t.dp_.data(), np, rp, nc, D, false);
+    simd.gemm(t.q.data(), dp, 1, t.kt.data(), np, t.s.data(), np, rp, nc, D, false);
+    simd.gemm(t.dout.data(), dp, 1, t.vt.data(), np, t.dp_.data(), np, rp, nc, D, false);
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t i = i0 + r;
-      softmax_backward_row(t.s.data() + r * np, t.pd.data() + r * np, t.dp_.data() + r * np, n, nc, o.scale,
+      simd.softmax_backward_row(t.s.data() + r * np, t.pd.data() + r * np, t.dp_.data() + r * np, n, nc, o.scale,
                            lse[(b * o.H + h) * S + i], t.cols.data(), static_cast<uint32_t>(i * n_cols), bh,
                            o.dropout ? &o.key : nullptr, o.keep_scale);
     }
     if (g.dq != nullptr) {
-      gemm(t.s.data(), np, 1, t.ks.data(), dp, t.o.data(), dp, rp, dp, n, false);
+      simd.gemm(t.s.data(), np, 1, t.ks.data(), dp, t.o.data(), dp, rp, dp, n, false);
       copy_rows_out(t.o.data(), dp, rows, D, g.dq + b * g.sdq[0] + h * g.sdq[1] + i0 * g.sdq[2], g.sdq[2]);
     }
     if (kv_rows > 0) {  // dK += dS^T Q, dV += Pdrop^T dO over this block's rows
-      gemm(t.s.data(), 1, np, t.q.data(), dp, t.dk.data(), dp, kv_rows, dp, rows, true);
-      gemm(t.pd.data(), 1, np, t.dout.data(), dp, t.dv.data(), dp, kv_rows, dp, rows, true);
+      simd.gemm(t.s.data(), 1, np, t.q.data(), dp, t.dk.data(), dp, kv_rows, dp, rows, true);
+      simd.gemm(t.pd.data(), 1, np, t.dout.data(), dp, t.dv.data(), dp, kv_rows, dp, rows, true);
     }
   }
   if (want_prefix) {
@@ -499,6 +445,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prefix_at
   const at::Tensor q = unit_last(q_), k = unit_last(k_), v = unit_last(v_), pk = unit_last(pk_),
                    pv = unit_last(pv_), dout = unit_last(dout_), lse = lse_.contiguous();
   const Operands o = operands(q, k, v, pk, pv, mask, pidx, scale, dropout_p, seed);
+  const SimdKernels& simd = simd_kernels();
   const auto opts = q.options();
   const bool poison = poison_outputs();
   auto like = [&](const at::Tensor& x, bool wanted) {
@@ -537,7 +484,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prefix_at
     parallel_items(n_groups * o.H, o.P + o.S, o.D, std::min(kRowBlock, o.S), true, [&](int64_t item, Tiles& t) {
       const int64_t grp = item / o.H, h = item % o.H;
       for (int64_t b = grp * kGroup; b < std::min(o.B, (grp + 1) * kGroup); ++b)
-        backward_example(o, g, dout_p, sdo, lse_p, b, h, g.per_example ? b : grp, t);
+        backward_example(simd, o, g, dout_p, sdo, lse_p, b, h, g.per_example ? b : grp, t);
     });
   }
   at::Tensor dpk = at::empty({0}, opts), dpv = at::empty({0}, opts);
@@ -566,6 +513,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor> prefix_at
   }
   return {dq, dk, dv, dpk, dpv};
 }
+
+// The level FASTPROMPT_CPU_ISA selects now, and the levels this build has and this CPU supports.
+std::string prefix_attention_cpu_isa() { return simd_kernels().name; }
+std::vector<std::string> prefix_attention_cpu_isa_levels() { return supported_levels(); }
 
 // The keep-mask (B, H, S, P + S) of the kernels' dropout (for tests and for the reference to replay).
 at::Tensor prefix_attention_cpu_keep_mask(int64_t B, int64_t H, int64_t S, int64_t P, double dropout_p,
@@ -596,6 +547,8 @@ TORCH_LIBRARY_FRAGMENT(fastprompt, m) {
       "bool need_dq, bool need_dkv, bool need_dprefix) -> (Tensor, Tensor, Tensor, Tensor, Tensor)");
   m.def("prefix_attention_cpu_keep_mask(int B, int H, int S, int P, float dropout_p, int seed) -> Tensor",
         &prefix_attention_cpu_keep_mask);
+  m.def("prefix_attention_cpu_isa() -> str", &prefix_attention_cpu_isa);
+  m.def("prefix_attention_cpu_isa_levels() -> str[]", &prefix_attention_cpu_isa_levels);
 }
 
 TORCH_LIBRARY_IMPL(fastprompt, CPU, m) {

@@ -8,6 +8,11 @@ kernels (the same keep decisions for a seed, bit for bit), and writes its output
 buffer. It saves only the per-row log-sum-exp; the backward recomputes the probabilities and regenerates the
 mask. ``fastprompt::prefix_attention_cpu_fwd`` / ``_bwd`` are opaque nodes for torch.compile.
 
+Its inner loops are compiled for several x86-64 levels (x86-64-v4 = AVX-512, x86-64-v3 = AVX2 + FMA, baseline);
+the best one the CPU supports runs, unless the environment variable ``FASTPROMPT_CPU_ISA`` names another one
+(``auto`` = the default): the tests run every level this CPU supports, so what an AVX2-only CPU runs is tested on
+an AVX-512 one too. The levels differ only in rounding (fused multiply-adds on v3/v4).
+
 float32 kernel: float16/bfloat16 inputs are computed in float32 (as the aten composite does), float64 stays on
 the composite.
 """
@@ -49,6 +54,21 @@ def keep_mask(B: int, H: int, S: int, P: int, dropout_p: float, seed: int) -> to
     if not _register():
         raise RuntimeError(_cpp.missing_reason())
     return torch.ops.fastprompt.prefix_attention_cpu_keep_mask(B, H, S, P, float(dropout_p), signed_seed(seed))
+
+
+def isa() -> str:
+    """The x86-64 level the kernel runs now: ``FASTPROMPT_CPU_ISA`` when set (an unknown or unsupported level
+    raises), else the best one this CPU supports."""
+    if not _register():
+        raise RuntimeError(_cpp.missing_reason())
+    return torch.ops.fastprompt.prefix_attention_cpu_isa()
+
+
+def isa_levels() -> list[str]:
+    """The levels this build has and this CPU supports, best first (``baseline`` always; one on a non-x86 build)."""
+    if not _register():
+        raise RuntimeError(_cpp.missing_reason())
+    return list(torch.ops.fastprompt.prefix_attention_cpu_isa_levels())
 
 
 def signed_seed(seed: int) -> int:

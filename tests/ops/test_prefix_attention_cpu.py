@@ -76,6 +76,18 @@ def assert_close(name, got, want, dtype=torch.float32):
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
 
 
+ISA_LEVELS = attention_cpu.isa_levels() if _cpp.available() else []
+
+
+@pytest.fixture(params=ISA_LEVELS)
+def isa(request, monkeypatch):
+    """Each x86-64 level this CPU supports in turn (FASTPROMPT_CPU_ISA): the AVX2 and baseline code a CPU without
+    AVX-512 runs is tested here too."""
+    monkeypatch.setenv("FASTPROMPT_CPU_ISA", request.param)
+    assert attention_cpu.isa() == request.param
+    return request.param
+
+
 @pytest.fixture
 def poisoned(monkeypatch):
     """The kernel fills its outputs with NaN before writing them: an element it forgets shows up."""
@@ -88,7 +100,7 @@ def poisoned(monkeypatch):
 
 @pytest.mark.parametrize("dropout_p", [0.0, 0.3])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}S{}P{}D{}T{}".format(*s))
-def test_matches_reference(shape, dropout_p, poisoned):
+def test_matches_reference(shape, dropout_p, isa, poisoned):
     B, H, S, P, D, T = shape
     q, k, v, pk, pv, mask, pidx = make_inputs(B, H, S, P, D, T)
     out, grads, dout = run_cpu(q, k, v, pk, pv, mask, pidx, dropout_p, seed=1234)
@@ -221,6 +233,22 @@ def test_dropout_is_a_function_of_the_seed():
     c = prefix_attention(q, k, v, pk, pv, mask, dropout_p=p, prompt_index=pidx, backend="cpu")
     torch.set_rng_state(state)
     assert torch.equal(c, prefix_attention(q, k, v, pk, pv, mask, dropout_p=p, prompt_index=pidx, backend="cpu"))
+
+
+def test_isa_levels_and_their_choice(monkeypatch):
+    """auto (or unset) picks the best supported level; a level the CPU lacks or a typo is a clear error."""
+    levels = attention_cpu.isa_levels()
+    assert levels[-1] == "baseline" and set(levels) <= {"x86-64-v4", "x86-64-v3", "baseline"}
+    monkeypatch.delenv("FASTPROMPT_CPU_ISA", raising=False)
+    assert attention_cpu.isa() == levels[0]
+    monkeypatch.setenv("FASTPROMPT_CPU_ISA", "auto")
+    assert attention_cpu.isa() == levels[0]
+    monkeypatch.setenv("FASTPROMPT_CPU_ISA", "avx9000")
+    with pytest.raises(RuntimeError, match="not a level of this build"):
+        attention_cpu.isa()
+    q, k, v, pk, pv, mask, _ = make_inputs(2, 1, 5, 2, 16)
+    with pytest.raises(RuntimeError, match="FASTPROMPT_CPU_ISA=avx9000"):
+        prefix_attention(q, k, v, pk, pv, mask, backend="cpu")
 
 
 def test_results_do_not_depend_on_the_thread_count():

@@ -1,0 +1,167 @@
+// The vectorised inner loops of the CPU prefix attention (prefix_attention.cpp): the register-blocked product,
+// exp, the row reductions and the per-row softmax steps. No include guard on purpose: prefix_attention.cpp
+// includes this file once per x86-64 level, each time inside its own namespace and under
+// `#pragma GCC target(...)`, so each level gets its own compiled copy (see kSimdLevels there). Expects kLanes,
+// kMr, kNegInf, PhiloxKey, philox_keep and FASTPROMPT_SIMD_BYTES (the level's vector width) from the includer.
+
+// Each level's vector is its register width (FASTPROMPT_SIMD_BYTES, defined by the includer: 64 for AVX-512, 32
+// for AVX2, 16 for SSE); a strip of kLanes = 16 columns (the tiles' padding) is kNv such vectors. A vector wider
+// than the level's registers would be lowered by GCC through the stack (measured: AVX2 then ran 4x slower than
+// AVX-512 and slower than SSE).
+constexpr int kV = FASTPROMPT_SIMD_BYTES / static_cast<int>(sizeof(float));  // floats per vector
+constexpr int kNv = static_cast<int>(kLanes) / kV;                             // vectors per 16-column strip
+constexpr int kRb = kNv > 2 ? 2 : static_cast<int>(kMr);  // rows per register block: kRb * kNv + kNv registers
+static_assert(kLanes % kV == 0 && kMr % kRb == 0, "a strip is whole vectors, kMr whole register blocks");
+
+typedef float vfloat __attribute__((vector_size(FASTPROMPT_SIMD_BYTES)));
+
+FASTPROMPT_INLINE vfloat load(const float* p) {
+  vfloat v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+
+FASTPROMPT_INLINE void store(float* p, const vfloat& v) { std::memcpy(p, &v, sizeof(v)); }
+
+// C (M x N, row stride ldc) = [C +] sum_k A(r, k) B(k, :), with A(r, k) = a[r * ars + k * aks] and B row-major
+// (row stride ldb). M must be a multiple of kMr and N of kLanes (callers pad their tiles with zeros).
+void gemm(const float* __restrict a, int64_t ars, int64_t aks, const float* __restrict b, int64_t ldb,
+          float* __restrict c, int64_t ldc, int64_t M, int64_t N, int64_t K, bool accumulate) {
+  for (int64_t i = 0; i < M; i += kRb) {
+    for (int64_t j = 0; j < N; j += kLanes) {
+      vfloat acc[kRb][kNv];
+      for (int r = 0; r < kRb; ++r)
+        for (int v = 0; v < kNv; ++v) acc[r][v] = accumulate ? load(c + (i + r) * ldc + j + v * kV) : vfloat{};
+      const float* ai = a + i * ars;
+      for (int64_t k = 0; k < K; ++k) {
+        vfloat bk[kNv];
+        for (int v = 0; v < kNv; ++v) bk[v] = load(b + k * ldb + j + v * kV);
+        for (int r = 0; r < kRb; ++r) {
+          const float ark = ai[r * ars + k * aks];
+          for (int v = 0; v < kNv; ++v) acc[r][v] += ark * bk[v];
+        }
+      }
+      for (int r = 0; r < kRb; ++r)
+        for (int v = 0; v < kNv; ++v) store(c + (i + r) * ldc + j + v * kV, acc[r][v]);
+    }
+  }
+}
+
+typedef int32_t vint __attribute__((vector_size(FASTPROMPT_SIMD_BYTES)));
+
+// exp(x) for x <= 0, lane by lane (Cephes' expf polynomial, within 2 ulp; x is clamped at -87.3, so the result
+// is at least 1.2e-38, never 0). Written with vector types: GCC does not vectorise the scalar form.
+FASTPROMPT_INLINE vfloat vexp_nonpositive(const vfloat& x_in) {
+  const vfloat lo = vfloat{} - 87.33654475f;
+  const vfloat x = x_in > lo ? x_in : lo;
+  const vfloat t = x * 1.44269504088896341f + 0.5f;
+  const vint n0 = __builtin_convertvector(t, vint);  // floor(t) (t <= 0.5): truncation, minus one below a
+  const vint n = n0 + (__builtin_convertvector(n0, vfloat) > t);  // negative fraction (a true compare is -1)
+  const vfloat fn = __builtin_convertvector(n, vfloat);
+  vfloat r = x - fn * 0.693359375f;
+  r = r + fn * 2.12194440e-4f;
+  vfloat y = vfloat{} + 1.9875691500e-4f;
+  y = y * r + 1.3981999507e-3f;
+  y = y * r + 8.3334519073e-3f;
+  y = y * r + 4.1665795894e-2f;
+  y = y * r + 1.6666665459e-1f;
+  y = y * r + 5.0000001201e-1f;
+  y = y * r * r + r + 1.0f;
+  const vint bits = (n + 127) << 23;  // 2^n, n >= -126
+  return y * __builtin_bit_cast(vfloat, bits);
+}
+
+// s[c] = exp(s[c] * mul - sub) for c < np (a multiple of kLanes), every argument <= 0.
+FASTPROMPT_INLINE void exp_row(float* s, int64_t np, float mul, float sub) {
+  for (int64_t c = 0; c < np; c += kV) store(s + c, vexp_nonpositive(load(s + c) * mul - sub));
+}
+
+// Sums and maxima over np = a multiple of kLanes entries, with a fixed association whatever the level's vector
+// width: 16 partial results (column c goes to c mod 16), then those in order. (The compiler does not vectorise a
+// float reduction written as a plain loop.)
+FASTPROMPT_INLINE float vsum(const float* x, int64_t np) {
+  vfloat acc[kNv] = {};
+  for (int64_t c = 0; c < np; c += kLanes)
+    for (int v = 0; v < kNv; ++v) acc[v] += load(x + c + v * kV);
+  float s = 0.0f;
+  for (int v = 0; v < kNv; ++v)
+    for (int l = 0; l < kV; ++l) s += acc[v][l];
+  return s;
+}
+
+FASTPROMPT_INLINE float vdot(const float* x, const float* y, int64_t np) {
+  vfloat acc[kNv] = {};
+  for (int64_t c = 0; c < np; c += kLanes)
+    for (int v = 0; v < kNv; ++v) acc[v] += load(x + c + v * kV) * load(y + c + v * kV);
+  float s = 0.0f;
+  for (int v = 0; v < kNv; ++v)
+    for (int l = 0; l < kV; ++l) s += acc[v][l];
+  return s;
+}
+
+FASTPROMPT_INLINE float vmax(const float* x, int64_t np) {
+  vfloat acc[kNv];
+  for (int v = 0; v < kNv; ++v) acc[v] = load(x + v * kV);
+  for (int64_t c = kLanes; c < np; c += kLanes) {
+    for (int v = 0; v < kNv; ++v) {
+      const vfloat w = load(x + c + v * kV);
+      acc[v] = w > acc[v] ? w : acc[v];
+    }
+  }
+  float m = acc[0][0];
+  for (int v = 0; v < kNv; ++v)
+    for (int l = 0; l < kV; ++l) m = std::max(m, acc[v][l]);
+  return m;
+}
+
+// --------------------------------------------------------------------------------------------------------
+// row-wise steps of the softmax over n visible columns, padded to np
+
+// Scores -> dropped-out probabilities in place (padding columns 0); returns the row's natural-log log-sum-exp
+// (-inf when n == 0). Column c is key column cols[c] of the virtual concatenation (the dropout counter).
+float softmax_row(float* __restrict s, int64_t n, int64_t np, float scale, const int32_t* __restrict cols,
+                  uint32_t row_base, uint32_t bh, const PhiloxKey* key, float keep_scale) {
+  if (n == 0) {
+    for (int64_t c = 0; c < np; ++c) s[c] = 0.0f;
+    return kNegInf;
+  }
+  for (int64_t c = 0; c < np; c += kV) store(s + c, load(s + c) * scale);
+  for (int64_t c = n; c < np; ++c) s[c] = kNegInf;
+  const float m = vmax(s, np);
+  exp_row(s, np, 1.0f, m);
+  for (int64_t c = n; c < np; ++c) s[c] = 0.0f;
+  const float sum = vsum(s, np);
+  if (key != nullptr) {
+    const PhiloxKey k = *key;
+    const float dropped = keep_scale / sum;
+    for (int64_t c = 0; c < n; ++c) {
+      const float w = philox_keep(row_base + static_cast<uint32_t>(cols[c]), bh, k) ? dropped : 0.0f;
+      s[c] *= w;
+    }
+  } else {
+    const float inv = 1.0f / sum;
+    for (int64_t c = 0; c < n; ++c) s[c] *= inv;
+  }
+  return m + std::log(sum);
+}
+
+// Backward of one row, in place: on entry s holds the scores and dp = dO . V; on return s holds dS * scale (the
+// gradient of the scaled scores, times the scale) and pd the dropped-out probabilities. Padding columns are 0.
+void softmax_backward_row(float* __restrict s, float* __restrict pd, float* __restrict dp, int64_t n, int64_t np,
+                          float scale, float lse, const int32_t* __restrict cols, uint32_t row_base, uint32_t bh,
+                          const PhiloxKey* key, float keep_scale) {
+  exp_row(s, np, scale, lse);  // the probabilities
+  for (int64_t c = n; c < np; ++c) s[c] = pd[c] = dp[c] = 0.0f;
+  if (key != nullptr) {  // dp becomes the gradient of the probability before dropout
+    const PhiloxKey k = *key;
+    for (int64_t c = 0; c < n; ++c) {
+      const float w = philox_keep(row_base + static_cast<uint32_t>(cols[c]), bh, k) ? keep_scale : 0.0f;
+      pd[c] = s[c] * w;
+      dp[c] *= w;
+    }
+  } else {
+    std::memcpy(pd, s, n * sizeof(float));
+  }
+  const float delta = vdot(s, dp, np);  // sum_c p_c g_c = dO . O
+  for (int64_t c = 0; c < n; ++c) s[c] = s[c] * (dp[c] - delta) * scale;
+}
