@@ -1,9 +1,12 @@
 """Whether a training run compiles its encoder: the ``compile`` key resolved (true, false, or null = auto).
 
-``auto`` compiles when the run is on the CPU and long enough for the compiled steps to pay back the compilation:
-its estimated matrix work (:func:`estimated_run_flops`) is at least :data:`AUTO_MIN_RUN_FLOPS`. Otherwise (GPUs,
-where compile has not been measured; short runs such as the test suite's) the encoder runs eagerly. The
-threshold comes from the break-even measured on a 2-core CPU (docs/speed.md, "compile default").
+``auto`` compiles when the run is on the CPU, trains with ``prompt_dropout > 0`` and is long enough for the
+compiled steps to pay back the compilation: its estimated matrix work (:func:`estimated_run_flops`) is at least
+:data:`AUTO_MIN_RUN_FLOPS`. Otherwise the encoder runs eagerly: on GPUs compile has not been measured; without
+prompt dropout the eager step (C++ attention kernel, prefix read in place) was as fast as the compiled one (within
+3%, slower compiled); short runs such as the test suite's lose more to compilation than they gain. Prompt dropout
+draws a per-example copy of every layer's prefix, elementwise work Inductor fuses: there a compiled step saved
+16-22%. The measurements are in docs/speed.md ("Compile default").
 """
 from __future__ import annotations
 
@@ -12,9 +15,10 @@ import logging
 logger = logging.getLogger(__name__)
 
 #: Matrix work of a run (floating-point operations) from which ``compile: null`` compiles on a CPU: 2-4x the
-#: break-even measured on 2 cores (a compiled MiniLM step saves ~1.5e-12 s per FLOP against the eager step with the
-#: C++ attention kernel; a run compiles 3-4 graphs, train and evaluation, static then dynamic shapes, ~40-90 s
-#: each: 1e14-2.4e14 FLOP to pay back). MiniLM at 64 pairs x 32 tokens: ~2900 steps; BERT-base: ~400.
+#: break-even measured on 2 cores (with prompt dropout 0.1, a compiled MiniLM step saves ~1.5e-12 s per FLOP
+#: against the eager step with the C++ attention kernel; a run compiles 3-4 graphs, train and evaluation, static
+#: then dynamic shapes, ~40-90 s each: 1e14-2.4e14 FLOP to pay back). MiniLM at 64 pairs x 32 tokens: ~2900
+#: steps; BERT-base: ~400.
 AUTO_MIN_RUN_FLOPS = 5e14
 
 
@@ -48,6 +52,9 @@ def resolve_compile(config, encoder, device, steps: int) -> bool:
     if setting is not None:
         return bool(setting)
     if getattr(device, "type", str(device)) != "cpu":
+        return False
+    if config.prompt_dropout == 0:
+        logger.info("compile: null (auto) -> eager: without prompt dropout a compiled CPU step is no faster")
         return False
     work = estimated_run_flops(config, encoder.backbone.config, steps)
     on = work >= AUTO_MIN_RUN_FLOPS

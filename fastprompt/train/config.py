@@ -148,7 +148,8 @@ class RunConfig(_Section):
     device: str = option("auto", "auto (cuda if available), cpu, cuda or cuda:N")
     num_threads: int = option(0, "torch intra-op threads on CPU; 0 keeps torch's default", ge=0)
     compile: bool | None = option(None, "torch.compile the encoder (same losses and gradients); null: only for CPU "
-                                  "runs long enough to pay back the compilation (docs/speed.md)")
+                                  "runs with prompt_dropout > 0 long enough to pay back the compilation "
+                                  "(docs/speed.md)")
     max_nonfinite_steps: int = option(5, "stop after this many consecutive non-finite losses (each is skipped)",
                                       gt=0)
     output_dir: str = option("runs/fastprompt", "folder of the checkpoints (best/, last/), logs and summary")
