@@ -9,7 +9,7 @@ Public API (imported lazily so ``import fastprompt`` stays cheap):
 - :func:`evaluate_sts` — the STS evaluation protocol (``fastprompt.eval``)
 - :func:`accelerate_peft` — fused prefix attention under a PEFT prefix-tuning model (``fastprompt.integrations``)
 """
-import importlib
+from fastprompt._lazy import lazy_getattr
 
 __version__ = "0.1.0"
 
@@ -27,8 +27,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY) + ["__version__"]
 
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'fastprompt' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

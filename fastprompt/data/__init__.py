@@ -9,7 +9,7 @@
 
 Imported lazily, so that ``fastprompt -h`` (which registers ``fastprompt.data.ski.cli``) loads no torch.
 """
-import importlib
+from fastprompt._lazy import lazy_getattr
 
 _LAZY = {
     "BUILTIN_WIKI": "fastprompt.data.corpus",
@@ -32,8 +32,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'fastprompt.data' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -16,7 +16,7 @@ and an integration's own library is needed only by that integration):
 - :mod:`~fastprompt.integrations.papers` — :func:`import_promcse`: PromCSE/DCPCSE checkpoints of the papers' code
 - :mod:`~fastprompt.integrations.cli` — ``fastprompt export`` and ``fastprompt import``
 """
-import importlib
+from fastprompt._lazy import lazy_getattr
 
 _LAZY = {
     "export_sentence_transformers": "fastprompt.integrations.sentence_transformers",
@@ -35,8 +35,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'fastprompt.integrations' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

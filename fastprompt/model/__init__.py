@@ -4,7 +4,7 @@
 Imported lazily, so that :class:`PromptConfig` (standard library only) loads without torch: a training config
 validates before any model code is imported.
 """
-import importlib
+from fastprompt._lazy import lazy_getattr
 
 _LAZY = {
     "PromptConfig": ".config",
@@ -28,8 +28,4 @@ __all__ = ["PromptConfig", "PrefixPrompt", "PromptEncoder", "Pooler", "POOLERS",
            "DEFAULT_TEMPLATE", "resolve_model_path", "model_reference", "resolve_device", "PROMPTBERT_TEMPLATES",
            "PromptBERTConfig", "TemplateViews", "tokenize_views", "embed_views"]
 
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module 'fastprompt.model' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -8,7 +8,7 @@ See :mod:`fastprompt.objectives.base` and ``docs/objectives.md``.
 Imported lazily: :class:`~fastprompt.objectives.config.ObjectiveConfig` (standard library only) loads without
 torch, so a training config validates before any model code is imported.
 """
-import importlib
+from fastprompt._lazy import lazy_getattr
 
 _LAZY = {
     "Method": ".base",
@@ -31,8 +31,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name], __name__), name)
-    raise AttributeError(f"module 'fastprompt.objectives' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)

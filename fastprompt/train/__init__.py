@@ -9,7 +9,7 @@
 
 Imported lazily, so that ``fastprompt -h`` (which registers ``fastprompt.train.cli``) loads no torch.
 """
-import importlib
+from fastprompt._lazy import lazy_getattr
 
 _LAZY = {
     "TrainConfig": "fastprompt.train.config",
@@ -25,8 +25,4 @@ _LAZY = {
 
 __all__ = sorted(_LAZY)
 
-
-def __getattr__(name):
-    if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
-    raise AttributeError(f"module 'fastprompt.train' has no attribute {name!r}")
+__getattr__ = lazy_getattr(__name__, _LAZY)
