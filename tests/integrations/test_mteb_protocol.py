@@ -20,12 +20,14 @@ def encoder(tiny_bert_dir):
 
 
 def test_encode_accepts_the_keywords_mteb_passes(encoder, caplog):
-    expected = encoder.encode(SENTENCES)
+    # Bit-for-bit comparisons only between the same batches: another batching pads to other lengths, and the
+    # matrix products of other shapes may round differently (they do under MKL_CBWR=COMPATIBLE).
+    expected = encoder.encode(SENTENCES, batch_size=2)
     got = encoder.encode(SENTENCES, task_metadata=object(), hf_split="test", hf_subset="default",
                          prompt_type="query", batch_size=2, show_progress_bar=False, precision="float32")
     np.testing.assert_array_equal(got, expected)
     with caplog.at_level(logging.WARNING):
-        np.testing.assert_array_equal(encoder.encode(SENTENCES, request_qid="q1"), expected)
+        np.testing.assert_array_equal(encoder.encode(SENTENCES, request_qid="q1"), encoder.encode(SENTENCES))
     assert "ignores the keyword arguments request_qid" in caplog.text
     with pytest.raises(ValueError, match="precision 'int8' is not supported"):
         encoder.encode(SENTENCES, precision="int8")
