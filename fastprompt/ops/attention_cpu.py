@@ -37,8 +37,7 @@ def prefix_attention_cpu(q, k, v, prefix_k, prefix_v, mask: Optional[torch.Tenso
                          seed: int | torch.Tensor | None) -> torch.Tensor:
     """The op on validated inputs (``mask`` bool or None, ``prompt_index`` int64 or None; ``seed`` an int, a 0-d
     int64 tensor or None for 0); (B, H, S, D) in q's dtype, a transposed (B, S, H, D) buffer for float32."""
-    if not _register():
-        raise RuntimeError(_cpp.missing_reason())
+    _require()
     dtype = q.dtype
     args = [_unit_last(x.to(torch.float32)) for x in (q, k, v, prefix_k, prefix_v)]
     mask = None if mask is None else mask.contiguous()
@@ -51,23 +50,20 @@ def prefix_attention_cpu(q, k, v, prefix_k, prefix_v, mask: Optional[torch.Tenso
 
 def keep_mask(B: int, H: int, S: int, P: int, dropout_p: float, seed: int) -> torch.Tensor:
     """The kernel's dropout keep-mask, (B, H, S, P + S) bool (True = kept): the Triton kernels' mask too."""
-    if not _register():
-        raise RuntimeError(_cpp.missing_reason())
+    _require()
     return torch.ops.fastprompt.prefix_attention_cpu_keep_mask(B, H, S, P, float(dropout_p), signed_seed(seed))
 
 
 def isa() -> str:
     """The x86-64 level the kernel runs now: ``FASTPROMPT_CPU_ISA`` when set (an unknown or unsupported level
     raises), else the best one this CPU supports."""
-    if not _register():
-        raise RuntimeError(_cpp.missing_reason())
+    _require()
     return torch.ops.fastprompt.prefix_attention_cpu_isa()
 
 
 def isa_levels() -> list[str]:
     """The levels this build has and this CPU supports, best first (``baseline`` always; one on a non-x86 build)."""
-    if not _register():
-        raise RuntimeError(_cpp.missing_reason())
+    _require()
     return list(torch.ops.fastprompt.prefix_attention_cpu_isa_levels())
 
 
@@ -83,6 +79,12 @@ def _unit_last(x: torch.Tensor) -> torch.Tensor:
 
 # ------------------------------------------------------------------------------------------------
 # registration on the C++ ops (once, when the extension is loaded)
+
+
+def _require() -> None:
+    """Register the ops, or raise why the extension is missing."""
+    if not _register():
+        raise RuntimeError(_cpp.missing_reason())
 
 
 def _register() -> bool:
