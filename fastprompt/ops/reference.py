@@ -109,17 +109,48 @@ def prefix_attention_reference(
     prompt_index=None,
     return_lse=False,
     dropout_mask=None,
+    causal=False,
+    window=(-1, -1),
+    attn_bias=None,
+    cu_seqlens=None,
+    max_seqlen=None,
 ):
     """Attention of ``q`` over the explicit concatenation ``[prefix ; tokens]``, computed in float32.
 
-    q, k, v: (B, H, S, D); prefix_k/prefix_v: (H, P, D) shared, or (T, H, P, D) picked per example by
-    ``prompt_index`` (B,). ``key_padding_mask`` (B, S) bool, True = real token; prefix keys are always
-    visible. A row with no visible key (P = 0 and an all-padding example) outputs zeros, log-sum-exp -inf.
+    Padded layout: q (B, H, S, D); k, v (B, Hkv, S, D) with ``H % Hkv == 0`` (grouped-query / multi-query
+    attention: query head h reads key/value head ``h // (H // Hkv)``, transformers' ``repeat_kv`` order);
+    prefix_k/prefix_v (Hkv, P, D) shared, or (T, Hkv, P, D) picked per example by ``prompt_index`` (B,).
+    ``key_padding_mask`` (B, S) bool, True = real token.
+
+    The prefix columns are visible to every query row, always: the mask rules below apply to the token block
+    only (P-tuning v2 / PEFT semantics: the prefix is a set of extra keys/values every token sees, also under
+    a causal mask or a sliding window). Token j is visible to query i when it is a real token and
+      - ``causal``: ``j <= i`` (row indices; with left padding the pads sit before every real token);
+      - ``window=(left, right)``: ``i - left <= j <= i + right``, ``-1`` = unbounded on that side
+        (FlashAttention's ``window_size``; a causal sliding window of W tokens is ``(W - 1, 0)``).
+    ``attn_bias``: an additive float bias on the token block's scores (after scaling), broadcastable as
+    (1 or B, 1 or H, S, S) (MPNet's relative position bias); the prefix columns get none.
+
+    Packed (variable-length) layout: with ``cu_seqlens`` (B + 1,) int offsets, q is (1, H, N, D) and k, v
+    (1, Hkv, N, D) holding the N = cu_seqlens[-1] real tokens of B sequences back to back; sequence b is rows
+    ``cu_seqlens[b]:cu_seqlens[b + 1]`` and attends to its own tokens (row indices counted from its start)
+    and its prefix. ``key_padding_mask`` must be None; ``attn_bias`` is (1 or B, 1 or H, L, L) indexed by
+    in-sequence positions, L = ``max_seqlen`` (default: the longest sequence). The result equals the padded
+    computation of the same sequences right-padded to L, repacked: that is how it is computed here.
+
+    A row with no visible key (P = 0 and nothing visible in the token block) outputs zeros, log-sum-exp -inf.
     Dropout (on the probabilities) uses :func:`prefix_attention_dropout_mask` with ``seed`` (0 if None), or
-    the given boolean ``dropout_mask`` (B, H, S, P + S) (tests use it to replay the Triton kernel's mask).
-    Returns ``out`` (B, H, S, D) in q's dtype, plus the natural-log log-sum-exp (B, H, S) with ``return_lse``.
+    the given boolean ``dropout_mask`` of the padded layout (B, H, S, P + S) (packed: (B, H, L, P + L)).
+    Returns ``out`` in q's layout and dtype, plus the natural-log log-sum-exp (B, H, S) (packed: (1, H, N))
+    with ``return_lse``.
     """
+    if cu_seqlens is not None:
+        return _packed_reference(q, k, v, prefix_k, prefix_v, key_padding_mask, cu_seqlens, max_seqlen,
+                                 scale=scale, dropout_p=dropout_p, seed=seed, prompt_index=prompt_index,
+                                 return_lse=return_lse, dropout_mask=dropout_mask, causal=causal, window=window,
+                                 attn_bias=attn_bias)
     B, H, S, D = q.shape
+    group = H // k.shape[1]
     cd = torch.promote_types(q.dtype, torch.float32)
     scale = D ** -0.5 if scale is None else scale
     if prefix_k.dim() == 3:
@@ -127,13 +158,24 @@ def prefix_attention_reference(
     else:
         pk, pv = prefix_k[prompt_index], prefix_v[prompt_index]
     P = pk.shape[2]
-    keys = torch.cat([pk, k], 2).to(cd)
-    values = torch.cat([pv, v], 2).to(cd)
-    visible = torch.ones(B, P + S, dtype=torch.bool, device=q.device)
+    keys = torch.cat([pk, k], 2).to(cd).repeat_interleave(group, dim=1)
+    values = torch.cat([pv, v], 2).to(cd).repeat_interleave(group, dim=1)
+    visible = torch.ones(B, 1, S, P + S, dtype=torch.bool, device=q.device)
     if key_padding_mask is not None:
-        visible[:, P:] = key_padding_mask.to(torch.bool)
+        visible[..., P:] &= key_padding_mask.to(torch.bool)[:, None, None, :]
+    i = torch.arange(S, device=q.device)[:, None]
+    j = torch.arange(S, device=q.device)[None, :]
+    left, right = window
+    if causal:
+        visible[..., P:] &= j <= i
+    if left >= 0:
+        visible[..., P:] &= j >= i - left
+    if right >= 0:
+        visible[..., P:] &= j <= i + right
     scores = (q.to(cd) @ keys.transpose(-1, -2)) * scale
-    scores = scores.masked_fill(~visible[:, None, None, :], float("-inf"))
+    if attn_bias is not None:
+        scores = torch.cat([scores[..., :P], scores[..., P:] + attn_bias.to(cd)], -1)
+    scores = scores.masked_fill(~visible, float("-inf"))
     lse = torch.logsumexp(scores, -1)
     probs = torch.exp(scores - lse.masked_fill(torch.isinf(lse), 0.0)[..., None])
     if dropout_p > 0:
@@ -142,4 +184,29 @@ def prefix_attention_reference(
             keep = prefix_attention_dropout_mask(0 if seed is None else seed, probs.shape, dropout_p, q.device)
         probs = probs * keep / (1.0 - dropout_p)
     out = (probs @ values).to(q.dtype)
+    return (out, lse) if return_lse else out
+
+
+def _packed_reference(q, k, v, prefix_k, prefix_v, key_padding_mask, cu_seqlens, max_seqlen, *, return_lse,
+                      **kwargs):
+    """The packed layout of :func:`prefix_attention_reference`: unpack to right-padded rows, attend, repack."""
+    if key_padding_mask is not None:
+        raise ValueError("a packed batch (cu_seqlens) has no padding: key_padding_mask must be None")
+    bounds = [int(x) for x in cu_seqlens.tolist()]
+    lengths = [e - s for s, e in zip(bounds[:-1], bounds[1:])]
+    B, L = len(lengths), max(lengths) if max_seqlen is None else int(max_seqlen)
+
+    def unpack(x):  # (1, heads, N, D) -> (B, heads, L, D), zeros after each sequence
+        out = x.new_zeros(B, x.shape[1], L, x.shape[-1])
+        for b, (s, n) in enumerate(zip(bounds, lengths)):
+            out[b, :, :n] = x[0, :, s:s + n]
+        return out
+
+    mask = torch.zeros(B, L, dtype=torch.bool, device=q.device)
+    for b, n in enumerate(lengths):
+        mask[b, :n] = True
+    out, lse = prefix_attention_reference(unpack(q), unpack(k), unpack(v), prefix_k, prefix_v, mask,
+                                          return_lse=True, **kwargs)
+    out = torch.cat([out[b, :, :n] for b, n in enumerate(lengths)], 1).unsqueeze(0)
+    lse = torch.cat([lse[b, :, :n] for b, n in enumerate(lengths)], 1).unsqueeze(0)
     return (out, lse) if return_lse else out
