@@ -3,12 +3,13 @@
 
 The kernel reads q, k, v in the layout transformers hands the attention function (``(B, S, H, D)`` buffers
 seen as ``(B, H, S, D)``; packed: ``(1, N, H, D)`` seen as ``(1, H, N, D)``), reads the prefix once per
-(sequence, head) without expanding or concatenating it, reads grouped-query keys/values in place (never
-expanded over the query heads that share them), computes an exact softmax per query row over what the row sees (the prefix always; the tokens of
-its sequence within the causal mask / window, with the additive bias), drops probabilities with the Philox
-counter generator of the Triton kernels (the same keep decisions for a seed, bit for bit), and writes its output
-into a ``(B, S, H, D)`` buffer. It saves only the per-row log-sum-exp; the backward recomputes the probabilities
-and regenerates the mask. ``fastprompt::prefix_attention_cpu_fwd`` / ``_bwd`` are opaque nodes for torch.compile.
+(sequence, head) without expanding or concatenating it, reads grouped-query keys/values in place (never expanded
+over the query heads that share them), computes an exact softmax per query row over what the row sees (the
+prefix always; the tokens of its sequence within the causal mask / window, with the additive bias), drops
+probabilities with the Philox counter generator of the Triton kernels (the same keep decisions for a seed, bit for
+bit), and writes its output into a ``(B, S, H, D)`` buffer. It saves only the per-row log-sum-exp; the backward
+recomputes the probabilities and regenerates the mask. ``fastprompt::prefix_attention_cpu_fwd`` / ``_bwd`` are
+opaque nodes for torch.compile.
 
 Its inner loops are compiled for several x86-64 levels (x86-64-v4 = AVX-512, x86-64-v3 = AVX2 + FMA, baseline);
 the best one the CPU supports runs, unless the environment variable ``FASTPROMPT_CPU_ISA`` names another one
