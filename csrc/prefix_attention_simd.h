@@ -189,15 +189,23 @@ void softmax_backward_row(float* __restrict s, float* __restrict pd, float* __re
     if (ds != nullptr) std::memset(ds + sp.ta, 0, (sp.tb - sp.ta) * sizeof(float));
     return;
   }
-  scale_row(s, bias, nc, scale);
-  hide(s, sp, nc, kNegInf);
-  exp_row(s, nc, 1.0f, lse);  // the probabilities
+  // the probabilities (hidden columns may overflow here: they are zeroed next)
+  if (bias != nullptr) {
+    scale_row(s, bias, nc, scale);
+    exp_row(s, nc, 1.0f, lse);
+  } else {
+    exp_row(s, nc, scale, lse);
+  }
   hide(s, sp, nc, 0.0f);
   hide(dp, sp, nc, 0.0f);
   std::memcpy(pd, s, nc * sizeof(float));
   if (key != nullptr) drop_row(dp, pd, sp, row_base, bh, *key, keep_scale);  // dp: the gradient before dropout
   const float delta = vdot(s, dp, nc);  // sum_c p_c g_c = dO . O
-  for (int64_t c = 0; c < nc; c += kV) store(s + c, load(s + c) * (load(dp + c) - delta));
-  if (ds != nullptr) std::memcpy(ds + sp.ta, s + sp.ta, (sp.tb - sp.ta) * sizeof(float));
-  for (int64_t c = 0; c < nc; c += kV) store(s + c, load(s + c) * scale);
+  if (ds != nullptr) {
+    for (int64_t c = 0; c < nc; c += kV) store(s + c, load(s + c) * (load(dp + c) - delta));
+    std::memcpy(ds + sp.ta, s + sp.ta, (sp.tb - sp.ta) * sizeof(float));
+    for (int64_t c = 0; c < nc; c += kV) store(s + c, load(s + c) * scale);
+  } else {
+    for (int64_t c = 0; c < nc; c += kV) store(s + c, load(s + c) * (load(dp + c) - delta) * scale);
+  }
 }
