@@ -4,17 +4,17 @@
 //
 // A sequence is an example of the padded layout (q (B, H, S, D), a key padding mask) or one of the back-to-back
 // sequences of a packed batch (q (1, H, N, D), offsets cu_seqlens); k, v have Hkv heads (H a multiple of Hkv:
-// query head h reads KV head h / (H / Hkv)). Forward items are (sequence, query head): one item gathers the keys
-// its rows can see (the P prefix rows of its prompt, then the sequence's real tokens; padded tokens are skipped,
-// not masked) into small per-thread tiles, computes blocks of query rows against them (scores, the additive bias
-// on the token block, an exact softmax over the row's visible keys, dropout, the product with the values) and
-// writes its output rows straight into a (B, S, H, D) buffer (packed: (1, N, H, D)): the layout the attention
-// function hands back to transformers, so no permute follows. Under a causal mask or a sliding window, a block
-// of kBandBlock rows computes only the token columns its rows' bands reach (rounded to kLanes): the masked work
-// is skipped, not computed and discarded. The prefix columns are visible to every row. Only the per-row
-// natural-log log-sum-exp is saved; the backward recomputes the probabilities from it and regenerates the dropout
-// mask from the seed (philox.h: the same keep decisions as the Triton kernels; a packed sequence draws what the
-// same sequence right-padded to max_seqlen draws).
+// query head h reads KV head h / (H / Hkv)). Forward items are (sequence, KV head): one item gathers the keys its
+// rows can see (the P prefix rows of its prompt, then the sequence's real tokens; padded tokens are skipped, not
+// masked) into small per-thread tiles and, for each query head reading that KV head, computes blocks of query rows
+// against them (scores, the additive bias on the token block, an exact softmax over the row's visible keys,
+// dropout, the product with the values) and writes its output rows straight into a (B, S, H, D) buffer (packed:
+// (1, N, H, D)): the layout the attention function hands back to transformers, so no permute follows. Under a
+// causal mask or a sliding window, a block of kBandBlock rows computes only the token columns its rows' bands
+// reach (rounded to kLanes): the masked work is skipped, not computed and discarded. The prefix columns are
+// visible to every row. Only the per-row natural-log log-sum-exp is saved; the backward recomputes the
+// probabilities from it and regenerates the dropout mask from the seed (philox.h: the same keep decisions as the
+// Triton kernels; a packed sequence draws what the same sequence right-padded to max_seqlen draws).
 //
 // The products run on a register-blocked micro-kernel written with GCC/Clang vector extensions and compiled
 // for several x86-64 levels (AVX-512, AVX2+FMA, baseline; prefix_attention_simd.h), the best one the CPU
@@ -495,14 +495,13 @@ void parallel_items(int64_t n_items, const Operands& o, bool backward, bool want
 // --------------------------------------------------------------------------------------------------------
 // forward
 
-void forward_item(const SimdKernels& simd, const Operands& o, int64_t b, int64_t h, Tiles& t, float* out,
+// The rows of sequence sq for query head h, against the keys gathered in t.
+void forward_head(const SimdKernels& simd, const Operands& o, const Seq& sq, int64_t h, Tiles& t, float* out,
                   float* lse) {
-  const Seq sq = sequence(o, b);
   const int64_t D = o.D, np = t.np, dp = t.dp, n_cols = o.P + o.L;
-  gather_keys(o, sq, h / (o.H / o.Hkv), t, false);
-  const uint32_t bh = static_cast<uint32_t>(b * o.H + h);
+  const uint32_t bh = static_cast<uint32_t>(sq.b * o.H + h);
   const float* qb = o.q + sq.batch * o.sq[0] + h * o.sq[1] + sq.row0 * o.sq[2];
-  const float* bias = o.bias != nullptr ? o.bias + b * o.sb[0] + h * o.sb[1] : nullptr;
+  const float* bias = o.bias != nullptr ? o.bias + sq.b * o.sb[0] + h * o.sb[1] : nullptr;
   for (int64_t i0 = 0; i0 < sq.len; i0 += row_block(o)) {
     const Block blk = make_block(o, sq, t, i0);
     copy_rows_in(qb + i0 * o.sq[2], o.sq[2], blk.rows, D, t.q.data(), dp);
@@ -517,6 +516,14 @@ void forward_item(const SimdKernels& simd, const Operands& o, int64_t b, int64_t
     block_apply(simd, o, t, blk, t.s.data(), t.vs.data(), t.o.data());
     copy_rows_out(t.o.data(), dp, blk.rows, D, out + ((sq.out_row0 + i0) * o.H + h) * D, o.H * D);
   }
+}
+
+// Sequence b, query heads [h0, h1) of one KV head: the keys are gathered once for them.
+void forward_item(const SimdKernels& simd, const Operands& o, int64_t b, int64_t h0, int64_t h1, Tiles& t,
+                  float* out, float* lse) {
+  const Seq sq = sequence(o, b);
+  gather_keys(o, sq, h0 / (o.H / o.Hkv), t, false);
+  for (int64_t h = h0; h < h1; ++h) forward_head(simd, o, sq, h, t, out, lse);
 }
 
 std::tuple<at::Tensor, at::Tensor> prefix_attention_cpu_fwd(
@@ -539,8 +546,13 @@ std::tuple<at::Tensor, at::Tensor> prefix_attention_cpu_fwd(
   at::Tensor lse = poison ? at::full({nb, o.H, o.S}, NAN, q.options()) : at::empty({nb, o.H, o.S}, q.options());
   float* out_p = out.data_ptr<float>();
   float* lse_p = lse.data_ptr<float>();
-  parallel_items(o.B * o.H, o, false, false, [&](int64_t item, Tiles& t) {
-    forward_item(simd, o, item / o.H, item % o.H, t, out_p, lse_p);
+  // Items: (sequence, KV head), the keys gathered once for the KV head's query heads; (sequence, query head) when
+  // that leaves too few items for the threads (the results are the same: every row is computed alike).
+  const int64_t group = o.H / o.Hkv, per_item = o.B * o.Hkv >= 2 * at::get_num_threads() ? group : 1;
+  const int64_t chunks = o.H / per_item;
+  parallel_items(o.B * chunks, o, false, false, [&](int64_t item, Tiles& t) {
+    const int64_t h0 = item % chunks * per_item;
+    forward_item(simd, o, item / chunks, h0, h0 + per_item, t, out_p, lse_p);
   });
   return {out.transpose(1, 2), lse};
 }

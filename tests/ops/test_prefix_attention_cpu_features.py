@@ -302,8 +302,16 @@ def test_packed_dropout_mask_is_the_padded_mask():
         start += m
 
 
-def test_packed_results_do_not_depend_on_the_thread_count():
-    tensors, kw, _ = packed_case([30, 2, 1, 17, 9, 4, 1, 1, 12, 6], 4, 2, 3, 16, None, None, True, (-1, -1), "1H", 0.2)
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded_mqa"])
+def test_results_do_not_depend_on_the_thread_count(packed):
+    """Items are handed out dynamically; the backward's prefix slots are fixed groups of sequences; the forward's
+    items are (sequence, KV head), or (sequence, query head) when there are fewer than two per thread (the padded
+    multi-query case switches between the two from one thread to two): the same bits either way."""
+    if packed:
+        tensors, kw, _ = packed_case([30, 2, 1, 17, 9, 4, 1, 1, 12, 6], 4, 2, 3, 16, None, None, True, (-1, -1), "1H",
+                                     0.2)
+    else:
+        tensors, kw, _ = padded_case(3, 4, 1, 21, 3, 16, 2, "random", True, (-1, -1), "B1", 0.2)
     leaves = leaves_of(*tensors)
     threads = torch.get_num_threads()
     results = []
