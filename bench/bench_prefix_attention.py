@@ -40,19 +40,21 @@ from fastprompt.ops import prefix_attention
 
 PROVIDERS = ("fastprompt", "fastprompt_packed", "sdpa_concat", "eager_concat")
 DTYPES = ("fp32", "fp16", "bf16")
-CONFIG_KEYS = ("dtype", "mode", "dropout", "B", "S", "P", "H", "Hkv", "D", "causal")
+CONFIG_KEYS = ("dtype", "mode", "dropout", "B", "S", "min_len", "P", "H", "Hkv", "D", "causal")
 #: Register width of each x86-64 level of the C++ kernel (FASTPROMPT_CPU_ISA).
 VECTOR_BITS = {"x86-64-v4": 512, "x86-64-v3": 256, "baseline": 128}
 logger = logging.getLogger("bench_prefix_attention")
 
 
-def make_inputs(B, S, P, H, Hkv, D, dtype, device, seed=0):
+def make_inputs(B, S, P, H, Hkv, D, dtype, device, min_len=None, seed=0):
+    """q, k, v in transformers' layout, a (Hkv, P, D) prefix, a padding mask with lengths uniform in [min_len, S]
+    (default S / 2)."""
     dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(B, S, H, D, generator=g).to(device, dt).transpose(1, 2)
     k, v = (torch.randn(B, S, Hkv, D, generator=g).to(device, dt).transpose(1, 2) for _ in range(2))
     pk, pv = (torch.randn(Hkv, P, D, generator=g).to(device, dt) for _ in range(2))
-    lengths = torch.randint(S // 2, S + 1, (B,), generator=g)
+    lengths = torch.randint(S // 2 if min_len is None else min_len, S + 1, (B,), generator=g)
     mask = (torch.arange(S)[None, :] < lengths[:, None]).to(device)
     return q, k, v, pk, pv, mask
 
@@ -100,13 +102,14 @@ def run_provider(name, q, k, v, pk, pv, mask, scale, backend, dropout_p=0.0, cau
     return F.dropout(probs, dropout_p) @ values
 
 
-def setup(provider, mode, B, S, P, H, D, dtype, device, backend="auto", dropout=0.0, Hkv=None, causal=False):
+def setup(provider, mode, B, S, P, H, D, dtype, device, backend="auto", dropout=0.0, Hkv=None, causal=False,
+          min_len=None):
     """The inputs of one point and the step that runs ``provider`` once in ``mode`` (after one small call that
     loads the libraries)."""
     Hkv = Hkv or H
 
     def make(batch):
-        q, k, v, pk, pv, mask = make_inputs(batch, S, P, H, Hkv, D, dtype, device)
+        q, k, v, pk, pv, mask = make_inputs(batch, S, P, H, Hkv, D, dtype, device, min_len)
         scale = D ** -0.5
         packed = None
         if provider == "fastprompt_packed":  # the same batch, real tokens only
@@ -131,10 +134,10 @@ def setup(provider, mode, B, S, P, H, D, dtype, device, backend="auto", dropout=
     return make(B)
 
 
-def max_abs_err(provider, B, S, P, H, Hkv, D, dtype, device, backend, causal) -> float:
+def max_abs_err(provider, B, S, P, H, Hkv, D, dtype, device, backend, causal, min_len) -> float:
     """Largest difference between ``provider``'s forward and SDPA on the concatenation (no dropout), over the real
     tokens' rows."""
-    q, k, v, pk, pv, mask = make_inputs(B, S, P, H, Hkv, D, dtype, device)
+    q, k, v, pk, pv, mask = make_inputs(B, S, P, H, Hkv, D, dtype, device, min_len)
     packed = (*(pack(x, mask) for x in (q, k, v)), offsets(mask))
     with torch.no_grad():
         want = pack(run_provider("sdpa_concat", q, k, v, pk, pv, mask, D ** -0.5, backend, causal=causal), mask)
@@ -148,6 +151,8 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="64,128,256,512", help="comma-separated batch sizes")
     p.add_argument("--seq", type=int, default=32, help="S, tokens per sentence")
+    p.add_argument("--min-len", type=int, default=None,
+                   help="sentence lengths are uniform in [min-len, seq] (default seq / 2)")
     p.add_argument("--prefix", type=int, default=16, help="P, prefix length")
     p.add_argument("--heads", type=int, default=12)
     p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (grouped-query); default --heads")
@@ -175,6 +180,9 @@ def main(argv=None):
     out = args.out or results_path("prefix_attention", args.device)
     S, P, H, D = args.seq, args.prefix, args.heads, args.head_dim
     Hkv = args.kv_heads or H
+    min_len = S // 2 if args.min_len is None else args.min_len
+    if not 1 <= min_len <= S:
+        p.error(f"--min-len must be in [1, --seq], got {min_len}")
     if H % Hkv:
         p.error(f"--heads {H} must be a multiple of --kv-heads {Hkv}")
     info = machine()
@@ -189,7 +197,7 @@ def main(argv=None):
         for mode in args.modes.split(","):
             dropout = args.dropout if mode != "fwd" else 0.0
             config = dict(mode=mode, B=B, S=S, P=P, H=H, Hkv=Hkv, D=D, dtype=dtype, device=args.device,
-                          backend=args.backend, dropout=dropout, causal=args.causal)
+                          backend=args.backend, dropout=dropout, causal=args.causal, min_len=min_len)
             times = run_fresh(__file__, "setup", config, mode="time", providers=providers, device=args.device,
                               warmup=args.warmup, repeats=repeats, timeout=args.timeout)
             for name in providers:
@@ -197,11 +205,12 @@ def main(argv=None):
                                 timeout=args.timeout)
                 t = times[name]
                 rows.append(dict(bench="prefix_attention", device=args.device, provider=name, dtype=dtype, mode=mode,
-                                 dropout=dropout, B=B, S=S, P=P, H=H, Hkv=Hkv, D=D, causal=args.causal,
+                                 dropout=dropout, B=B, S=S, min_len=min_len, P=P, H=H, Hkv=Hkv, D=D,
+                                 causal=args.causal,
                                  median_ms=round(t.median_ms, 4), p20_ms=round(t.p20_ms, 4), p80_ms=round(t.p80_ms, 4),
                                  peak_mb=round(mem["peak_mb"], 3), repeats=t.repeats,
                                  max_abs_err_vs_sdpa=max_abs_err(name, B, S, P, H, Hkv, D, dtype, args.device,
-                                                                 args.backend, args.causal),
+                                                                 args.backend, args.causal, min_len),
                                  isa=info.get("cpu_isa", "")))
                 logger.info("B=%d %-8s %-13s %9.3f ms  %9.2f MiB", B, mode, name, t.median_ms, mem["peak_mb"])
             add_ratios(rows, "sdpa_concat", CONFIG_KEYS)
