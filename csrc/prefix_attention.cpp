@@ -335,6 +335,7 @@ struct Tiles {
   std::vector<float> kt, vt, ks, vs, q, dout, s, pd, dp_, o, dk, dv, bias, ds;
   std::vector<int32_t> cols;  // per gathered token: its key column P + position in the virtual concatenation
   std::vector<int64_t> cnt;   // cnt[j]: gathered tokens at positions < j, j = 0..len
+  std::vector<const float*> krows, vrows;  // the gathered key / value rows (the prefix's, then the tokens)
   Tiles(const Operands& op, int64_t rows, bool backward, bool want_ds)
       : t0(round_up(op.P, kLanes)), np(t0 + round_up(op.L, kLanes)), dp(round_up(op.D, kLanes)),
         rp(round_up(rows, kMr)) {
@@ -345,6 +346,8 @@ struct Tiles {
     o.assign(rp * dp, 0.0f);
     cols.assign(std::max<int64_t>(op.L, 1), 0);
     cnt.assign(op.L + 1, 0);
+    krows.assign(op.P + op.L, nullptr);
+    vrows.assign(op.P + op.L, nullptr);
     if (op.bias != nullptr) bias.assign(np, 0.0f);
     if (backward) {
       vt.assign(D * np, 0.0f);
@@ -361,6 +364,19 @@ struct Tiles {
   }
 };
 
+// dst[d * ld + c] = rows[c][d] for c < n, d < D, sixteen rows at a time: each write of a row of dst fills a whole
+// cache line and the sixteen source rows stay in L1 (a row-by-row transpose writes D lines per key).
+void transpose_rows(const float* const* rows, int64_t n, int64_t D, float* dst, int64_t ld) {
+  for (int64_t c0 = 0; c0 < n; c0 += kLanes) {
+    const int64_t m = std::min(kLanes, n - c0);
+    const float* const* r = rows + c0;
+    for (int64_t d = 0; d < D; ++d) {
+      float* out = dst + d * ld + c0;
+      for (int64_t c = 0; c < m; ++c) out[c] = r[c][d];
+    }
+  }
+}
+
 // The keys sequence sq sees through KV head hk: its prompt's P prefix rows in tile columns [0, P), then its real
 // tokens (every token of a packed sequence; the unmasked ones of a padded example) from column t0. Fills the
 // tiles the pass needs (kt: D x np transposed keys; backward: vt transposed values and ks key rows; forward: vs
@@ -368,18 +384,14 @@ struct Tiles {
 int64_t gather_keys(const Operands& o, const Seq& sq, int64_t hk, Tiles& t, bool backward) {
   const int64_t D = o.D, P = o.P, np = t.np, dp = t.dp;
   const int64_t pt = o.pidx != nullptr ? o.pidx[sq.b] : 0;
-  auto put = [&](const float* key, const float* value, int64_t c) {
-    for (int64_t d = 0; d < D; ++d) t.kt[d * np + c] = key[d];
-    if (backward) {
-      for (int64_t d = 0; d < D; ++d) t.vt[d * np + c] = value[d];
-      std::memcpy(&t.ks[c * dp], key, D * sizeof(float));
-    } else {
-      std::memcpy(&t.vs[c * dp], value, D * sizeof(float));
-    }
-  };
   const float* pk = o.pk + pt * o.spk[0] + hk * o.spk[1];
   const float* pv = o.pv + pt * o.spv[0] + hk * o.spv[1];
-  for (int64_t p = 0; p < P; ++p) put(pk + p * o.spk[2], pv + p * o.spv[2], p);
+  const float** kr = t.krows.data();  // the rows of tile columns [0, P), then of [t0, t0 + n) from kr + P
+  const float** vr = t.vrows.data();
+  for (int64_t p = 0; p < P; ++p) {
+    kr[p] = pk + p * o.spk[2];
+    vr[p] = pv + p * o.spv[2];
+  }
   const float* kb = o.k + sq.batch * o.sk[0] + hk * o.sk[1] + sq.row0 * o.sk[2];
   const float* vb = o.v + sq.batch * o.sv[0] + hk * o.sv[1] + sq.row0 * o.sv[2];
   const bool* mb = o.mask != nullptr ? o.mask + sq.b * o.S : nullptr;
@@ -387,11 +399,25 @@ int64_t gather_keys(const Operands& o, const Seq& sq, int64_t hk, Tiles& t, bool
   for (int64_t j = 0; j < sq.len; ++j) {
     t.cnt[j] = n;
     if (mb == nullptr || mb[j]) {
-      put(kb + j * o.sk[2], vb + j * o.sv[2], t.t0 + n);
+      kr[P + n] = kb + j * o.sk[2];
+      vr[P + n] = vb + j * o.sv[2];
       t.cols[n++] = static_cast<int32_t>(P + j);
     }
   }
   t.cnt[sq.len] = n;
+  transpose_rows(kr, P, D, t.kt.data(), np);
+  transpose_rows(kr + P, n, D, t.kt.data() + t.t0, np);
+  auto copy_rows = [&](const float* const* rows, float* dst) {
+    for (int64_t c = 0; c < P; ++c) std::memcpy(dst + c * dp, rows[c], D * sizeof(float));
+    for (int64_t c = 0; c < n; ++c) std::memcpy(dst + (t.t0 + c) * dp, rows[P + c], D * sizeof(float));
+  };
+  if (backward) {
+    transpose_rows(vr, P, D, t.vt.data(), np);
+    transpose_rows(vr + P, n, D, t.vt.data() + t.t0, np);
+    copy_rows(kr, t.ks.data());
+  } else {
+    copy_rows(vr, t.vs.data());
+  }
   return n;
 }
 
