@@ -3,9 +3,11 @@ without the prefix ever being expanded over the batch or concatenated with the t
 
 ``prefix_attention(q, k, v, prefix_k, prefix_v, key_padding_mask)`` computes, per example b and head h,
 ``softmax(q K^T * scale) V`` over the keys ``K = [prefix_k ; k[b]]`` (values likewise), with the prefix
-always visible and padded tokens (``key_padding_mask`` False) hidden. The prefix is ``(H, P, D)`` shared
-by the batch, or ``(T, H, P, D)`` with ``prompt_index`` (B,) picking each example's prompt (several tasks
-in one batch on one frozen backbone).
+always visible and padded tokens (``key_padding_mask`` False) hidden. The prefix is ``(Hkv, P, D)`` shared
+by the batch, or ``(T, Hkv, P, D)`` with ``prompt_index`` (B,) picking each example's prompt (several tasks
+in one batch on one frozen backbone). k, v may have fewer heads than q (grouped-query attention, never expanded);
+``causal`` and ``window`` restrict the token block (the prefix stays visible to every row), ``attn_bias`` adds to
+the token block's scores, and ``cu_seqlens`` runs a packed batch (real tokens only, sequences back to back).
 
 Backends:
 
@@ -17,9 +19,10 @@ Backends:
                  (:mod:`fastprompt.ops.attention_cpu`: reads the prefix once per (example, head), never
                  concatenates it, saves only the log-sum-exp, regenerates the dropout mask in the backward;
                  half precision computed in float32). Otherwise (float64, the extension not built, CUDA
-                 tensors the Triton kernels do not take: float64 or D > 128) a composite of aten ops that
-                 autograd differentiates: SDPA over an on-the-fly concatenation, or eager attention with the
-                 seeded mask when dropout is on.
+                 tensors the Triton kernels do not take: float64 or D > 128, or, until they gain them, the
+                 arguments above) a composite of aten ops that autograd differentiates: SDPA over an on-the-fly
+                 concatenation, or eager attention with the seeded mask when dropout is on or the bias needs a
+                 gradient.
 ``"reference"``  :func:`fastprompt.ops.reference.prefix_attention_reference` (explicit concatenation, float32).
 ``"auto"``       CUDA -> "triton" (when supported), otherwise "cpu" (the rule shared by every op:
                  :func:`fastprompt.backends.resolve_backend`; this op declares :data:`SUPPORT`).
@@ -33,10 +36,12 @@ Dropout acts on the attention probabilities. Its mask is a pure function of ``se
 the same seed reproduces the same mask exactly (the gradient cache replays forwards). ``seed=None`` with
 ``dropout_p > 0`` draws the seed from torch's default CPU generator, so restoring ``torch.get_rng_state()``
 replays it. The Triton kernels and the C++ kernel draw the same Philox mask (bit for bit:
-:func:`fastprompt.ops.attention_cpu.keep_mask`); the aten composite and the reference use a seeded
-``torch.Generator`` (same contract, different masks).
+:func:`fastprompt.ops.attention_cpu.keep_mask`), and a packed batch drops what the same sequences right-padded
+to ``max_seqlen`` drop; the aten composite and the reference use a seeded ``torch.Generator`` (same contract,
+different masks).
 
-A row that sees no key at all (P = 0 and an all-padding example) outputs zeros. With P >= 1 every row
+A row that sees no key at all (P = 0 and no visible token: an all-padding example, a leading pad row under a
+causal mask, a window that reaches no real token) outputs zeros. With P >= 1 every row
 sees the prefix, so a fully padded example simply attends to the prompt: finite output, no NaN.
 """
 from __future__ import annotations
