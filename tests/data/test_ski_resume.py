@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from fastprompt.cli import main
 from fastprompt.data.ski import Sampling, ServerBackend, generate_ski
 from fastprompt.data.ski.store import SkiStore
 
@@ -149,3 +150,29 @@ def test_cli_interrupt_keeps_rows_and_says_how_to_resume(openai_server, tmp_path
     meta = json.loads((tmp_path / "o.csv.meta.json").read_text())
     rows = _rows(out)
     assert meta["complete"] is False and meta["counts"]["rows"] == len(rows) >= 4
+
+
+@pytest.mark.parametrize("how", ["same", "relative", "symlink", "hardlink", "meta-file", "with-overwrite"])
+def test_an_output_that_is_the_input_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, how):
+    """generate-ski --output naming the input (however spelt) fails at once: --overwrite would have deleted it."""
+    monkeypatch.chdir(tmp_path)
+    inp = tmp_path / "sents.csv"
+    inp.write_bytes(b"sent0\nA cat sat on the mat.\nTwo dogs ran.\n")
+    before = inp.read_bytes()
+    output = {"same": str(inp), "relative": "./sub/../sents.csv", "symlink": "link.csv", "hardlink": "hard.csv",
+              "meta-file": "sents", "with-overwrite": str(inp)}[how]
+    (tmp_path / "sub").mkdir()
+    if how == "symlink":
+        (tmp_path / "link.csv").symlink_to(inp)
+    if how == "hardlink":
+        os.link(inp, tmp_path / "hard.csv")
+    if how == "meta-file":  # the metadata generate-ski writes beside --output sents would be sents.meta.json
+        inp = inp.rename(tmp_path / "sents.meta.json")
+    made = set(os.listdir(tmp_path))
+    args = ["generate-ski", "--input", str(inp), "--output", output, "--llm", "server", "--url",
+            "http://127.0.0.1:9/v1", "--model", "m"]
+    args += ["--overwrite"] if how in ("with-overwrite", "hardlink") else []
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is the input file" in err, err
+    assert inp.read_bytes() == before and set(os.listdir(tmp_path)) == made
