@@ -78,7 +78,7 @@ def test_kill_9_and_resume_loses_and_duplicates_nothing(openai_server, tmp_path)
 
 def test_a_torn_last_line_is_cut_and_redone(openai_server, tmp_path):
     sentences = ["First sentence is here.", "Second sentence is here.", "Third sentence is here."]
-    backend = ServerBackend(openai_server.url, "test-model", backoff=0)
+    backend = ServerBackend(openai_server.url, "test-model")
     out = tmp_path / "o.csv"
     generate_ski(sentences[:2], backend, out, show_progress_bar=False)
     with open(out, "ab") as f:  # what a process killed inside write() could leave
@@ -93,7 +93,7 @@ def test_a_torn_last_line_is_cut_and_redone(openai_server, tmp_path):
 
 def test_complete_output_is_not_regenerated_and_limit_extends_it(openai_server, tmp_path):
     sentences = [f"Sentence {i} is here." for i in range(6)]
-    backend = ServerBackend(openai_server.url, "test-model", backoff=0)
+    backend = ServerBackend(openai_server.url, "test-model")
     out = tmp_path / "o.csv"
     assert generate_ski(sentences, backend, out, limit=2, show_progress_bar=False).rows == 2
     assert generate_ski(sentences, backend, out, limit=2, show_progress_bar=False).answers == 0
@@ -104,7 +104,7 @@ def test_complete_output_is_not_regenerated_and_limit_extends_it(openai_server, 
 
 
 def test_other_settings_are_refused_unless_overwrite(openai_server, tmp_path):
-    backend = ServerBackend(openai_server.url, "test-model", backoff=0)
+    backend = ServerBackend(openai_server.url, "test-model")
     out = tmp_path / "o.csv"
     generate_ski(["One sentence here."], backend, out, show_progress_bar=False)
     with pytest.raises(ValueError, match=r"other settings \(sampling: .*'seed': 0.*'seed': 1"):
@@ -117,7 +117,7 @@ def test_other_settings_are_refused_unless_overwrite(openai_server, tmp_path):
 
 
 def test_foreign_or_unlabelled_output_is_refused(tmp_path, openai_server):
-    backend = ServerBackend(openai_server.url, "test-model", backoff=0)
+    backend = ServerBackend(openai_server.url, "test-model")
     out = tmp_path / "o.csv"
     out.write_text("sent0,ski\nA,B\n")  # no metadata: who wrote it, with what settings?
     with pytest.raises(ValueError, match="without its metadata"):
