@@ -40,6 +40,7 @@ class FakeOpenAI:
         self.delay = 0.0
         #: ``fn(handler, body)`` answering completion requests instead (writes to ``handler.wfile`` itself)
         self.answer_with = None
+        self.answer_get_with = None  # the same for GET /models
         self.stopping = threading.Event()  # set when the server stops
         self.sent = 0  # bytes a hostile answer_with sent
         self.requests: list[dict] = []  # completion requests: {"path", "body", "headers" (lower-case), "time"}
@@ -86,6 +87,8 @@ def _handler(state: FakeOpenAI):
             self.wfile.write(body)
 
         def do_GET(self):
+            if state.answer_get_with is not None:
+                return state.answer_get_with(self, None)
             if self.path == "/v1/models" and state.list_models:
                 self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in state.models]})
             else:

@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import queue
+import re
 import threading
 import urllib.parse
 from collections.abc import Iterator, Sequence
@@ -41,6 +42,11 @@ MAX_LISTING_BYTES = 4 * 1024 * 1024
 
 class LLMServerError(RuntimeError):
     """The server cannot answer (wrong URL or model, refused key, retries exhausted, malformed answer)."""
+
+
+def _shown(value, limit: int = 300) -> str:
+    """Server-supplied text for a one-line message: control characters (line breaks too) as spaces, cut at ``limit``."""
+    return " ".join(re.sub(r"[\x00-\x1f\x7f-\x9f]", " ", str(value)).split())[:limit]
 
 
 def answer_byte_cap(max_new_tokens: int) -> int:
@@ -159,7 +165,7 @@ class ServerBackend:
                 raise TypeError(f"usage.completion_tokens is {tokens!r}")
         except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
             raise LLMServerError(f"{self.url}{path}: the answer is not an OpenAI {self.api} completion "
-                                 f"({type(exc).__name__}: {str(exc)[:200]})") from None
+                                 f"({type(exc).__name__}: {_shown(exc, 200)})") from None
         finished = choice.finish_reason != "length"
         limit = sampling.max_new_tokens * MAX_CHARS_PER_TOKEN
         if len(text) > limit or (tokens is not None and tokens > sampling.max_new_tokens):
@@ -189,12 +195,12 @@ class ServerBackend:
         ids = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
         if model is None:
             if len(ids) != 1 or not isinstance(ids[0], str):
-                shown = ", ".join(map(str, ids))[:300] or "none"
+                shown = _shown(", ".join(map(str, ids))) or "none"
                 raise LLMServerError(f"{self.url} serves {len(ids)} models ({shown}): choose one with --model")
             return ids[0]
         if ids and model not in ids:
             raise LLMServerError(f"model {model!r} is not served at {self.url}; it serves: "
-                                 f"{', '.join(map(str, ids))[:300]}")
+                                 f"{_shown(', '.join(map(str, ids)))}")
         return model
 
     def _call(self, path: str, method, *args, first: bool = False, **kwargs):
@@ -221,9 +227,9 @@ class ServerBackend:
             raise LLMServerError(self._http_error(exc.status_code, path, message)
                                  + (retried if transient else "")) from exc
         except openai.OpenAIError as exc:  # e.g. a redirect loop, a malformed header
-            raise LLMServerError(f"{where}: {type(exc).__name__}: {str(exc)[:200]}") from exc
+            raise LLMServerError(f"{where}: {type(exc).__name__}: {_shown(exc, 200)}") from exc
         except ValueError as exc:  # a body that is not JSON (json.JSONDecodeError), or not the expected shape
-            raise LLMServerError(f"{where}: the answer is not JSON of an OpenAI API ({str(exc)[:200]})") from exc
+            raise LLMServerError(f"{where}: the answer is not JSON of an OpenAI API ({_shown(exc, 200)})") from exc
 
     def _connection_error(self, exc, where: str, first: bool) -> str:
         import socket
@@ -231,7 +237,7 @@ class ServerBackend:
         cause = exc.__cause__
         while cause is not None and cause.__cause__ is not None and not isinstance(cause, OSError):
             cause = cause.__cause__
-        text = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+        text = _shown(f"{type(cause).__name__}: {cause}" if cause is not None else exc)
         if "Name or service not known" in text or "nodename nor servname" in text or isinstance(cause,
                                                                                               socket.gaierror):
             return f"cannot resolve the host of {self.url} ({text[:200]}): check --url"
@@ -259,11 +265,11 @@ def _error_message(exc) -> str:
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict):
-            return str(err.get("message") or err.get("detail") or err)[:300]
-        return str(err)[:300]
+            return _shown(err.get("message") or err.get("detail") or err)
+        return _shown(err)
     if body is not None:
-        return str(body)[:200]
+        return _shown(body, 200)
     try:
-        return exc.response.text.strip()[:200]
+        return _shown(exc.response.text, 200)
     except Exception:  # noqa: BLE001 - an unreadable body has nothing more to say
         return ""
