@@ -60,9 +60,10 @@ def add_generate_ski_parser(subparsers) -> argparse.ArgumentParser:
     srv.add_argument("--api", choices=SERVER_APIS, default="chat",
                      help="chat: /chat/completions (instruction models); completions: raw prompt (base models)")
     srv.add_argument("--concurrency", type=_positive_int, default=8, metavar="C", help="requests in flight (8)")
-    srv.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per request (300)")
+    srv.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                     help="wall-clock seconds each attempt of a request may take, the whole answer included (300)")
     srv.add_argument("--max-retries", type=int, default=6, metavar="N",
-                     help="retries of a request on transient errors, with exponential backoff (6)")
+                     help="retries of a request on transient errors, with exponential backoff (6; the openai client's)")
     srv.add_argument("--api-key-env", default=DEFAULT_API_KEY_ENV, metavar="VAR",
                      help=f"environment variable holding the API key, if any ({DEFAULT_API_KEY_ENV})")
     s = p.add_argument_group("prompt and sampling")
