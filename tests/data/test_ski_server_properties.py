@@ -18,7 +18,7 @@ from fastprompt.data.ski.filters import Generation  # noqa: E402
 from fastprompt.data.ski.server import MAX_CHARS_PER_TOKEN  # noqa: E402
 
 SAMPLING = Sampling(max_new_tokens=16)
-SETTINGS = settings(max_examples=60, deadline=None, derandomize=True,
+SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,
                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 
 _json_leaf = st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(allow_nan=False),
@@ -107,7 +107,7 @@ def test_any_models_listing_gives_a_model_or_one_clear_error(openai_server, stat
 
 
 @given(answers=st.lists(st.tuples(_status, _headers, _body), min_size=1, max_size=4))
-@settings(max_examples=15, deadline=None, derandomize=True,
+@settings(max_examples=15, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 def test_generate_ski_changes_nothing_outside_its_output_folder(openai_server, tmp_path_factory, answers):
     """A run against a server answering each request with the next random answer: rows (or a clear error), and
