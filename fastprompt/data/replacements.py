@@ -125,11 +125,14 @@ class MaskedLMGenerator(ReplacementGenerator):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, tokenizer, masking_ratio: float, sampling: str = "sample",
-                        device: torch.device | str = "cpu") -> "MaskedLMGenerator":
+                        device: torch.device | str = "cpu", trust_remote_code: bool = False) -> "MaskedLMGenerator":
         from transformers import AutoModelForMaskedLM
 
+        from fastprompt.remote_code import refusing_remote_code
+
         try:
-            model = AutoModelForMaskedLM.from_pretrained(path)
+            with refusing_remote_code(path, trust_remote_code):
+                model = AutoModelForMaskedLM.from_pretrained(path, trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot load the masked-LM generator {str(path)!r}: {e}".splitlines()[0]) from None
         return cls(model, tokenizer, masking_ratio, sampling, device)
@@ -196,11 +199,12 @@ class MaskedLMGenerator(ReplacementGenerator):
 
 
 def build_generator(spec: str, tokenizer, masking_ratio: float, sampling: str = "sample",
-                    device: torch.device | str = "cpu") -> ReplacementGenerator:
-    """``spec``: ``"random"`` or the path of a Hugging Face masked LM."""
+                    device: torch.device | str = "cpu", trust_remote_code: bool = False) -> ReplacementGenerator:
+    """``spec``: ``"random"`` or the path of a Hugging Face masked LM (whose own code runs only with
+    ``trust_remote_code``)."""
     if spec == "random":
         return RandomGenerator(tokenizer, masking_ratio)
-    return MaskedLMGenerator.from_pretrained(spec, tokenizer, masking_ratio, sampling, device)
+    return MaskedLMGenerator.from_pretrained(spec, tokenizer, masking_ratio, sampling, device, trust_remote_code)
 
 
 # ---------------------------------------------------------------- ahead of training

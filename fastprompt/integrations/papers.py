@@ -52,7 +52,8 @@ def _backbone_prefix(state: dict[str, torch.Tensor]) -> str:
 
 def import_promcse(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, *, pooler_type: str | None = None,
                    mlp_only_train: bool | None = None, base_model: str | os.PathLike | None = None,
-                   args_file: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
+                   args_file: str | os.PathLike | None = None, overwrite: bool = False,
+                   trust_remote_code: bool = False) -> Path:
     """Convert a PromCSE/DCPCSE checkpoint folder into a fastprompt prompt checkpoint at ``output``.
 
     ``pooler_type``: their ``--pooler_type`` (``cls`` or ``cls_before_pooler``); ``mlp_only_train``: their
@@ -61,13 +62,14 @@ def import_promcse(checkpoint_dir: str | os.PathLike, output: str | os.PathLike,
     holds the frozen backbone; a different base is checked against the checkpoint's backbone weights. ``output``
     must be new, empty or an earlier prompt checkpoint (it is replaced) unless ``overwrite``.
     """
-    from fastprompt.io import read_json
+    from fastprompt.io import check_apart, read_json
     from fastprompt.model import PromptConfig, PromptEncoder
     from fastprompt.model.checkpoint import check_save_target
 
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"checkpoint folder not found: {checkpoint_dir}")
+    check_apart(output, (checkpoint_dir,), "output")  # the input is never replaced, even with overwrite
     check_save_target(output, overwrite)  # before anything loads
     args = _read_args_file(args_file) if args_file else {}
     pooler_type = pooler_type or args.get("pooler_type")
@@ -101,7 +103,8 @@ def import_promcse(checkpoint_dir: str | os.PathLike, output: str | os.PathLike,
                      "prompt_dropout": dropout}
     if projection:
         config_kwargs["projection_hidden_size"] = state["prefix_encoder.trans.0.weight"].shape[0]
-    encoder = PromptEncoder.from_pretrained(base, prompt_config=PromptConfig(**config_kwargs), pooler=pooler, mlp=mlp)
+    encoder = PromptEncoder.from_pretrained(base, prompt_config=PromptConfig(**config_kwargs), pooler=pooler, mlp=mlp,
+                                            trust_remote_code=trust_remote_code)
 
     prompt_state = {}
     if projection:

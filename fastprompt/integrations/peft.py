@@ -192,18 +192,20 @@ def read_peft_adapter(adapter_dir: str | os.PathLike) -> tuple[dict, torch.Tenso
 
 def import_peft(adapter_dir: str | os.PathLike, output: str | os.PathLike, *,
                 base_model: str | os.PathLike | None = None, pooler: str | None = None,
-                overwrite: bool = False) -> Path:
+                overwrite: bool = False, trust_remote_code: bool = False) -> Path:
     """Convert a PEFT prefix-tuning adapter folder into a fastprompt prompt checkpoint at ``output``.
 
     ``base_model`` defaults to the adapter's ``base_model_name_or_path`` (what PEFT loads, and what a user edits to
     move the adapter), else the base model in fastprompt's metadata. An adapter exported by fastprompt gets its
     pooler, template, position mode and other settings back; any other adapter gets ``position_mode: shifted``
     (how PEFT ran it) and ``pooler`` (default ``cls``). ``output`` must be new, empty or an earlier prompt
-    checkpoint (it is replaced) unless ``overwrite``.
+    checkpoint (it is replaced) unless ``overwrite``. The base model's own code runs only with ``trust_remote_code``.
     """
+    from fastprompt.io import check_apart
     from fastprompt.model import PromptConfig, PromptEncoder
     from fastprompt.model.checkpoint import check_save_target
 
+    check_apart(output, (adapter_dir,), "output")  # the input is never replaced, even with overwrite
     check_save_target(output, overwrite)  # before the base model loads
     config, prefix, saved = read_peft_adapter(adapter_dir)
     base = base_model or config.get("base_model_name_or_path") or (saved or {}).get("base_model")
@@ -218,7 +220,8 @@ def import_peft(adapter_dir: str | os.PathLike, output: str | os.PathLike, *,
         fields = {"position_mode": "shifted"}
         settings = {"pooler": pooler or "cls"}
     prompt_config = PromptConfig.from_dict({**fields, "prompt_length": prefix.shape[3]})
-    encoder = PromptEncoder.from_pretrained(base, prompt_config=prompt_config, **settings)
+    encoder = PromptEncoder.from_pretrained(base, prompt_config=prompt_config, trust_remote_code=trust_remote_code,
+                                            **settings)
     if (encoder.num_layers, encoder.num_heads, encoder.head_dim) != tuple(prefix.shape[i] for i in (0, 2, 4)):
         raise ValueError(f"the adapter's prefix {tuple(prefix.shape)} does not fit base model {base!r} "
                          f"({encoder.num_layers} layers, {encoder.num_heads} heads of {encoder.head_dim})")

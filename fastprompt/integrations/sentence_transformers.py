@@ -44,6 +44,22 @@ OBJECTIVE_DESCRIPTIONS = {
 }
 
 
+def check_prompt_path(prompt_path, folder: str | os.PathLike | None = None) -> str:
+    """``prompt_path`` if it names a folder inside the model folder: a relative path without ``..`` (and, given the
+    ``folder``, one that stays inside it once symlinks are resolved), else ValueError. A module config pointing
+    elsewhere would make loading read, and ``SentenceTransformer.save`` overwrite, a checkpoint outside the folder."""
+    path = Path(prompt_path) if isinstance(prompt_path, str) and prompt_path.strip() else None
+    inside = (path is not None and not path.is_absolute() and not path.drive and ".." not in path.parts
+              and "\\" not in prompt_path)
+    if inside and folder is not None:
+        inside = Path(folder).resolve() in (Path(folder) / path).resolve().parents
+    if not inside:
+        where = f"{Path(folder) / PromptEncoderModule.config_file_name}: " if folder is not None else ""
+        raise ValueError(f"{where}prompt_path must be a folder inside the model folder (a relative path without "
+                         f"'..'), got {prompt_path!r}")
+    return prompt_path
+
+
 class PromptEncoderModule(InputModule):
     """A sentence-transformers input module that is a fastprompt :class:`PromptEncoder` (backbone + prompt + pooler).
 
@@ -59,7 +75,7 @@ class PromptEncoderModule(InputModule):
         super().__init__()
         self.encoder = encoder
         self.base_model = base_model
-        self.prompt_path = prompt_path
+        self.prompt_path = check_prompt_path(prompt_path)
 
     @property
     def tokenizer(self):
@@ -93,7 +109,7 @@ class PromptEncoderModule(InputModule):
 
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
         # a fine-tuned backbone is part of the prompt checkpoint (PromptEncoder.save writes it there): not again here
-        self.encoder.save(Path(output_path) / self.prompt_path)
+        self.encoder.save(Path(output_path) / check_prompt_path(self.prompt_path, output_path))
         if self.base_model is None and not self.encoder.backbone_trained:
             self.encoder.backbone.save_pretrained(output_path, safe_serialization=safe_serialization)
             self.encoder.tokenizer.save_pretrained(output_path)
@@ -110,7 +126,9 @@ class PromptEncoderModule(InputModule):
         dtype = (model_kwargs or {}).get("dtype", (model_kwargs or {}).get("torch_dtype"))
         if isinstance(dtype, str):
             dtype = None if dtype == "auto" else getattr(torch, dtype)
-        prompt_path = config.get("prompt_path", PROMPT_SUBFOLDER)
+        prompt_path = check_prompt_path(config.get("prompt_path", PROMPT_SUBFOLDER), folder)
+        # sentence-transformers' trust_remote_code (in kwargs) is what lets it import this class: it does not let
+        # the backbone run code of its own (fastprompt.remote_code)
         encoder = PromptEncoder.from_pretrained(config.get("base_model") or folder, prompt=folder / prompt_path,
                                                 torch_dtype=dtype)
         return cls(encoder, base_model=config.get("base_model"), prompt_path=prompt_path)
@@ -128,7 +146,7 @@ def is_sentence_transformers_export(folder: str | os.PathLike) -> bool:
 
 def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_model: str | os.PathLike | None = None,
                                  include_backbone: bool = True, normalize: bool = True,
-                                 overwrite: bool = False) -> Path:
+                                 overwrite: bool = False, trust_remote_code: bool = False) -> Path:
     """Write ``prompt`` (a checkpoint folder or a :class:`PromptEncoder`) as a sentence-transformers model folder.
 
     ``base_model`` overrides the base the checkpoint names. ``include_backbone=False`` leaves the backbone out and
@@ -144,7 +162,8 @@ def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_mode
     source = None if isinstance(prompt, PromptEncoder) else Path(prompt)
     check_export_target(output, "sentence-transformers", is_sentence_transformers_export, overwrite=overwrite,
                         source=source)
-    encoder = prompt if source is None else PromptEncoder.load(source, base_model=base_model)
+    encoder = (prompt if source is None
+               else PromptEncoder.load(source, base_model=base_model, trust_remote_code=trust_remote_code))
     if encoder.backbone_trained and not include_backbone:
         raise ValueError("this prompt's backbone is fine-tuned (train_backbone): the base model cannot stand in for "
                          "it, so it cannot be left out (drop include_backbone=False / --no-backbone)")

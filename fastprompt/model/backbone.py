@@ -6,6 +6,8 @@ import contextlib
 import os
 from pathlib import Path
 
+from fastprompt.remote_code import refusing_remote_code
+
 from .resolve import check_hub_model, resolve_model
 
 CONFIG_FILE = "config.json"
@@ -80,8 +82,10 @@ def _quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
-def load_backbone(name_or_path: str | os.PathLike, *, attn_implementation: str, dtype=None):
-    """(tokenizer, model) of a local folder, an installed model package or a hub id, loaded strictly."""
+def load_backbone(name_or_path: str | os.PathLike, *, attn_implementation: str, dtype=None,
+                  trust_remote_code: bool = False):
+    """(tokenizer, model) of a local folder, an installed model package or a hub id, loaded strictly. The model's
+    own code runs only with ``trust_remote_code`` (:mod:`fastprompt.remote_code`)."""
     from safetensors import SafetensorError
     from transformers import AutoModel, AutoTokenizer
 
@@ -92,11 +96,12 @@ def load_backbone(name_or_path: str | os.PathLike, *, attn_implementation: str, 
     else:
         check_model_folder(where)
     try:
-        with _quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local_only)
+        with _quiet_transformers(), refusing_remote_code(where, trust_remote_code):
+            tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local_only,
+                                                      trust_remote_code=trust_remote_code)
             model, info = AutoModel.from_pretrained(where, attn_implementation=attn_implementation, dtype=dtype,
                                                     local_files_only=local_only, output_loading_info=True,
-                                                    ignore_mismatched_sizes=True)
+                                                    ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code)
     except SafetensorError as exc:
         raise ValueError(f"the model weights in {where} are corrupt or truncated: {exc}") from exc
     except OSError as exc:

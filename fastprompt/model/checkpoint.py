@@ -61,6 +61,17 @@ def _own_file(name: str, config: dict) -> bool:
     return holds_backbone_weights(config) and any(fnmatch.fnmatchcase(name, p) for p in _BACKBONE_FILES)
 
 
+def foreign_files(path: str | os.PathLike, also_own: tuple[str, ...] = ()) -> list[str]:
+    """The names in folder ``path`` that no checkpoint save wrote there (all of them when it is no checkpoint);
+    ``also_own``: names a caller writes beside a checkpoint (a training run's state in ``last/``)."""
+    path = Path(path)
+    config = _checkpoint_config(path)
+    names = sorted(p.name for p in path.iterdir())
+    if config is None:
+        return names
+    return [n for n in names if not _own_file(n, config) and n not in also_own]
+
+
 def check_save_target(path: str | os.PathLike, overwrite: bool = False) -> None:
     """Saving replaces the whole target folder: refuse anything but a new or empty folder or an earlier checkpoint
     holding only its own files, unless ``overwrite`` (FileExistsError naming what saving would delete)."""
@@ -71,8 +82,7 @@ def check_save_target(path: str | os.PathLike, overwrite: bool = False) -> None:
         raise FileExistsError(f"cannot save a prompt checkpoint to {path}: it is a file; choose a folder name, "
                               "or pass overwrite=True to replace the file")
     config = _checkpoint_config(path)
-    names = sorted(p.name for p in path.iterdir())
-    others = names if config is None else [n for n in names if not _own_file(n, config)]
+    others = foreign_files(path)
     if others:
         shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
         what = "other files" if config is None else "a prompt checkpoint and other files"

@@ -109,6 +109,7 @@ class PromptEncoder(nn.Module):
         self.topk = topk
         self.mlm_head = mlm_head.requires_grad_(False) if mlm_head is not None else None
         self._bias_cache: dict = {}
+        self.trust_remote_code = False  # set by from_pretrained
         self._bias_cache_version = None
         #: the most tokens one input may have (the backbone's position table, less the positions a "shifted"
         #: prefix or an input prompt take), None when unbounded
@@ -128,8 +129,8 @@ class PromptEncoder(nn.Module):
                         prompt_config: PromptConfig | dict | None = None, pooler: str | None = None,
                         mlp: str | None = None, max_length: int | None = None, template: str | None = None,
                         denoise: bool | None = None, topk: int | None = None, attn_backend: str = "auto",
-                        prefix_mode: str = "attention",
-                        torch_dtype: torch.dtype | None = None) -> "PromptEncoder":
+                        prefix_mode: str = "attention", torch_dtype: torch.dtype | None = None,
+                        trust_remote_code: bool = False) -> "PromptEncoder":
         """Load a base encoder (local folder, installed model package, or hub id) and attach prompts.
 
         ``prompt``: a checkpoint folder written by :meth:`save`; its prompt, pooler and head are used (an
@@ -137,7 +138,8 @@ class PromptEncoder(nn.Module):
         is created from ``prompt_config`` (or none at all: the frozen model as is). ``template``/``denoise``:
         PromptBERT's template and template denoising (see :mod:`fastprompt.model.template`); ``None`` keeps
         the checkpoint's choice. ``topk``: k of the ``topk`` pooler (10; the MLM head is read from the model
-        folder, see :mod:`fastprompt.model.mlm_head`).
+        folder, see :mod:`fastprompt.model.mlm_head`). ``trust_remote_code``: let a model folder that names its own
+        Python classes run them (:mod:`fastprompt.remote_code`; off: such a folder is refused).
         """
         saved, holds_backbone = None, False
         if prompt is not None:
@@ -166,18 +168,21 @@ class PromptEncoder(nn.Module):
         # a fully fine-tuned checkpoint holds its backbone (and tokenizer) in the Hugging Face layout: load them
         # from there; the base model is only named
         tokenizer, backbone = load_backbone(prompt if holds_backbone else model_name_or_path,
-                                            attn_implementation=attn, dtype=torch_dtype)
+                                            attn_implementation=attn, dtype=torch_dtype,
+                                            trust_remote_code=trust_remote_code)
         mlm_head = None
         if (pooler or "cls") == "topk":
             from .mlm_head import load_mlm_head
             from .resolve import resolve_model_path
 
             # the base model's head (a saved fine-tuned backbone has none), tied to this backbone's embeddings
-            mlm_head = load_mlm_head(resolve_model_path(model_name_or_path), backbone)
+            mlm_head = load_mlm_head(resolve_model_path(model_name_or_path), backbone,
+                                     trust_remote_code=trust_remote_code)
         encoder = cls(backbone, tokenizer, prompt_config, pooler=pooler or "cls", mlp=mlp or "none",
                       max_length=max_length, template=template, denoise=bool(denoise), topk=topk or 10,
                       mlm_head=mlm_head, attn_backend=attn_backend,
                       prefix_mode=prefix_mode, base_model=model_reference(model_name_or_path))
+        encoder.trust_remote_code = trust_remote_code  # what later loads from the same model (MLM head) follow
         if saved is not None:
             from .checkpoint import load_checkpoint_weights
 

@@ -17,6 +17,8 @@ import torch
 from safetensors import safe_open
 from torch import nn
 
+from fastprompt.remote_code import refusing_remote_code
+
 HEAD_ATTRIBUTES = ("cls", "lm_head")  # BertForMaskedLM.cls, RobertaForMaskedLM.lm_head
 # heads that share the MLM head's prefix in a checkpoint but are not part of it: BertForPreTraining's
 # next-sentence classifier (cls.seq_relationship.weight / .bias)
@@ -37,18 +39,19 @@ def _safetensors_files(path: Path, hint: str = NO_HEAD_HINT) -> list[Path]:
     raise FileNotFoundError(f"no model.safetensors in {path}: the MLM head is only read from safetensors; " + hint)
 
 
-def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module, hint: str = NO_HEAD_HINT) -> nn.Module:
+def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module, hint: str = NO_HEAD_HINT,
+                  trust_remote_code: bool = False) -> nn.Module:
     """The frozen MLM head of the checkpoint at ``model_path``, on the backbone's device and dtype.
 
     ``head(hidden) -> logits`` over the vocabulary. A clear ``ValueError`` when the checkpoint has no head
-    (``hint``: what the caller's user can do about it).
+    (``hint``: what the caller's user can do about it). ``trust_remote_code``: as the backbone was loaded.
     """
     from transformers import AutoModelForMaskedLM
 
     path = Path(model_path)
     try:
-        with torch.device("meta"):
-            mlm = AutoModelForMaskedLM.from_config(backbone.config)
+        with torch.device("meta"), refusing_remote_code(path, trust_remote_code):
+            mlm = AutoModelForMaskedLM.from_config(backbone.config, trust_remote_code=trust_remote_code)
     except ValueError as exc:
         raise ValueError(f"{backbone.config.model_type} has no masked-LM class in transformers: {exc}; "
                          + hint) from exc
@@ -82,7 +85,7 @@ def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module, hint: str 
     return head.to(emb.dtype).requires_grad_(False).eval()
 
 
-def new_tied_mlm_head(backbone: nn.Module) -> nn.Module:
+def new_tied_mlm_head(backbone: nn.Module, trust_remote_code: bool = False) -> nn.Module:
     """A freshly initialised MLM head of the backbone's family, its decoder tied to the (frozen) word embeddings.
 
     For backbones saved without a head (sentence-transformers' all-MiniLM-L6-v2 keeps only ``BertModel``). The
@@ -95,7 +98,7 @@ def new_tied_mlm_head(backbone: nn.Module) -> nn.Module:
 
     config = backbone.config
     with torch.device("meta"):
-        mlm = AutoModelForMaskedLM.from_config(config)
+        mlm = AutoModelForMaskedLM.from_config(config, trust_remote_code=trust_remote_code)
     name = next((a for a in HEAD_ATTRIBUTES if isinstance(getattr(mlm, a, None), nn.Module)), None)
     if name is None:
         raise ValueError(f"{type(mlm).__name__} keeps its MLM head under none of {HEAD_ATTRIBUTES}")

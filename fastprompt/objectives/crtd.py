@@ -103,6 +103,6 @@ def build_crtd_term(cfg, encoder) -> CRTDTerm:
                                    cfg.replacements_file)
     else:
         replacer = build_generator(cfg.generator, encoder.tokenizer, cfg.masking_ratio, cfg.sampling,
-                                   encoder.device)
+                                   encoder.device, trust_remote_code=getattr(encoder, "trust_remote_code", False))
     weight = WeightSchedule(cfg.weight, cfg.decay_rate, cfg.decay_steps)
     return CRTDTerm(encoder.hidden_size, replacer, weight, discriminator=cfg.discriminator, condition=cfg.condition)

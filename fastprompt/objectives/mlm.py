@@ -104,10 +104,11 @@ def build_mlm_head(encoder, head: str = "checkpoint") -> nn.Module:
 
     check_choice("mlm_head", head, MLM_HEADS)
     if head == "tied_new":
-        return new_tied_mlm_head(encoder.backbone)
+        return new_tied_mlm_head(encoder.backbone, trust_remote_code=getattr(encoder, "trust_remote_code", False))
     if getattr(encoder, "mlm_head", None) is not None:
         return encoder.mlm_head
     if encoder.base_model is None:
         raise ValueError("the encoder does not know its model folder, so the MLM head cannot be read; "
                          + MLM_HEAD_HINT)
-    return load_mlm_head(resolve_model_path(encoder.base_model), encoder.backbone, hint=MLM_HEAD_HINT)
+    return load_mlm_head(resolve_model_path(encoder.base_model), encoder.backbone, hint=MLM_HEAD_HINT,
+                         trust_remote_code=getattr(encoder, "trust_remote_code", False))

@@ -60,11 +60,12 @@ def build_encoder(cfg: TrainConfig, resume_dir: Path | None):
     enc = cfg.encoder
     if resume_dir is not None:
         return PromptEncoder.from_pretrained(enc.model, prompt=resume_dir, attn_backend=enc.attn_backend,
-                                             prefix_mode=enc.prefix_mode)
+                                             prefix_mode=enc.prefix_mode, trust_remote_code=enc.trust_remote_code)
     tpl = cfg.templates
     return PromptEncoder.from_pretrained(enc.model, prompt_config=dataclasses.replace(cfg.prompt), pooler=enc.pooler,
                                          mlp=enc.mlp, attn_backend=enc.attn_backend, prefix_mode=enc.prefix_mode,
-                                         template=tpl.template, denoise=tpl.resolved_eval_denoise, topk=tpl.topk)
+                                         template=tpl.template, denoise=tpl.resolved_eval_denoise, topk=tpl.topk,
+                                         trust_remote_code=enc.trust_remote_code)
 
 
 def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device, total_steps: int):

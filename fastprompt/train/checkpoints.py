@@ -11,6 +11,8 @@ once built, puts it back in place with :meth:`RunDirectory.restore`.
 from __future__ import annotations
 
 import logging
+import os
+import re
 import shutil
 from pathlib import Path
 from typing import Any
@@ -18,7 +20,11 @@ from typing import Any
 from safetensors.torch import load_file, save_file
 
 from fastprompt.io import atomic_directory, recover_directory, write_json_atomic
+from fastprompt.model.checkpoint import foreign_files, is_checkpoint
+from fastprompt.train.run_lock import LOCK_NAME
 from fastprompt.train.state import (
+    META_FILE,
+    TENSORS_FILE,
     TrainerState,
     has_training_state,
     load_training_state,
@@ -42,6 +48,13 @@ RUN_IDENTITY_KEYS = ("model", "pooler", "mlp", "prompt_length", "prefix_projecti
 #: Keys that only say how to start, never what the run is.
 _START_KEYS = ("resume", "overwrite_output_dir")
 METHOD_FILE = "method.safetensors"
+#: What a run writes at the top of its output_dir besides its checkpoints and the lock (fastprompt.train.run_lock).
+RUN_FILES = ("config.yaml", "train_log.csv", "train.log", "summary.json", "tensorboard")
+#: The checkpoints of a run and what it writes into each beside the prompt checkpoint's own files.
+CHECKPOINT_EXTRAS = {"last": (METHOD_FILE, META_FILE, TENSORS_FILE), "best": ("train_info.json",)}
+#: Leftovers of an interrupted atomic write (fastprompt.io) or of the writability probe (preflight).
+_TRANSIENT = re.compile(r"\.(?:(?:last|best|config\.yaml|train_log\.csv|summary\.json)\.(?:old|tmp-\d+)"
+                        r"|fastprompt-write-test-\d+)")
 
 
 class RunDirectory:
@@ -55,12 +68,42 @@ class RunDirectory:
         self.log_text = self.root / "train.log"
         self.summary = self.root / "summary.json"
         self.config_yaml = self.root / "config.yaml"
+        #: set by :meth:`resume_point`: a fresh start over a previous run, whose files :meth:`clear_previous` deletes
+        self.replaces_previous = False
+
+    def foreign_entries(self) -> list[str]:
+        """The names in output_dir that no fastprompt run wrote there.
+
+        ``last/`` and ``best/`` are a run's when they are prompt checkpoints holding only what a run writes into
+        them; the other names a run writes (:data:`RUN_FILES`, leftovers of an interrupted write) only in a folder a
+        run has used: one holding the run lock or such a checkpoint. So a user's own ``best/``, ``config.yaml`` or
+        ``summary.json`` in a folder that is no run are foreign, as is anything else (a project's files)."""
+        if not self.root.is_dir():
+            return []
+        names = sorted(os.listdir(self.root))
+        own = {name for name, extras in CHECKPOINT_EXTRAS.items()
+               if name in names and is_checkpoint(self.root / name) and not foreign_files(self.root / name, extras)}
+        if own or LOCK_NAME in names:
+            own |= {n for n in names if n == LOCK_NAME or n in RUN_FILES or _TRANSIENT.fullmatch(n)}
+        return [n for n in names if n not in own]
+
+    def check_target(self, overwrite: bool) -> None:
+        """Refuse an output_dir holding anything a run did not write (a ValueError naming it), unless
+        ``overwrite``: training would replace the user's files of the same names, or mix with them."""
+        foreign = self.foreign_entries()
+        if foreign and not overwrite:
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise ValueError(f"output_dir {self.root} holds files that no fastprompt run wrote ({shown}); a run "
+                             "writes best/, last/, config.yaml, train_log.csv, train.log and summary.json there. "
+                             "Choose a new or empty output_dir, or set overwrite_output_dir=true to let the run "
+                             "replace what has those names")
 
     def resume_point(self, *, resume: bool, overwrite: bool) -> Path | None:
         """``last`` when this run continues a previous one, None for a fresh start.
 
-        A previous run's files are deleted for a fresh start only with ``overwrite``; without it an existing
-        run is an error that says how to continue or start over.
+        A fresh start over a previous run needs ``overwrite``; without it an existing run is an error that says
+        how to continue or start over. The previous run's files are not deleted here but by :meth:`clear_previous`,
+        once the new run's setup (config, data, model) has succeeded: a fresh start that fails keeps them.
         """
         last = recover_directory(self.last)
         has_last = last.is_dir() and has_training_state(last)
@@ -71,11 +114,18 @@ class RunDirectory:
                 raise ValueError(
                     f"{self.root} already holds a training run; set resume=true to continue it, "
                     "overwrite_output_dir=true to start over, or choose another output_dir")
-            for d in (self.last, self.best):
-                shutil.rmtree(d, ignore_errors=True)
-            for f in (self.log_csv, self.summary):
-                f.unlink(missing_ok=True)
+            self.replaces_previous = True
         return None
+
+    def clear_previous(self) -> None:
+        """Delete the previous run's checkpoints, log and summary for a fresh start (see :meth:`resume_point`)."""
+        if not self.replaces_previous:
+            return
+        for d in (self.last, self.best):
+            shutil.rmtree(d, ignore_errors=True)
+        for f in (self.log_csv, self.summary):
+            f.unlink(missing_ok=True)
+        self.replaces_previous = False
 
     def resume_point_for(self, config) -> Path | None:
         """:meth:`resume_point` for a :class:`~fastprompt.train.config.TrainConfig`, and the checks that a

@@ -65,6 +65,8 @@ class EncoderConfig(_Section):
     attn_backend: str = option("auto", "implementation of the fused prefix-attention op", choices=BACKENDS)
     prefix_mode: str = option("attention", "attention (the fused op) or cache (reference: prefix in a "
                               "DynamicCache)", choices=PREFIX_MODES)
+    trust_remote_code: bool = option(False, "let the model (and an rtd_generator) run the Python code its folder "
+                                     "names (auto_map); off, such a model is refused: read its code first")
 
     def validate(self):
         super().validate()

@@ -98,7 +98,7 @@ class Evaluator:
         pooler = "cls" if enc.pooler == "bn_mlp" else enc.pooler
         frozen = PromptEncoder.from_pretrained(enc.model, pooler=pooler, mlp="none", attn_backend=enc.attn_backend,
                                                template=tpl.template, denoise=tpl.resolved_eval_denoise,
-                                               topk=tpl.topk)
+                                               topk=tpl.topk, trust_remote_code=enc.trust_remote_code)
         frozen.to(self.device).eval()
         batch_size = self.config.evaluation.eval_batch_size
         with self.autocast():

@@ -144,6 +144,7 @@ class Trainer:
         self.dist = init_distributed(cfg.run.device)  # a device this machine lacks fails here, before any loading
         if self.dist.is_main:  # one run per output_dir: a second one is refused before it writes anything
             preflight.check_output_dir(self.output_dir)
+            self.run_dir.check_target(cfg.run.overwrite_output_dir)  # a user's own files are never replaced unasked
             self._lock = RunLock(self.output_dir).acquire()
         try:
             self._setup(cfg)
@@ -192,6 +193,7 @@ class Trainer:
         self.dist.broadcast_from_main([*self.encoder.prompt_state_dict().values(),
                                        *self.method.resume_state().values()])
         if self.dist.is_main:
+            self.run_dir.clear_previous()  # a fresh start over an old run: only now that everything above worked
             save_config(cfg, self.run_dir.config_yaml)
             self.metrics = MetricsLog(self.output_dir, resume_step=self.state.global_step if resume_dir else None,
                                       tensorboard=cfg.run.tensorboard,

@@ -151,7 +151,7 @@ class SkiStore:
         self.path = Path(path)
         self.rejected_path = rejected_path(path)
         self.meta_path = meta_path(path)
-        self._lock_path = self.path.parent / f".{self.path.name}.lock"
+        self.lock_path = self.path.parent / f".{self.path.name}.lock"
         self._accepted = _AppendLog(self.path, OUTPUT_COLUMNS)
         self._rejected = _AppendLog(self.rejected_path, REJECTED_COLUMNS)
         self._lock_fd: int | None = None
@@ -191,7 +191,7 @@ class SkiStore:
         return self
 
     def _lock(self) -> None:
-        self._lock_fd = os.open(self._lock_path, os.O_WRONLY | os.O_CREAT, 0o644)
+        self._lock_fd = os.open(self.lock_path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             import fcntl
         except ImportError:  # not POSIX: no lock, as for any tool writing a file
@@ -201,7 +201,7 @@ class SkiStore:
         except OSError:
             os.close(self._lock_fd)
             self._lock_fd = None
-            raise ValueError(f"another generate-ski run is writing {self.path} (lock {self._lock_path})") from None
+            raise ValueError(f"another generate-ski run is writing {self.path} (lock {self.lock_path})") from None
 
     def _check_settings(self, settings: dict) -> dict:
         if not self.meta_path.exists():
@@ -250,7 +250,7 @@ class SkiStore:
         self._rejected.close()
         if self._lock_fd is not None:
             with contextlib.suppress(OSError):
-                self._lock_path.unlink()
+                self.lock_path.unlink()
             os.close(self._lock_fd)
             self._lock_fd = None
 
