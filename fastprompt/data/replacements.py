@@ -128,10 +128,22 @@ class MaskedLMGenerator(ReplacementGenerator):
                         device: torch.device | str = "cpu") -> "MaskedLMGenerator":
         from transformers import AutoModelForMaskedLM
 
+        from fastprompt.model.backbone import check_model_folder
+
         try:
-            model = AutoModelForMaskedLM.from_pretrained(path)
+            if Path(path).is_dir():
+                check_model_folder(path)  # config types, safetensors only, a tokenizer
+            model, info = AutoModelForMaskedLM.from_pretrained(path, output_loading_info=True, use_safetensors=True)
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot load the masked-LM generator {str(path)!r}: {e}".splitlines()[0]) from None
+        prefix = f"{model.base_model_prefix}."
+        head = [k for k in info.get("missing_keys") or [] if not k.startswith(prefix)
+                and not k.endswith("decoder.weight")]  # the decoder is tied to the word embeddings
+        if head:  # transformers initialised the MLM head at random: its "replacements" would be noise
+            raise ValueError(f"the masked-LM generator {str(path)!r} has no masked-LM head in its weights (missing "
+                             f"{', '.join(sorted(head)[:3])}, ...): a random head would pick the replacements; use a "
+                             "checkpoint saved from a *ForMaskedLM model (D2CSE: distilbert-base-uncased), or "
+                             "rtd_generator=random")
         return cls(model, tokenizer, masking_ratio, sampling, device)
 
     def replace(self, input_ids, attention_mask, chosen, generator):
