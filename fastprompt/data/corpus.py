@@ -99,6 +99,17 @@ def read_text_corpus(path: str | Path, *, on_decode_error: str = "error") -> Tra
     return TrainExamples(columns=("sent0",), rows=rows, source=str(path), skipped=skipped)
 
 
+def parse_csv(text: str, path, *, delimiter: str = ",", hint: str = "") -> list[list[str]]:
+    """Every record of CSV ``text`` (read from ``path``); a ValueError naming the file and line for what the csv
+    module rejects (a quoted field that never closes and runs past its field limit, a NUL byte), then ``hint``."""
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+    try:
+        return list(reader)
+    except csv.Error as exc:
+        kind = "CSV" if delimiter == "," else "tab-separated"
+        raise ValueError(f"{path}: not a valid {kind} file (line {reader.line_num}: {exc}){hint}") from None
+
+
 def read_pair_csv(path: str | Path, *, delimiter: str = ",") -> TrainExamples:
     """Read a CSV with a header: ``sent0,sent1`` (pairs) or ``sent0,sent1,hard_neg`` (triplets), with a ``ski``
     column kept when present; a ``sent0,ski`` file is read by :func:`fastprompt.data.ski.read_ski_csv`.
@@ -109,12 +120,8 @@ def read_pair_csv(path: str | Path, *, delimiter: str = ",") -> TrainExamples:
     path = Path(path)
     kind = "CSV" if delimiter == "," else "tab-separated"
     text = read_utf8_text(path, "training file", encoding="utf-8-sig")
-    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
-    try:
-        records = list(reader)
-    except csv.Error as exc:  # e.g. a quoted field that never closes
-        raise ValueError(f"{path}: not a valid {kind} file (line {reader.line_num}: {exc}); the training file must "
-                         "be a sent0,sent1[,hard_neg] CSV or a .txt corpus") from None
+    records = parse_csv(text, path, delimiter=delimiter,
+                        hint="; the training file must be a sent0,sent1[,hard_neg] CSV or a .txt corpus")
     header = records.pop(0) if records else None
     if header is None:
         raise ValueError(f"training file {path} is empty (expected a {kind} header sent0,sent1[,hard_neg])")

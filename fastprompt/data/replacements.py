@@ -25,12 +25,15 @@ import logging
 import os
 import zlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from fastprompt.choices import RTD_SAMPLING, check_choice
+from fastprompt.io import check_file, read_json, write_json_atomic
+from fastprompt.schema import check_json
 
 logger = logging.getLogger(__name__)
 
@@ -224,18 +227,34 @@ def sentence_seed(seed: int, ids: Iterable[int]) -> int:
     return int(np.random.SeedSequence([int(seed), zlib.crc32(words), len(words)]).generate_state(1)[0])
 
 
+@dataclass
+class ReplacementLine:
+    """The schema of one line of a replacement file (:mod:`fastprompt.schema`)."""
+
+    ids: list[int]
+    replaced: list[int]
+
+
+#: Token ids are int32 in the table (vocabularies are far below 2**31).
+_MAX_ID = 2**31 - 1
+
+
 def _read_lines(path: Path) -> Iterator[tuple[list[int], list[int]]]:
-    """(ids, replaced) of every line of a replacement file, checked."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    """(ids, replaced) of every line of a replacement file, checked: types, lengths and the id range."""
+    with open(check_file(path, "replacement file"), "rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"replacement file {path}:{n}"
             try:
-                rec = json.loads(line)
-                ids, rep = [int(i) for i in rec["ids"]], [int(i) for i in rec["replaced"]]
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"{path}:{n}: not a line of a replacement file (expected "
+                rec = json.loads(raw)
+            except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+                raise ValueError(f"{where}: not a line of a replacement file (expected "
                                  '{"ids": [...], "replaced": [...]})') from None
+            check_json(rec, ReplacementLine, where)
+            ids, rep = rec["ids"], rec["replaced"]
             if len(ids) != len(rep):
-                raise ValueError(f"{path}:{n}: ids and replaced have different lengths")
+                raise ValueError(f"{where}: ids and replaced have different lengths")
+            if any(not 0 <= i <= _MAX_ID for i in (*ids, *rep)):
+                raise ValueError(f"{where}: a token id outside [0, {_MAX_ID}]")
             yield ids, rep
 
 
@@ -282,6 +301,20 @@ def check_replacement_settings(made: dict, rtd, model: str | None, path) -> None
                          + ": run `fastprompt make-replacements` with the training config")
 
 
+@dataclass
+class ReplacementSettings:
+    """The schema of ``FILE.meta.json`` beside a replacement file (:func:`replacement_settings`, the format and the
+    seed)."""
+
+    generator: str | None = None
+    masking_ratio: float | None = None
+    model: str | None = None
+    max_length: int | None = None
+    sampling: str | None = None
+    format: str | None = None
+    seed: int | None = None
+
+
 def _meta_path(path: Path) -> Path:
     return Path(f"{path}.meta.json")
 
@@ -298,7 +331,6 @@ def write_replacement_file(path: str | os.PathLike, sentences: list[list[int]], 
     those of one sentence at a time.
     """
     from fastprompt.data.ski.store import drop_torn_tail
-    from fastprompt.io import read_json, write_json_atomic
 
     path = Path(path)
     meta = _meta_path(path)
@@ -306,7 +338,7 @@ def write_replacement_file(path: str | os.PathLike, sentences: list[list[int]], 
     if path.exists():
         if not meta.exists():
             raise ValueError(f"{path} exists without {meta.name}: not a replacement file (choose another output)")
-        old = read_json(meta, "replacement settings")
+        old = read_json(meta, "replacement settings", schema=ReplacementSettings)
         if old != settings:
             diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
             raise ValueError(f"{path} was written with other settings ({', '.join(diff)}); use another output")
@@ -376,9 +408,7 @@ class ReplacementTable:
 
 
 def _read_meta(path: Path) -> dict:
-    from fastprompt.io import read_json
-
     meta = _meta_path(path)
     if not meta.exists():
         raise ValueError(f"{path}: no {meta.name} beside it; not a file written by `fastprompt make-replacements`")
-    return read_json(meta, "replacement settings")
+    return read_json(meta, "replacement settings", schema=ReplacementSettings)

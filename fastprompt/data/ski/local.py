@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from fastprompt.choices import DTYPES, check_choice
 from fastprompt.data.ski.filters import Generation
 from fastprompt.data.ski.prompt import Sampling
+from fastprompt.messages import shown
 
 logger = logging.getLogger(__name__)
 
@@ -131,6 +133,12 @@ class LocalBackend:
             self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs)
         except OSError as exc:  # transformers' "not a folder, not on the hub" error
             raise ValueError(f"cannot load the local LLM {model!r}: {exc}") from exc
+        except (ValueError, struct.error) as exc:
+            if not gguf_file:
+                raise
+            # the gguf reader fails on a truncated or foreign file with struct.error or a numpy reshape error
+            raise ValueError(f"cannot load the local LLM {model!r}: {Path(source) / gguf_file} is truncated or not "
+                             f"a GGUF file ({shown(str(exc))[1:-1]})") from None
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model.to(self.device).eval()
         self.batch_size, self.dtype, self.gguf_file = batch_size, dtype, gguf_file
