@@ -38,14 +38,31 @@ def _remove(path: Path) -> None:
             path.unlink()
 
 
+class WriteError(OSError):
+    """A failed atomic write: the errno and strerror of its cause (``No space left on device``), and a message that
+    says what was kept. A write nested in another (a checkpoint inside ``last/``) reports its cause, not itself."""
+
+    def __init__(self, message: str, cause: OSError):
+        super().__init__(cause.errno, cause.strerror or str(cause))
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
 _OS_ERROR = re.compile(r"\(os error (\d+)\)")
 
 
-def as_os_error(exc: BaseException) -> OSError | None:
+def as_os_error(exc: BaseException, folder: str | os.PathLike | None = None) -> OSError | None:
     """``exc`` as an OSError: itself, or a safetensors error that wraps one (safetensors' Rust code reports a full
     disk as ``SafetensorError('Error while serializing: I/O error: No space left on device (os error 28)')``, not as
-    an OSError); None for any other error."""
+    an OSError); None for any other error. A short write without an errno (numpy's ``12800 requested and 992
+    written``) into ``folder`` whose file system has no space left is reported as ENOSPC, which it is."""
     if isinstance(exc, OSError):
+        if exc.errno is None and folder is not None:
+            with contextlib.suppress(OSError):
+                if shutil.disk_usage(folder).free < (1 << 20):
+                    return OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         return exc
     found = _OS_ERROR.search(str(exc)) if type(exc).__name__ == "SafetensorError" else None
     if found is None:
@@ -92,11 +109,11 @@ def atomic_directory(path: str | os.PathLike):
         _remove(old)
     except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
-        os_error = as_os_error(exc)
+        os_error = as_os_error(exc, path.parent)
         if os_error is not None and os_error.errno is not None:  # a full disk, a permission error: say what is kept
             kept = (f"the previous {path.name} is unchanged" if os.path.lexists(path) or os.path.lexists(old)
                     else "nothing was written")
-            raise OSError(os_error.errno, f"could not write {path}: {os_error.strerror or os_error}; {kept}") from exc
+            raise WriteError(f"could not write {path}: {os_error.strerror or os_error}; {kept}", os_error) from exc
         raise
 
 
@@ -133,10 +150,11 @@ def atomic_file(path: str | os.PathLike, what: str = "output"):
     except BaseException as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        os_error = as_os_error(exc)
+        os_error = as_os_error(exc, path.parent)
         if os_error is not None:
             kept = f"the previous {path} is unchanged" if existed else "nothing was written"
-            raise OSError(f"could not write {what} {path}: {os_error.strerror or os_error}; {kept}") from exc
+            raise WriteError(f"could not write {what} {path}: {os_error.strerror or os_error}; {kept}", os_error) \
+                from exc
         raise
 
 

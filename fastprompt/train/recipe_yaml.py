@@ -69,11 +69,12 @@ def _one_line(exc: yaml.YAMLError) -> str:
     """PyYAML's error without its multi-line snippet: 'line 3, column 1: the key 'seed' is given twice ...'."""
     mark = getattr(exc, "problem_mark", None)
     problem = getattr(exc, "problem", None)
-    if problem is None:
-        return shown(" ".join(str(exc).split()))[1:-1]
-    context = getattr(exc, "context", None)
-    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
-    text = where + (f"{context}: " if context else "") + problem
+    if problem is None:  # a ReaderError (a character YAML does not allow): its own text, on one line
+        text = " ".join(str(exc).split())
+    else:
+        context = getattr(exc, "context", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        text = where + (f"{context}: " if context else "") + problem
     return text if len(text) <= 300 else text[:297] + "..."  # a problem may quote a (long) tag or key
 
 
