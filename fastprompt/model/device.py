@@ -12,6 +12,8 @@ import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from fastprompt.messages import shown
+
 if TYPE_CHECKING:
     import torch
 
@@ -29,7 +31,7 @@ def parse_device(spec: str) -> tuple[str, int | None]:
     :func:`resolve_device`'s business); ValueError for anything that is not ``type`` or ``type:index``."""
     match = _DEVICE.fullmatch(spec) if isinstance(spec, str) else None
     if match is None:
-        raise ValueError(f"device {spec!r} is not a torch device (e.g. cpu, cuda, cuda:1)")
+        raise ValueError(f"device {shown(spec)} is not a torch device (e.g. cpu, cuda, cuda:1)")
     kind, index = match.groups()
     return kind, None if index is None else int(index)
 
@@ -46,7 +48,7 @@ def resolve_device(spec: str | torch.device | None = None) -> torch.device:
     try:
         device = torch.device(spec)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device {spec!r} is not a torch device (e.g. cpu, cuda, cuda:1): {exc}") from None
+        raise ValueError(f"device {shown(spec)} is not a torch device (e.g. cpu, cuda, cuda:1): {exc}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             why = ("this PyTorch build has no CUDA support" if torch.version.cuda is None

@@ -184,7 +184,7 @@ def check_train_device(spec: str) -> None:
     except ValueError:
         kind, index = None, None
     if kind not in TRAIN_DEVICE_TYPES or (index is not None and kind != "cuda"):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {shown(spec)}")
 
 
 @dataclass

@@ -130,7 +130,9 @@ class LocalBackend:
         kwargs = {"gguf_file": gguf_file} if gguf_file else {}
         try:
             self.tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-            self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs)
+            # a GGUF file, or safetensors: never a pickled pytorch_model.bin
+            self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype),
+                                                              **(kwargs or {"use_safetensors": True}))
         except OSError as exc:  # transformers' "not a folder, not on the hub" error
             raise ValueError(f"cannot load the local LLM {model!r}: {exc}") from exc
         except (ValueError, struct.error) as exc:
