@@ -95,7 +95,7 @@ _JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**65, 2**
 _KEYS = ["format", "base_model", "backbone", "prompt_config", "pooler", "mlp", "num_layers", "num_heads", "head_dim",
          "hidden_size", "format_version", "optimizer", "param_groups", "scalars", "scheduler", "base_lrs", "last_epoch",
          "scaler", "rng", "numpy", "python", "trainer", "state", "global_step", "dev_history", "data", "rows",
-         "blake2b", "weight_map", "peft_type", "token_dim", "num_virtual_tokens", "num_attention_heads", "ids",
+         "sha256", "weight_map", "peft_type", "token_dim", "num_virtual_tokens", "num_attention_heads", "ids",
          "replaced", "settings", "runs", "generator", "masking_ratio", "step", "test", "prompt_path", "params", "lr"]
 _KEYED = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(-2, 2), st.text(max_size=3)),
                       lambda inner: st.one_of(st.lists(inner, max_size=3),
