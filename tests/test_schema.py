@@ -103,7 +103,7 @@ _KEYED = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st
                       max_leaves=40)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=200, deadline=None)
 @given(st.one_of(_JSON, _KEYED), st.integers(0, 12))
 def test_any_json_matches_its_schema_or_is_one_clear_error(data, which):
     schema = _schemas()[which]

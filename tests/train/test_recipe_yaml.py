@@ -131,7 +131,7 @@ def _yaml_value(value) -> str:
         else repr(value)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(st.tuples(_KEY, _SCALAR), max_size=8), st.text(max_size=40))
 def test_any_recipe_is_a_config_or_one_clear_error(tmp_path_factory, items, noise):
     """Random key: value lines (with YAML's corner cases) plus random text: a TrainConfig or a ValueError /
