@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from fastprompt.backends import BackendUnavailableError, UnsupportedInputError, resolve_backend  # noqa: F401
+from fastprompt.messages import shown
 
 #: Implementations of the fused ops (``contrastive_loss``, ``prefix_attention``); see :func:`resolve_backend`.
 BACKENDS = ("auto", "triton", "cpu", "reference")
@@ -49,8 +50,8 @@ RTD_CONDITIONS = ("after_head", "before_head", "none")
 RTD_SAMPLING = ("sample", "argmax")
 #: Reductions of the contrastive loss over anchors.
 REDUCTIONS = ("mean", "sum", "none")
-#: Training-file formats.
-TRAIN_FORMATS = ("auto", "text", "csv")
+#: Training-file formats: a text corpus, or pairs/triplets with a header, comma- or tab-separated.
+TRAIN_FORMATS = ("auto", "text", "csv", "tsv")
 #: What to do with lines of a text corpus that are not UTF-8.
 DECODE_ERROR_MODES = ("error", "skip")
 #: Weights dtype names accepted on the command line.
@@ -65,4 +66,4 @@ def check_choice(name: str, value, allowed: Iterable[str]) -> None:
     """Raise ``ValueError`` naming ``name``, the bad ``value`` and every allowed value."""
     allowed = tuple(allowed)
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {shown(value)}")

@@ -15,6 +15,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fastprompt.choices import BACKENDS, MLP_MODES, POOLERS, PREFIX_MODES, TEMPLATE_POOLERS, check_choice
+from fastprompt.messages import shown
 
 from .attention import PrefixState, build_prefix_cache, cache_keyword, register_attention
 from .backbone import load_backbone, max_input_length
@@ -628,6 +629,11 @@ class PromptEncoder(nn.Module):
             out[torch.as_tensor(order, device=out.device)] = torch.cat(chunks)
         finally:
             self.train(was_training)
+        bad = (~torch.isfinite(out).all(dim=1)).nonzero().flatten().tolist()
+        if bad:  # a vector of NaNs ranks and compares as garbage downstream: never hand one out
+            raise ValueError(f"{len(bad)} of {len(sentences)} sentences encode to NaN or infinite vectors (the first: "
+                             f"sentence {bad[0]}, {shown(sentences[bad[0]])}): the prompt or the backbone holds "
+                             "non-finite values (from a run that diverged?); load an earlier checkpoint")
         return out.cpu().numpy() if convert_to_numpy else out
 
     def similarity(self, a: list[str] | str, b: list[str] | str, batch_size: int = 64) -> np.ndarray:

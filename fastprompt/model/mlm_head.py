@@ -11,12 +11,15 @@ skipped by name (:data:`OTHER_HEADS`); any other unknown tensor under the head's
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
 
+from fastprompt.io import read_json
+from fastprompt.messages import shown
 from fastprompt.remote_code import refusing_remote_code
 
 HEAD_ATTRIBUTES = ("cls", "lm_head")  # BertForMaskedLM.cls, RobertaForMaskedLM.lm_head
@@ -27,12 +30,21 @@ NO_HEAD_HINT = ("the topk pooler needs a checkpoint saved from a *ForMaskedLM mo
                 "roberta-base), or choose another pooler (mask, cls, mean)")
 
 
+@dataclass
+class ShardIndex:
+    """The schema of ``model.safetensors.index.json`` (:mod:`fastprompt.schema`): tensor name -> shard file."""
+
+    weight_map: dict[str, str]
+
+
 def _safetensors_files(path: Path, hint: str = NO_HEAD_HINT) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        import json
-
-        return sorted({path / f for f in json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()})
+        shards = set(read_json(index, "shard index", schema=ShardIndex)["weight_map"].values())
+        outside = sorted(f for f in shards if Path(f).name != f or f in (".", ".."))
+        if outside:  # a shard is a file of the folder: never a path that reads elsewhere
+            raise ValueError(f"shard index {index} names files outside its folder: {shown(outside)}")
+        return sorted(path / f for f in shards)
     single = path / "model.safetensors"
     if single.is_file():
         return [single]

@@ -41,7 +41,8 @@ class ObjectiveConfig:
     name: str = option("simcse", "sentence-level objective: SimCSE's InfoNCE, PromCSE's InfoNCE + energy-based "
                        "hinge, or SKICSE's InfoNCE + SKI terms (needs a ski column)", choices=OBJECTIVE_NAMES,
                        key="objective")
-    temperature: float = option(0.05, "temperature of the cosine-similarity softmax", gt=0.0)
+    temperature: float = option(0.05, "temperature of the cosine-similarity softmax (below 1e-3 float32 rounding "
+                                "of the cos/temperature logits swamps the loss)", ge=1e-3)
     hard_negative_weight: float = option(0.0, "added to each anchor's own hard-negative logit (log of SimCSE's "
                                          "weight; 0 = weight 1)")
     hinge_margin: float = option(0.2, "margin m of the energy-based hinge max(0, m + cos(h, hardest negative) - "

@@ -175,6 +175,17 @@ class Optimization:
         return norm, True
 
 
+def check_warmup(cfg: TrainConfig, total_steps: int) -> None:
+    """Refuse a ``warmup_steps`` that is not shorter than the run: the learning rate would still be rising when
+    training ends and never reach ``learning_rate`` (a ``warmup_ratio`` is below 1 by its bounds)."""
+    warmup = cfg.optim.warmup_steps
+    if warmup >= total_steps:
+        raise ValueError(f"warmup_steps={warmup} is not shorter than the run ({total_steps} steps): the learning "
+                         f"rate would still be warming up when training ends (at {total_steps / (warmup + 1):.0%} of "
+                         f"learning_rate at the last step); set warmup_steps below {total_steps}, or give "
+                         "warmup_ratio (a share of the run) instead")
+
+
 def build_optimization(cfg: TrainConfig, params: list[torch.nn.Parameter], total_steps: int,
                        device: torch.device, encoder=None) -> Optimization:
     """AdamW + linear schedule (+ fp16 scaler); with ``train_backbone``, the backbone's weights of ``encoder``

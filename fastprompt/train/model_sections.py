@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastprompt.fields import option, validate_fields
+from fastprompt.messages import shown
 
 SENTENCE, MASK = "[X]", "[MASK]"
 
@@ -17,9 +18,9 @@ def _check_template(key: str, text: str | None) -> None:
     if text is None:
         return
     if text.count(SENTENCE) != 1:
-        raise ValueError(f"{key} must hold exactly one {SENTENCE} (where the sentence goes), got {text!r}")
+        raise ValueError(f"{key} must hold exactly one {SENTENCE} (where the sentence goes), got {shown(text)}")
     if text.count(MASK) > 1:
-        raise ValueError(f"{key} may hold at most one {MASK}, got {text!r}")
+        raise ValueError(f"{key} may hold at most one {MASK}, got {shown(text)}")
 
 
 @dataclass
