@@ -136,7 +136,7 @@ class MaskedLMGenerator(ReplacementGenerator):
 
         try:
             if Path(path).is_dir():
-                check_model_folder(path)  # config types, safetensors only, a tokenizer
+                check_model_folder(path, tokenizer=False)  # config types, safetensors only (it reads the encoder's ids)
             with refusing_remote_code(path, trust_remote_code):
                 model, info = AutoModelForMaskedLM.from_pretrained(path, output_loading_info=True, use_safetensors=True,
                                                                    trust_remote_code=trust_remote_code)

@@ -44,9 +44,9 @@ class ModelConfigFile:
     attention_probs_dropout_prob: float = field(default=0.0, metadata={"ge": 0, "le": 1})
 
 
-def check_model_folder(path: str | os.PathLike) -> None:
-    """A local model folder must hold a config of the right types, safetensors weights and a tokenizer; say which
-    is missing or wrong (transformers would instead guess at a tokenizer class and ask for sentencepiece, or fail
+def check_model_folder(path: str | os.PathLike, tokenizer: bool = True) -> None:
+    """A local model folder must hold a config of the right types, safetensors weights and (unless ``tokenizer`` is
+    false: a model that works on another model's token ids) a tokenizer; say which is missing or wrong (transformers would instead guess at a tokenizer class and ask for sentencepiece, or fail
     deep inside on a malformed config)."""
     path = Path(path)
     names = sorted(p.name for p in path.iterdir())
@@ -61,7 +61,7 @@ def check_model_folder(path: str | os.PathLike) -> None:
                              "loads only safetensors, because loading a pickle can run code; convert the folder "
                              "once where you trust it (AutoModel.from_pretrained(folder).save_pretrained(out))")
         raise FileNotFoundError(f"{path} has no model weights ({' or '.join(WEIGHT_FILES[:2])}; {holds})")
-    if not any(f in names for f in TOKENIZER_FILES):
+    if tokenizer and not any(f in names for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...; {holds})")
 
 
