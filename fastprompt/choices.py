@@ -47,6 +47,9 @@ MLM_HEADS = ("checkpoint", "tied_new")
 RTD_DISCRIMINATORS = ("prompted", "plain")
 RTD_CONDITIONS = ("after_head", "before_head", "none")
 RTD_SAMPLING = ("sample", "argmax")
+#: The denominator of SKICSE's Eq. 6 (L_ski2, anchor h, positive h^ski): as printed (the entailments and the
+#: contradictions), or the SKIs (Eq. 2's form, which makes it a -log softmax of its positive).
+SKI2_DENOMINATORS = ("printed", "ski")
 #: Reductions of the contrastive loss over anchors.
 REDUCTIONS = ("mean", "sum", "none")
 #: Training-file formats.

@@ -10,7 +10,15 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fastprompt.choices import BACKENDS, MLM_HEADS, OBJECTIVE_NAMES, RTD_CONDITIONS, RTD_DISCRIMINATORS, RTD_SAMPLING
+from fastprompt.choices import (
+    BACKENDS,
+    MLM_HEADS,
+    OBJECTIVE_NAMES,
+    RTD_CONDITIONS,
+    RTD_DISCRIMINATORS,
+    RTD_SAMPLING,
+    SKI2_DENOMINATORS,
+)
 from fastprompt.fields import option, validate_fields
 
 #: hinge_weight when the config leaves it null: PromCSE's objective is L_CL + 10 L_EH, SimCSE's has none.
@@ -51,10 +59,13 @@ class ObjectiveConfig:
     loss_backend: str = option("auto", "implementation of the fused contrastive_loss op", choices=BACKENDS)
     ski_weight: float = option(0.15, "skicse, sent0,ski rows: weight λ of L_ski in (1 - λ) L_simcse + λ L_ski",
                                ge=0.0, le=1.0)
-    ski1_weight: float = option(0.1, "skicse, NLI rows with a ski column: weight λ1 of L_ski1 (sentence vs its SKI)",
-                                ge=0.0, le=1.0)
-    ski2_weight: float = option(0.3, "skicse, NLI rows with a ski column: weight λ2 of L_ski2 (SKI vs the "
-                                "entailment)", ge=0.0, le=1.0)
+    ski1_weight: float = option(0.1, "skicse, NLI rows with a ski column: weight λ1 of L_ski1 (SKICSE Eq. 5: "
+                                "anchor the SKI, positive the entailment)", ge=0.0, le=1.0)
+    ski2_weight: float = option(0.3, "skicse, NLI rows with a ski column: weight λ2 of L_ski2 (SKICSE Eq. 6: "
+                                "anchor the sentence, positive its SKI)", ge=0.0, le=1.0)
+    ski2_denominator: str = option("printed", "skicse, NLI rows: the columns of Eq. 6's denominator: printed (the "
+                                   "entailments and contradictions, as the paper prints it) or ski (the SKIs, "
+                                   "Eq. 2's form; docs/ski.md)", choices=SKI2_DENOMINATORS)
 
     def __post_init__(self):
         self.validate()
