@@ -190,8 +190,10 @@ def build_optimization(cfg: TrainConfig, params: list[torch.nn.Parameter], total
     return Optimization(optimizer, scheduler, scaler)
 
 
-def autocast_factory(cfg: TrainConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    dtype = _AUTOCAST_DTYPES.get(cfg.run.precision)
+def autocast_factory(cfg: TrainConfig, device: torch.device,
+                     precision: str | None = None) -> Callable[[], contextlib.AbstractContextManager]:
+    """The autocast of the training forwards (``cfg.run.precision``), or of ``precision`` (evaluation's)."""
+    dtype = _AUTOCAST_DTYPES.get(precision or cfg.run.precision)
     if dtype is None:
         return contextlib.nullcontext
     return lambda: torch.autocast(device.type, dtype=dtype)

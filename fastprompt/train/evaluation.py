@@ -28,8 +28,9 @@ def probe_sentences(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 class Evaluator:
-    """The evaluations of one run. ``dev_data``: the STS-B dev pairs (None without ``sts_dir``); ``probe``:
-    the collapse probe's sentences."""
+    """The evaluations of one run. ``autocast``: the evaluations' (``eval_precision``: fp32 by default, whatever
+    the training precision); ``dev_data``: the STS-B dev pairs (None without ``sts_dir``); ``probe``: the
+    collapse probe's sentences."""
 
     def __init__(self, config, encoder, autocast: Callable, *, device, dev_data, probe: list[str]):
         self.config, self.encoder, self.autocast, self.device = config, encoder, autocast, device
