@@ -85,7 +85,7 @@ class PromptEncoder(nn.Module):
             cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
             init = self.backbone.get_input_embeddings().weight[cls_id].detach().clone()
             self.cls_prompt = nn.Parameter(init)
-        self.pooler = Pooler(pooler, self.hidden_size, mlp)
+        self.pooler = Pooler(pooler, self.hidden_size, mlp, init_std=getattr(cfg, "initializer_range", 0.02))
         if pooler in TEMPLATE_POOLERS and template is None:
             template = DEFAULT_TEMPLATE
         self.template = template

@@ -6,7 +6,7 @@ from torch import nn
 
 from fastprompt.choices import MLP_MODES, POOLERS, check_choice
 
-__all__ = ["Pooler", "POOLERS", "MLP_MODES", "bn_mlp_head", "topk_token_representation"]
+__all__ = ["Pooler", "POOLERS", "MLP_MODES", "bn_mlp_head", "init_linear_layers", "topk_token_representation"]
 
 
 class Pooler(nn.Module):
@@ -19,14 +19,16 @@ class Pooler(nn.Module):
     ([CLS] state with D2CSE's BatchNorm MLP head).
     mlp: when the head is applied: "none", "train" (SimCSE's ``mlp_only_train``: training only) or "always".
     The head is SimCSE's Linear + Tanh for cls/mean/mask and DiffCSE's projection MLP for bn_mlp
-    (:func:`bn_mlp_head`).
+    (:func:`bn_mlp_head`), its Linear weights drawn from N(0, ``init_std``) with zero biases: what
+    SimCSE, DCPCSE/PromCSE, PromptBERT and DiffCSE get from Hugging Face's ``init_weights()`` (std = the
+    backbone's ``initializer_range``, 0.02 for BERT and RoBERTa).
 
     ``forward`` = :meth:`apply_head` of :meth:`pool`. Training calls the two apart: the encoder returns
     :meth:`pool`'s vectors and the trainer applies the head over the whole global batch (every view, every
     process), so a head that mixes rows (BatchNorm) sees the same batch however the step is split.
     """
 
-    def __init__(self, pooler: str, hidden_size: int, mlp: str = "none"):
+    def __init__(self, pooler: str, hidden_size: int, mlp: str = "none", init_std: float = 0.02):
         super().__init__()
         check_choice("pooler", pooler, POOLERS)
         check_choice("mlp", mlp, MLP_MODES)
@@ -39,6 +41,8 @@ class Pooler(nn.Module):
             self.head = bn_mlp_head(hidden_size)
         else:
             self.head = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh())
+        if self.head is not None:
+            init_linear_layers(self.head, init_std)
 
     def select(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
                mask_token_id: int | None = None, mask_positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -74,6 +78,16 @@ class Pooler(nn.Module):
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
                 mask_token_id: int | None = None, mask_positions: torch.Tensor | None = None) -> torch.Tensor:
         return self.apply_head(self.select(hidden, attention_mask, input_ids, mask_token_id, mask_positions))
+
+
+@torch.no_grad()
+def init_linear_layers(module: nn.Module, std: float) -> None:
+    """Hugging Face's ``_init_weights`` for the Linear layers of ``module``: weights N(0, std), biases 0."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            m.weight.normal_(0.0, std)
+            if m.bias is not None:
+                m.bias.zero_()
 
 
 def bn_mlp_head(hidden_size: int) -> nn.Sequential:

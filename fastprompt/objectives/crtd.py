@@ -67,6 +67,9 @@ class CRTDTerm(TokenTerm):
         self.sentence_embedding = None if condition == "none" else condition
         super().__init__(name, weight)
         self.replacer, self.discriminator, self.condition = replacer, discriminator, condition
+        # PyTorch's default initialisation, as DiffCSE's code (train.py: ``model.electra_head =
+        # torch.nn.Linear(768, 2)``, made after from_pretrained, so init_weights() never touches it); D2CSE
+        # publishes no code
         self.classifier = nn.Linear(hidden_size, 2)
 
     def make_extras(self, batch, generator):
