@@ -47,6 +47,9 @@ MLM_HEADS = ("checkpoint", "tied_new")
 RTD_DISCRIMINATORS = ("prompted", "plain")
 RTD_CONDITIONS = ("after_head", "before_head", "none")
 RTD_SAMPLING = ("sample", "argmax")
+#: What the replaced-token-detection loss sum is divided by: its target tokens (the real tokens but position 0),
+#: or every position of the padded batch (the count DiffCSE's CrossEntropyLoss averages over).
+RTD_AVERAGES = ("tokens", "positions")
 #: The denominator of SKICSE's Eq. 6 (L_ski2, anchor h, positive h^ski): as printed (the entailments and the
 #: contradictions), or the SKIs (Eq. 2's form, which makes it a -log softmax of its positive).
 SKI2_DENOMINATORS = ("printed", "ski")

@@ -14,6 +14,7 @@ from fastprompt.choices import (
     BACKENDS,
     MLM_HEADS,
     OBJECTIVE_NAMES,
+    RTD_AVERAGES,
     RTD_CONDITIONS,
     RTD_DISCRIMINATORS,
     RTD_SAMPLING,
@@ -142,6 +143,9 @@ class CRTDConfig:
     condition: str = option("after_head", "conditional input at position 0: the sentence embedding after or "
                             "before the pooler head, or none (design c)", choices=RTD_CONDITIONS,
                             key="rtd_condition")
+    average: str = option("tokens", "the RTD loss (summed over the real tokens but position 0) is divided by "
+                          "their number (tokens) or by every position of the padded batch, padding and "
+                          "position 0 included (positions: DiffCSE's mean)", choices=RTD_AVERAGES, key="rtd_average")
 
     def __post_init__(self):
         self.validate()

@@ -37,6 +37,7 @@ RUN_IDENTITY_KEYS = ("model", "pooler", "mlp", "prompt_length", "prefix_projecti
                      "optiprompt", "position_mode", "objective", "train_file",
                      "batch_size", "seed", "max_length", "do_mlm", "mlm_head",
                      "rtd_weight", "rtd_masking_ratio", "rtd_generator", "rtd_discriminator", "rtd_condition",
+                     "rtd_average",
                      "ski_weight", "ski1_weight", "ski2_weight", "ski2_denominator",
                      "template", "second_template", "denoise", "eval_denoise", "topk", "train_backbone")
 #: Keys that only say how to start, never what the run is.
