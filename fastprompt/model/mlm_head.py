@@ -82,6 +82,31 @@ def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module, hint: str 
     return head.to(emb.dtype).requires_grad_(False).eval()
 
 
+def trainable_mlm_head(head: nn.Module) -> nn.Module:
+    """A checkpoint's head (from :func:`load_mlm_head`) made trainable as DCPCSE's code trains it.
+
+    DCPCSE/PromCSE build ``lm_head = RobertaLMHead(config)`` (``BertLMPredictionHead`` for BERT) next to the
+    frozen encoder; ``from_pretrained`` fills it from the checkpoint (for RoBERTa; BERT's ``lm_head.*`` names
+    match no ``cls.predictions.*`` tensor, so there it starts from init_weights()), nothing freezes it, and
+    their model defines no ``get_output_embeddings``, so its decoder is not tied to the word embeddings: every
+    tensor of the head, the decoder's (vocab, hidden) matrix included, trains at the prompt's learning rate.
+    Here: the decoder's weight becomes its own copy of what it holds (the word embeddings, or the
+    checkpoint's own decoder), the output bias lives in the decoder only (one tensor, saved once), and every
+    parameter requires a gradient.
+    """
+    decoder = head.get_output_embeddings() if hasattr(head, "get_output_embeddings") else None
+    decoder = decoder or getattr(head, "predictions", head).decoder
+    decoder.weight = nn.Parameter(decoder.weight.detach().clone())
+    owner = next(m for m in head.modules() if getattr(m, "decoder", None) is decoder)
+    if isinstance(getattr(owner, "bias", None), nn.Parameter):
+        if decoder.bias is owner.bias:
+            owner.bias = None
+        else:
+            raise ValueError(f"{type(head).__name__} keeps an output bias apart from its decoder's: not a head "
+                             "this function knows how to train")
+    return head.requires_grad_(True).train()
+
+
 def new_tied_mlm_head(backbone: nn.Module) -> nn.Module:
     """A freshly initialised MLM head of the backbone's family, its decoder tied to the (frozen) word embeddings.
 

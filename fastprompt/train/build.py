@@ -94,7 +94,7 @@ def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> 
         from fastprompt.objectives.mlm import MLMTerm
 
         m = cfg.mlm
-        terms.append(MLMTerm.for_encoder(encoder, m.head, probability=m.probability,
+        terms.append(MLMTerm.for_encoder(encoder, m.head, m.train_head, probability=m.probability,
                                          weight=WeightSchedule(m.weight, m.decay_rate, m.decay_steps)))
     if cfg.rtd.enabled:
         from fastprompt.objectives.crtd import build_crtd_term

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 RUN_IDENTITY_KEYS = ("model", "pooler", "mlp", "prompt_length", "prefix_projection", "projection_hidden_size",
                      "shared_across_layers", "input_layer_only", "cls_prompt", "prompt_type", "input_prompt_length",
                      "optiprompt", "position_mode", "objective", "train_file",
-                     "batch_size", "seed", "max_length", "do_mlm", "mlm_head",
+                     "batch_size", "seed", "max_length", "do_mlm", "mlm_head", "mlm_train_head",
                      "rtd_weight", "rtd_masking_ratio", "rtd_generator", "rtd_discriminator", "rtd_condition",
                      "rtd_average",
                      "ski_weight", "ski1_weight", "ski2_weight", "ski2_denominator",
