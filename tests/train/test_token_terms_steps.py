@@ -4,9 +4,9 @@ cache gives the gradients of one full-batch graph.
 Setup: tiny BERT and tiny RoBERTa, hidden/attention/prompt dropout 0.1, the ``bn_mlp`` head (BatchNorm over the
 whole batch), the supervised triple (the CRTD term over all three views), the MLM term with the checkpoint's
 head (trained, as DCPCSE's code, or frozen) or the trainable ``tied_new`` head, the CRTD term in the paper's
-design (d) (shared prompts, conditioned on the post-head embedding). Both terms at λ = 5: on these random tiny weights each term at
-λ = 0.5 moves the prompt gradient by only ~6e-5..8e-5, too close to the tolerance for the comparison to
-prove much; at λ = 5 ``test_each_term_moves_the_prompt_gradient`` checks each moves it by > 1e-4. The
+design (d) (shared prompts, conditioned on the post-head embedding). Both terms at λ = 5: on these random tiny
+weights each term at λ = 0.5 moves the prompt gradient by only ~6e-5..8e-5, too close to the tolerance for the
+comparison to prove much; at λ = 5 ``test_each_term_moves_the_prompt_gradient`` checks each moves it by > 1e-4. The
 reference (``_reference`` of tests/train/test_steps.py) embeds the same micro-batches with a graph, applies
 the head to all rows at once, adds each term on each micro-batch on the contract's RNG stream
 (``term_seed``) and backpropagates one loss.
