@@ -26,6 +26,10 @@ TEMPLATE_POOLERS = ("mask", "topk")
 PAPER_POOLER_TYPES = ("cls", "cls_before_pooler")
 #: When the pooler's trainable head is applied.
 MLP_MODES = ("none", "train", "always")
+#: What the pooler's trainable head is: a new one, SimCSE's Linear + Tanh (DiffCSE's BatchNorm MLP with pooler
+#: bn_mlp), or the checkpoint's pretrained MLM transform applied before template denoising (PromptBERT's
+#: supervised BERT).
+POOLER_HEADS = ("new", "mlm_transform")
 #: How the prefix reaches attention: the fused op, or the DynamicCache reference path.
 PREFIX_MODES = ("attention", "cache")
 #: Kinds of trainable prompt: per-layer prefix key/values, soft input tokens, or both.

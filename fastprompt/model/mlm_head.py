@@ -1,4 +1,5 @@
-"""The backbone's masked-language-model head, read from its checkpoint (needed by the ``topk`` pooler).
+"""The backbone's masked-language-model head, read from its checkpoint (the ``topk`` pooler, the MLM term, the
+``mlm_transform`` pooler head).
 
 :class:`PromptEncoder` loads the backbone with ``AutoModel``, which drops the MLM head; this reads just the head's
 tensors (``cls.predictions.*`` for BERT, ``lm_head.*`` for RoBERTa, from ``model.safetensors`` or a sharded
@@ -80,6 +81,18 @@ def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module, hint: str 
     if isinstance(getattr(owner, "bias", None), nn.Parameter) and not any(k.endswith("decoder.bias") for k in tensors):
         decoder.bias = owner.bias
     return head.to(emb.dtype).requires_grad_(False).eval()
+
+
+def load_mlm_transform(model_path: str | os.PathLike, backbone: nn.Module) -> nn.Module:
+    """The checkpoint's pretrained MLM transform (BERT's ``cls.predictions.transform``: dense, activation,
+    LayerNorm), trainable: PromptBERT's supervised head (``--mask_embedding_sentence_org_mlp``)."""
+    hint = ("pooler_head: mlm_transform needs a checkpoint saved from a BERT-family *ForMaskedLM model (e.g. "
+            "bert-base-uncased), whose MLM head holds a transform; use pooler_head: new otherwise")
+    head = load_mlm_head(model_path, backbone, hint=hint)
+    transform = getattr(getattr(head, "predictions", None), "transform", None)
+    if not isinstance(transform, nn.Module):
+        raise ValueError(f"the MLM head of {model_path} ({type(head).__name__}) has no separate transform; " + hint)
+    return transform.requires_grad_(True).train()
 
 
 def trainable_mlm_head(head: nn.Module) -> nn.Module:

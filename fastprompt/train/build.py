@@ -64,7 +64,8 @@ def build_encoder(cfg: TrainConfig, resume_dir: Path | None):
     tpl = cfg.templates
     return PromptEncoder.from_pretrained(enc.model, prompt_config=dataclasses.replace(cfg.prompt), pooler=enc.pooler,
                                          mlp=enc.mlp, attn_backend=enc.attn_backend, prefix_mode=enc.prefix_mode,
-                                         template=tpl.template, denoise=tpl.resolved_eval_denoise, topk=tpl.topk)
+                                         template=tpl.template, denoise=tpl.resolved_eval_denoise, topk=tpl.topk,
+                                         pooler_head=enc.pooler_head)
 
 
 def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device, total_steps: int):
