@@ -15,6 +15,9 @@ from pathlib import Path
 
 import yaml
 
+from fastprompt.train.config import KEYS
+from fastprompt.train.config_doc import yaml_scalar as fmt
+
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "tests" / "train" / "paper_values.yaml"
 CONFIGS = ROOT / "configs"
@@ -44,18 +47,7 @@ def _value(key: str, v) -> dict:
     return dict(v)
 
 
-def fmt(value) -> str:
-    """A value as a recipe writes it."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    return str(value)
-
-
 def _ordered(values: dict) -> list[str]:
-    from fastprompt.train.config import KEYS
-
     order = {k: i for i, k in enumerate(KEYS)}
     return sorted(values, key=lambda k: order.get(k, len(order)))
 

@@ -18,21 +18,9 @@ def _rows(run_dir):
         return list(csv.DictReader(f))
 
 
-@pytest.fixture(scope="module")
-def tiny_mlm_checkpoint(tiny_bert_dir, tmp_path_factory):
-    """The tiny BERT saved as a BertForMaskedLM (with its cls.predictions head)."""
-    from transformers import AutoConfig, AutoTokenizer, BertForMaskedLM
-
-    path = tmp_path_factory.mktemp("tiny-mlm")
-    AutoTokenizer.from_pretrained(tiny_bert_dir).save_pretrained(path)
-    torch.manual_seed(4)
-    BertForMaskedLM(AutoConfig.from_pretrained(tiny_bert_dir)).save_pretrained(path)
-    return path
-
-
 @pytest.mark.parametrize("head", ["tied_new", "checkpoint"])
 def test_do_mlm_run_logs_trains_and_resumes_exactly(base_config, tmp_path, head, request):
-    model = {} if head == "tied_new" else {"model": str(request.getfixturevalue("tiny_mlm_checkpoint"))}
+    model = {} if head == "tied_new" else {"model": str(request.getfixturevalue("tiny_bert_masked_lm"))}
     cfg = base_config(output_dir=str(tmp_path / "ref"), max_steps=4, log_every=1, save_steps=2, eval_steps=100,
                       prompt_dropout=0.1, micro_batch_size=5, do_mlm=True, mlm_head=head, mlm_weight=0.2,
                       mlm_decay_rate=0.5, mlm_decay_steps=2, **model)

@@ -31,18 +31,6 @@ def _encoder(model_dir, template=T1, prompt=PromptConfig(3, prompt_dropout=0.1, 
                                          template=template).train()
 
 
-@pytest.fixture(scope="module")
-def tiny_bert_mlm(tiny_bert_dir, tmp_path_factory):
-    """The tiny BERT saved as a BertForMaskedLM: its cls.predictions.transform is the mlm_transform head."""
-    from transformers import AutoConfig, AutoTokenizer, BertForMaskedLM
-
-    path = tmp_path_factory.mktemp("tiny-bert-mlm")
-    AutoTokenizer.from_pretrained(tiny_bert_dir).save_pretrained(path)
-    torch.manual_seed(6)
-    BertForMaskedLM(AutoConfig.from_pretrained(tiny_bert_dir)).save_pretrained(path)
-    return path
-
-
 def _grads(enc):
     return {n: p.grad.clone() for n, p in enc.named_parameters() if p.grad is not None}
 
@@ -182,11 +170,11 @@ def test_frozen_baseline_of_a_promptbert_run_uses_its_template(base_config, tiny
     assert any(abs(own[k] - default[k]) > 1e-6 for k in own)
 
 
-def test_cached_step_equals_reference_with_the_mlm_transform_head(tiny_bert_mlm):
+def test_cached_step_equals_reference_with_the_mlm_transform_head(tiny_bert_masked_lm):
     """Supervised PromptBERT's BERT head (pooler_head mlm_transform): T(h) - T(bias) inside the embed call, so the
     gradient cache replays it with the rest of each micro-batch; the transform's gradients equal one graph's."""
     torch.manual_seed(0)
-    enc = PromptEncoder.from_pretrained(tiny_bert_mlm, prompt_config=PromptConfig(3, prompt_dropout=0.1,
+    enc = PromptEncoder.from_pretrained(tiny_bert_masked_lm, prompt_config=PromptConfig(3, prompt_dropout=0.1,
                                                                                   init_std=0.3),
                                         pooler="mask", mlp="always", template=T1, denoise=True,
                                         pooler_head="mlm_transform").train()
@@ -218,7 +206,7 @@ def test_cached_step_equals_reference_with_the_mlm_transform_head(tiny_bert_mlm)
         torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_the_supervised_bert_recipe_trains_its_transform_head(tiny_bert_mlm, tiny_triplets, tmp_path):
+def test_the_supervised_bert_recipe_trains_its_transform_head(tiny_bert_masked_lm, tiny_triplets, tmp_path):
     """configs/promptbert-sup-bert-base.yaml scaled down to the tiny BERT: the backbone and the pretrained MLM
     transform train; best/ holds both and evaluates as the trained encoder did."""
     from pathlib import Path
@@ -227,7 +215,7 @@ def test_the_supervised_bert_recipe_trains_its_transform_head(tiny_bert_mlm, tin
     from fastprompt.train.config import load_config
 
     recipe = Path(__file__).resolve().parents[2] / "configs" / "promptbert-sup-bert-base.yaml"
-    cfg = load_config(recipe, dict(model=str(tiny_bert_mlm), train_file=str(tiny_triplets), batch_size=8,
+    cfg = load_config(recipe, dict(model=str(tiny_bert_masked_lm), train_file=str(tiny_triplets), batch_size=8,
                                    micro_batch_size=5, max_steps=2, sts_dir=None, output_dir=str(tmp_path / "run"),
                                    precision="fp32", num_threads=1, progress_bar=False, tensorboard=False))
     assert cfg.pooler_head == "mlm_transform" and cfg.train_backbone
