@@ -206,27 +206,35 @@ def test_cached_step_equals_reference_with_the_mlm_transform_head(tiny_bert_mask
         torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
 
 
-def test_the_supervised_bert_recipe_trains_its_transform_head(tiny_bert_masked_lm, tiny_triplets, tmp_path):
-    """configs/promptbert-sup-bert-base.yaml scaled down to the tiny BERT: the backbone and the pretrained MLM
-    transform train; best/ holds both and evaluates as the trained encoder did."""
+@pytest.mark.parametrize("recipe", ["promptbert-sup-bert-base.yaml", "optiprompt-bert-base.yaml"])
+def test_the_bert_recipes_train_their_transform_head(recipe, tiny_bert_masked_lm, tiny_triplets, tiny_corpus,
+                                                     tmp_path):
+    """The two recipes with BERT's pretrained MLM transform as the head, scaled down to the tiny BERT: supervised
+    PromptBERT (the backbone trains too; the head in training and evaluation, after denoising) and OptiPrompt
+    (the template's vectors and the head train, the backbone is frozen; the head in training only): the head
+    moves, and best/ holds it and evaluates as the trained encoder does."""
     from pathlib import Path
 
     from fastprompt.train import Trainer
     from fastprompt.train.config import load_config
 
-    recipe = Path(__file__).resolve().parents[2] / "configs" / "promptbert-sup-bert-base.yaml"
-    cfg = load_config(recipe, dict(model=str(tiny_bert_masked_lm), train_file=str(tiny_triplets), batch_size=8,
-                                   micro_batch_size=5, max_steps=2, sts_dir=None, output_dir=str(tmp_path / "run"),
-                                   precision="fp32", num_threads=1, progress_bar=False, tensorboard=False))
-    assert cfg.pooler_head == "mlm_transform" and cfg.train_backbone
+    sup = recipe.startswith("promptbert")
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / recipe, dict(
+        model=str(tiny_bert_masked_lm), train_file=str(tiny_triplets if sup else tiny_corpus), batch_size=8,
+        micro_batch_size=5, max_steps=2, sts_dir=None, output_dir=str(tmp_path / "run"), precision="fp32",
+        num_threads=1, progress_bar=False, tensorboard=False))
+    assert cfg.pooler_head == "mlm_transform" and cfg.train_backbone == sup
+    assert cfg.mlp == ("always" if sup else "train")
     trainer = Trainer(cfg)
     trainer.setup()
     before = trainer.encoder.pooler.head.dense.weight.detach().clone()
     assert trainer.train()["status"] == "completed"
     after = trainer.encoder.pooler.head.dense.weight.detach()
     assert not torch.equal(before, after)
+    if not sup:
+        assert trainer.encoder.template_words is not None and not trainer.encoder.backbone_trained
     saved = PromptEncoder.load(trainer.best_dir).eval()
-    assert saved.pooler.head_kind == "mlm_transform" and saved.denoise
+    assert saved.pooler.head_kind == "mlm_transform" and saved.denoise == sup
     torch.testing.assert_close(saved.pooler.head.dense.weight, after, atol=0, rtol=0)
     trainer.encoder.eval()
     torch.testing.assert_close(torch.as_tensor(saved.encode(SENTS)), torch.as_tensor(trainer.encoder.encode(SENTS)),
