@@ -69,9 +69,10 @@ def check_seeds_config(config: TrainConfig) -> None:
 
 
 def _completed_summary(cfg: TrainConfig) -> dict[str, Any] | None:
-    """The summary of a completed run of exactly this seed's settings in its folder, else None."""
+    """The summary of a completed run of exactly this seed's settings in its folder, else None (always None
+    with ``resume: false``: the seed then starts over, as the trainer decides)."""
     path = Path(cfg.run.output_dir) / "summary.json"
-    if not path.is_file():
+    if not cfg.run.resume or not path.is_file():
         return None
     summary = json.loads(path.read_text(encoding="utf-8"))
     if summary.get("status") != "completed" or not summary.get("test"):

@@ -83,6 +83,10 @@ def test_rerun_skips_completed_seeds_and_resumes_the_rest(base_config, tiny_sts_
     cfg.learning_rate = 5e-3  # another setting: seed 1's completed run is not silently reused
     train_seeds(cfg, [1], run=lambda c: calls.append(c.seed) or {"status": "completed", "test": None})
     assert calls == [1]
+    calls.clear()
+    cfg.learning_rate, cfg.resume = 1e-2, False  # --no-resume: the trainer decides (starts over, or refuses)
+    train_seeds(cfg, [1], run=lambda c: calls.append(c.seed) or {"status": "completed", "test": None})
+    assert calls == [1]
 
 
 def test_a_diverged_seed_is_reported_and_left_out(base_config, tiny_sts_dir, tmp_path):
