@@ -205,8 +205,8 @@ class EvalConfig(_Section):
                                    "template, no prompt) on STS-B dev and the seven tasks, so the summary shows "
                                    "the gain")
     eval_precision: str = option("fp32", "autocast dtype of the evaluations (STS-B dev selection, the final test "
-                                 "table, the frozen baseline, the collapse probe): fp32, as the papers evaluate, "
-                                 "whatever the training precision", choices=PRECISIONS)
+                                 "table, the frozen baseline): fp32, as the papers evaluate, whatever the training "
+                                 "precision", choices=PRECISIONS)
 
     def validate(self):
         if isinstance(self.eval_steps, int) and not isinstance(self.eval_steps, bool) and self.eval_steps <= 0:
