@@ -202,14 +202,20 @@ def test_topk_option_sets_k_of_the_topk_pooler(tmp_path, capsys, input_file, tin
     torch.manual_seed(3)
     AutoModelForMaskedLM.from_config(AutoConfig.from_pretrained(tiny_bert_dir)).save_pretrained(mlm)
     out = {}
-    for k in (3, None):
+    for k in (3, 40):
         out[k] = tmp_path / f"emb-{k}.npy"
-        extra = ["--topk", k] if k else []
-        rc, _, err = _run(capsys, "--model", mlm, "--pooler", "topk", *extra, "--input", input_file, "--output", out[k])
+        rc, _, err = _run(capsys, "--model", mlm, "--pooler", "topk", "--topk", k, "--input", input_file,
+                          "--output", out[k])
         assert rc == 0, err
     ref = PromptEncoder.from_pretrained(mlm, pooler="topk", topk=3).eval()
     np.testing.assert_allclose(np.load(out[3]), ref.encode(LINES), atol=1e-5)
-    assert ref.topk == 3 and not np.allclose(np.load(out[3]), np.load(out[None]), atol=1e-3)  # default k is 10
+    assert ref.topk == 3 and not np.allclose(np.load(out[3]), np.load(out[40]), atol=1e-3)
+    # the default k is PromptBERT's 200 (Table 9): more than this tiny vocabulary holds, a clear error
+    vocab = AutoConfig.from_pretrained(mlm).vocab_size
+    assert vocab < 200
+    rc, _, err = _run(capsys, "--model", mlm, "--pooler", "topk", "--input", input_file, "--output",
+                      tmp_path / "default.npy")
+    assert rc == 2 and f"topk must be an integer in [1, vocab size {vocab}], got 200" in err
     with pytest.raises(SystemExit):
         cli.main(["encode", "--model", str(mlm), "--pooler", "topk", "--topk", "0", "--input", str(input_file),
                   "--output", str(tmp_path / "x.npy")])

@@ -46,8 +46,9 @@ class ModelConfigFile:
 
 def check_model_folder(path: str | os.PathLike, tokenizer: bool = True) -> None:
     """A local model folder must hold a config of the right types, safetensors weights and (unless ``tokenizer`` is
-    false: a model that works on another model's token ids) a tokenizer; say which is missing or wrong (transformers would instead guess at a tokenizer class and ask for sentencepiece, or fail
-    deep inside on a malformed config)."""
+    false: a model that works on another model's token ids) a tokenizer; say which is missing or wrong
+    (transformers would instead guess at a tokenizer class and ask for sentencepiece, or fail deep inside on a
+    malformed config)."""
     path = Path(path)
     names = sorted(p.name for p in path.iterdir())
     holds = f"it holds {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}" if names else "it is empty"

@@ -141,6 +141,7 @@ def save_checkpoint(encoder, checkpoint_dir: str | os.PathLike, overwrite: bool 
         "prompt_config": encoder.prompt_config.to_dict() if encoder.prompt_config is not None else None,
         "pooler": encoder.pooler.pooler,
         "mlp": encoder.pooler.mlp,
+        "pooler_head": encoder.pooler.head_kind,
         "max_length": encoder.max_length,
         "template": encoder.template,
         "denoise": encoder.denoise,

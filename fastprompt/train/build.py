@@ -65,7 +65,7 @@ def build_encoder(cfg: TrainConfig, resume_dir: Path | None):
     return PromptEncoder.from_pretrained(enc.model, prompt_config=dataclasses.replace(cfg.prompt), pooler=enc.pooler,
                                          mlp=enc.mlp, attn_backend=enc.attn_backend, prefix_mode=enc.prefix_mode,
                                          template=tpl.template, denoise=tpl.resolved_eval_denoise, topk=tpl.topk,
-                                         trust_remote_code=enc.trust_remote_code)
+                                         pooler_head=enc.pooler_head, trust_remote_code=enc.trust_remote_code)
 
 
 def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device, total_steps: int):
@@ -95,7 +95,7 @@ def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> 
         from fastprompt.objectives.mlm import MLMTerm
 
         m = cfg.mlm
-        terms.append(MLMTerm.for_encoder(encoder, m.head, probability=m.probability,
+        terms.append(MLMTerm.for_encoder(encoder, m.head, m.train_head, probability=m.probability,
                                          weight=WeightSchedule(m.weight, m.decay_rate, m.decay_steps)))
     if cfg.rtd.enabled:
         from fastprompt.objectives.crtd import build_crtd_term
@@ -202,8 +202,10 @@ def build_optimization(cfg: TrainConfig, params: list[torch.nn.Parameter], total
     return Optimization(optimizer, scheduler, scaler)
 
 
-def autocast_factory(cfg: TrainConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    dtype = _AUTOCAST_DTYPES.get(cfg.run.precision)
+def autocast_factory(cfg: TrainConfig, device: torch.device,
+                     precision: str | None = None) -> Callable[[], contextlib.AbstractContextManager]:
+    """The autocast of the training forwards (``cfg.run.precision``), or of ``precision`` (evaluation's)."""
+    dtype = _AUTOCAST_DTYPES.get(precision or cfg.run.precision)
     if dtype is None:
         return contextlib.nullcontext
     return lambda: torch.autocast(device.type, dtype=dtype)

@@ -26,6 +26,7 @@ from fastprompt.choices import (
     BACKENDS,
     DECODE_ERROR_MODES,
     MLP_MODES,
+    POOLER_HEADS,
     POOLERS,
     PRECISIONS,
     PREFIX_MODES,
@@ -64,6 +65,10 @@ class EncoderConfig(_Section):
     pooler: str = option("cls", "how the last hidden states become one sentence vector", choices=POOLERS)
     mlp: str = option("none", "when the pooler's trainable head is used: never, in training only, or always",
                       choices=MLP_MODES)
+    pooler_head: str = option("new", "the pooler's trainable head: new (SimCSE's Linear + Tanh; DiffCSE's BatchNorm "
+                              "MLP with pooler bn_mlp) or mlm_transform (the checkpoint's pretrained MLM transform "
+                              "on the [MASK] state and on the template bias before subtracting: PromptBERT's "
+                              "supervised BERT head; pooler mask)", choices=POOLER_HEADS)
     attn_backend: str = option("auto", "implementation of the fused prefix-attention op", choices=BACKENDS)
     prefix_mode: str = option("attention", "attention (the fused op) or cache (reference: prefix in a "
                               "DynamicCache)", choices=PREFIX_MODES)
@@ -74,6 +79,9 @@ class EncoderConfig(_Section):
         super().validate()
         if not self.model:
             raise ValueError("model must name a base encoder (a folder, an installed model package or a hub id)")
+        if self.pooler_head == "mlm_transform" and (self.pooler != "mask" or self.mlp == "none"):
+            raise ValueError(f"pooler_head mlm_transform transforms the template's [MASK] state: it needs pooler "
+                             f"mask and mlp train or always, got pooler {self.pooler}, mlp {self.mlp}")
         return self
 
 
@@ -201,6 +209,9 @@ class EvalConfig(_Section):
     frozen_baseline: bool = option(False, "with final_eval, also score the untouched base model (same pooler and "
                                    "template, no prompt) on STS-B dev and the seven tasks, so the summary shows "
                                    "the gain")
+    eval_precision: str = option("fp32", "autocast dtype of the evaluations (STS-B dev selection, the final test "
+                                 "table, the frozen baseline): fp32, as the papers evaluate, whatever the training "
+                                 "precision", choices=PRECISIONS)
 
     def validate(self):
         if isinstance(self.eval_steps, int) and not isinstance(self.eval_steps, bool) and self.eval_steps <= 0:

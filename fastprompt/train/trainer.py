@@ -185,7 +185,8 @@ class Trainer:
                              loss_scale=self.scaler.scale if self.scaler is not None else None,
                              embed=build.build_embed(cfg, self.encoder, self.examples, self.method))
         self.step = build.build_step(cfg, loss_side)
-        self.evaluator = Evaluator(cfg, self.encoder, self.autocast, device=self.device,
+        eval_autocast = build.autocast_factory(cfg, self.device, precision=cfg.evaluation.eval_precision)
+        self.evaluator = Evaluator(cfg, self.encoder, self.autocast, eval_autocast=eval_autocast, device=self.device,
                                    dev_data=build.load_dev_data(cfg), probe=probe_sentences(self.examples.rows))
         preflight.check_sts_files(cfg)  # the final evaluation's files, read now rather than after training
 
