@@ -460,8 +460,8 @@ def config(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout: boo
     if kernel == "fwd":  # a window or bias tile on top of 64 x 128 rows spills with 4 warps
         bn = 32 if dropout else big
         return launch(big, bn, 16 if P <= 16 else bn, 8 if switches and bd == 128 else 4)
-    if kernel == "bwd_dq":  # likewise at 64 x 64 (the bias gradient tile is live too)
-        return launch(big, 32, bp, 8 if switches and bd >= 64 else warps)
+    if kernel == "bwd_dq":  # likewise at 64 x 64; at 64 x 128 even 8 warps spill (the bias gradient tile is live)
+        return launch(32 if switches and bd == 128 else big, 32, bp, 8 if switches and bd >= 64 else warps)
     if kernel == "bwd_dkdv":  # 64 key rows spill on sm_80 at D = 64 (mma.sync keeps dK and dV in registers)
         return launch(32, 32, 16, warps)
     return launch(32, 32, bp, warps)

@@ -115,6 +115,27 @@ def test_padded_half_matches_reference(dtype, case, bias_dtype):
     check(dtype, got, run_reference(*inputs, got[3], **kw), inputs[:5] + inputs[7:])
 
 
+@pytest.mark.parametrize("causal, window, poisoned, clean", [
+    (True, (-1, -1), slice(32, 40), slice(0, 32)),  # causal: rows 0..31 never see key tile 32..39
+    (True, (3, -1), slice(0, 16), slice(32, 40)),  # sliding window of 4: rows 32..39 never see key tile 0..15
+], ids=["causal", "sliding"])
+def test_hidden_token_tiles_are_never_read(causal, window, poisoned, clean):
+    """Whole token tiles the window hides from a row tile are skipped, not loaded and masked: NaN values there
+    (0 x NaN = NaN in any product that read them) leave those rows' outputs and dQ finite and right. fp32 tiles
+    are 16 rows, S = 40: three row and key tiles."""
+    q, k, v, pk, pv, _, _, _ = make_inputs(1, 1, 1, 40, 1, 16)
+    kw = dict(causal=causal, window_left=window[0], window_right=window[1])
+    dout = torch.randn(1, 1, 40, 16, generator=torch.Generator().manual_seed(1))
+    want, _, want_grads = run_reference(q, k, v, pk, pv, None, None, None, dout, **kw)
+    with torch.no_grad():
+        k[:, :, poisoned] = float("nan")
+        v[:, :, poisoned] = float("nan")
+    out, _ = fwd_op(q, k, v, pk, pv, None, None, 0.25, 0.0, 0, **kw)
+    dq, = torch.autograd.grad(out, q, dout)
+    close("out", out[:, :, clean], want[:, :, clean], ATTN_TOL[torch.float32])
+    close("dq", dq[:, :, clean], want_grads[0][:, :, clean], ATTN_TOL[torch.float32])
+
+
 def test_dropout_with_every_switch_matches_reference_given_the_kernel_mask():
     """Grouped-query heads, causal, bias and mixed prompts with dropout: the kernels drop what their Philox mask
     says (read back with the plain layout: the mask depends on (b, query head, row, column) only) in the forward
