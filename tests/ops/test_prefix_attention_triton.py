@@ -268,3 +268,31 @@ def test_fake_tensor_propagation_packed_and_bias_gradient():
         grads = torch.ops.fastprompt.prefix_attention_bwd(out, q, kv, kv, pk, pk, out, lse, None, pidx, 0.25, 0.1, 0,
                                                           bias, cu, 6, True, -1, -1, True)
         assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape, pk.shape, pk.shape, bias.shape]
+
+
+def test_torch_compile_keeps_one_node_with_every_switch():
+    """Packed rows, grouped-query heads, causal, a bias with its gradient, dropout: one opaque node of a captured
+    graph, and the same values and gradients through AOTAutograd as eagerly."""
+    inputs, cu, L, _ = packed_inputs([3, 1, 4], 4, 2, 2, 16, T=2, bias=(1, 4, 4, 4))
+    q, k, v, pk, pv, _, pidx, bias = inputs
+    leaves = (q, k, v, pk, pv, bias)
+
+    def f(q, k, v, pk, pv, bias):
+        return _triton_attention(q, k, v, pk, pv, None, pidx, 0.25, 0.1, 3, causal=True, attn_bias=bias,
+                                 cu_seqlens=cu, max_seqlen=L).square().sum()
+
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    want = f(*leaves)
+    want_grads = torch.autograd.grad(want, leaves)
+    for backend in (capture, "aot_eager"):
+        loss = torch.compile(f, backend=backend, fullgraph=True)(*leaves)
+        torch.testing.assert_close(loss, want)
+        for g, w in zip(torch.autograd.grad(loss, leaves), want_grads):
+            torch.testing.assert_close(g, w)
+    code = graphs[0].code
+    assert code.count("torch.ops.fastprompt.prefix_attention_fwd") == 1 and "matmul" not in code
