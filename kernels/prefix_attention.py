@@ -431,11 +431,12 @@ _TILES = {"fwd": ("BLOCK_M", "BLOCK_N", "BLOCK_P", "BLOCK_D"),
           "bwd_prefix": ("BLOCK_M", "BLOCK_P", "BLOCK_D")}
 
 
-def config(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout: bool, switches: bool = False
-           ) -> LaunchConfig:
+def config(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout: bool, switches: bool = False,
+           tf32: bool = False) -> LaunchConfig:
     """The tiles each kernel is launched with (chosen, with ``LaunchConfig.maxnreg``, so that no specialisation
     spills on sm_80/sm_90: see ``aot_specs`` and the AOT test). Short sequences (S <= 32, BERT-style
-    sentences) get 32-row tiles. ``switches``: a token window or an attention bias is on (more live registers)."""
+    sentences) get 32-row tiles. ``switches``: a token window or an attention bias is on (more live registers);
+    ``tf32``: fp32 inputs multiplied on TF32 tensor cores."""
     if kernel not in KERNELS:
         raise ValueError(f"unknown kernel {kernel!r}; expected one of {KERNELS}")
     bd = max(32, triton.next_power_of_2(D))
@@ -446,15 +447,19 @@ def config(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout: boo
         return LaunchConfig({k: tiles[k] for k in _TILES[kernel]}, num_warps, num_stages, maxnreg)
 
     if dtype == torch.float32:
-        # Exact fp32 dots run on FMA units with whole operand rows in registers: 16-row tiles keep every
-        # fp32 kernel spill-free (32-row tiles spill at D = 128, and erratically at D = 64); ptxas spills
-        # a few registers of the prefix-gradient kernel at D = 64 with dropout unless it is not pipelined.
-        # ptxas is erratic here: at D = 128 the dropout kernels and dK/dV spill with a 255-register bound and
-        # not without one (except the forward with a window or bias, which spills without it); the others need
-        # the bound (measured per specialisation by the AOT check).
-        unbounded = bd == 128 and ((dropout and not (switches and kernel == "fwd")) or kernel == "bwd_dkdv")
-        return launch(16, 16, 16, 4, num_stages=1 if kernel == "bwd_prefix" else 2,
-                      maxnreg=None if unbounded else 255)
+        # Exact fp32 dots run on FMA units with whole operand rows in registers: 16-row tiles (32-row tiles
+        # spill at D = 128, and erratically at D = 64). ptxas is erratic here (measured per specialisation by the
+        # AOT check): at D = 128 with 4 warps it spills under its own occupancy heuristic and under a
+        # 255-register bound alike, depending on the switches, so D = 128 runs 8 warps: exact products with a
+        # 128-register bound and the row loops of dK/dV and the prefix gradients not software-pipelined (which
+        # is what made them spill), TF32 products (tensor cores) under ptxas's heuristic. Below D = 128 the
+        # prefix-gradient kernel is not pipelined either (it spills a few registers at D = 64 with dropout).
+        row_loop = kernel in ("bwd_dkdv", "bwd_prefix")
+        if bd == 128 and tf32:
+            return launch(16, 16, 16, 8, num_stages=1 if kernel == "bwd_prefix" else 2, maxnreg=None)
+        if bd == 128:
+            return launch(16, 16, 16, 8, num_stages=1 if row_loop else 2, maxnreg=128)
+        return launch(16, 16, 16, 4, num_stages=1 if kernel == "bwd_prefix" else 2)
     big = 32 if S <= 32 else 64
     bp = 16 if P <= 16 else 32
     if kernel == "fwd":  # a window or bias tile on top of 64 x 128 rows spills with 4 warps
@@ -618,7 +623,7 @@ _FLAGS = {"fwd": ("MASKED", "HAS_BIAS"), "bwd_dq": ("MASKED", "HAS_BIAS", "BIAS_
 def _constexprs(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout: bool, upcast: bool,
                 dot_prec: str, masked: bool = False, bias: bool = False, bias_grad: bool = False):
     """Compile-time arguments and launch options of ``kernel`` (shared with :func:`aot_specs`)."""
-    cfg = config(kernel, S, P, D, dtype, dropout, masked or bias)
+    cfg = config(kernel, S, P, D, dtype, dropout, masked or bias, dot_prec == "tf32")
     flags = dict(MASKED=masked, HAS_BIAS=bias, BIAS_GRAD=bias_grad)
     return (dict(DROPOUT=dropout, UPCAST=upcast, DOT_PREC=dot_prec, **{f: flags[f] for f in _FLAGS[kernel]},
                  **cfg.tiles), cfg.options())
