@@ -452,14 +452,11 @@ def config(kernel: str, S: int, P: int, D: int, dtype: torch.dtype, dropout: boo
         # AOT check): at D = 128 with 4 warps it spills under its own occupancy heuristic and under a
         # 255-register bound alike, depending on the switches, so D = 128 runs 8 warps: exact products with a
         # 128-register bound and the row loops of dK/dV and the prefix gradients not software-pipelined (which
-        # is what made them spill), TF32 products (tensor cores) under ptxas's heuristic. Below D = 128 the
-        # prefix-gradient kernel is not pipelined either (it spills a few registers at D = 64 with dropout).
-        row_loop = kernel in ("bwd_dkdv", "bwd_prefix")
-        if bd == 128 and tf32:
-            return launch(16, 16, 16, 8, num_stages=1 if kernel == "bwd_prefix" else 2, maxnreg=None)
-        if bd == 128:
-            return launch(16, 16, 16, 8, num_stages=1 if row_loop else 2, maxnreg=128)
-        return launch(16, 16, 16, 4, num_stages=1 if kernel == "bwd_prefix" else 2)
+        # is what made them spill), TF32 products (tensor cores) with the 255 bound (its heuristic spills a few).
+        # Below D = 128 the prefix-gradient kernel is not pipelined either (it spills at D = 64 with dropout).
+        row_loop = kernel == "bwd_prefix" or (kernel == "bwd_dkdv" and bd == 128 and not tf32)
+        return launch(16, 16, 16, 8 if bd == 128 else 4, num_stages=1 if row_loop else 2,
+                      maxnreg=128 if bd == 128 and not tf32 else 255)
     big = 32 if S <= 32 else 64
     bp = 16 if P <= 16 else 32
     if kernel == "fwd":  # a window or bias tile on top of 64 x 128 rows spills with 4 warps
