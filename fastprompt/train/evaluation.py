@@ -28,11 +28,15 @@ def probe_sentences(rows: list[tuple[str, ...]]) -> list[str]:
 
 
 class Evaluator:
-    """The evaluations of one run. ``dev_data``: the STS-B dev pairs (None without ``sts_dir``); ``probe``:
-    the collapse probe's sentences."""
+    """The evaluations of one run. ``autocast``: the training forwards' (the collapse probe watches what training
+    computes); ``eval_autocast``: STS-B dev, the test table and the frozen baseline's (``eval_precision``: fp32
+    by default, whatever the training precision, as the papers evaluate); ``dev_data``: the STS-B dev pairs (None
+    without ``sts_dir``); ``probe``: the collapse probe's sentences."""
 
-    def __init__(self, config, encoder, autocast: Callable, *, device, dev_data, probe: list[str]):
+    def __init__(self, config, encoder, autocast: Callable, *, eval_autocast: Callable, device, dev_data,
+                 probe: list[str]):
         self.config, self.encoder, self.autocast, self.device = config, encoder, autocast, device
+        self.eval_autocast = eval_autocast
         self.dev_data, self.probe = dev_data, probe
 
     def probe_spread(self) -> float | None:
@@ -51,7 +55,7 @@ class Evaluator:
             return None
         from fastprompt.eval.sts import score_sts
 
-        with self.autocast():
+        with self.eval_autocast():
             result = score_sts(self.encoder, self.dev_data, batch_size=self.config.evaluation.eval_batch_size,
                                show_progress_bar=False)
         self.encoder.train()
@@ -84,7 +88,7 @@ class Evaluator:
         logger.info("final evaluation of %s on the STS test sets", checkpoint)
         # without a progress bar (a log file, a batch job) the minutes of encoding are logged instead
         model = self.encoder if show else LoggedEncoder(self.encoder, "final evaluation")
-        with self.encoder.using_weights(checkpoint), self.autocast():
+        with self.encoder.using_weights(checkpoint), self.eval_autocast():
             return evaluate_sts(model, ev.sts_dir, batch_size=ev.eval_batch_size, show_progress_bar=show)
 
     def frozen_baseline(self) -> dict[str, Any]:
@@ -98,10 +102,10 @@ class Evaluator:
         pooler = "cls" if enc.pooler == "bn_mlp" else enc.pooler
         frozen = PromptEncoder.from_pretrained(enc.model, pooler=pooler, mlp="none", attn_backend=enc.attn_backend,
                                                template=tpl.template, denoise=tpl.resolved_eval_denoise,
-                                               topk=tpl.topk)
+                                               topk=tpl.topk, trust_remote_code=enc.trust_remote_code)
         frozen.to(self.device).eval()
         batch_size = self.config.evaluation.eval_batch_size
-        with self.autocast():
+        with self.eval_autocast():
             dev = score_sts(frozen, self.dev_data, batch_size=batch_size, show_progress_bar=False)
             test = evaluate_sts(frozen, self.config.evaluation.sts_dir, batch_size=batch_size)
         logger.info("frozen %s (%s pooling): STS-B dev %.2f, seven-task average %.2f", enc.model, pooler,

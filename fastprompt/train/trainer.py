@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from fastprompt.data import Batch, TrainExamples
 from fastprompt.objectives.base import TokenTerm
 from fastprompt.train import build, preflight
-from fastprompt.train.checkpoints import RunDirectory
+from fastprompt.train.checkpoints import RunDirectory, data_fingerprint
 from fastprompt.train.collapse import SPREAD_STAT, CollapseMonitor
 from fastprompt.train.config import TrainConfig, load_config, save_config
 from fastprompt.train.distributed import init_distributed
@@ -144,6 +144,7 @@ class Trainer:
         self.dist = init_distributed(cfg.run.device)  # a device this machine lacks fails here, before any loading
         if self.dist.is_main:  # one run per output_dir: a second one is refused before it writes anything
             preflight.check_output_dir(self.output_dir)
+            self.run_dir.check_target(cfg.run.overwrite_output_dir)  # a user's own files are never replaced unasked
             self._lock = RunLock(self.output_dir).acquire()
         try:
             self._setup(cfg)
@@ -160,8 +161,12 @@ class Trainer:
 
         if self.examples is None:
             self.examples = build.load_examples(cfg)
+        self._data = data_fingerprint(self.examples)
+        if resume_dir is not None:
+            self.run_dir.check_same_data(resume_dir, self._data, self.examples.source)
         self.sampler = build.build_sampler(cfg, self.examples, self.dist)
         self.total_steps = build.count_total_steps(cfg, self.sampler)
+        build.check_warmup(cfg, self.total_steps)
 
         torch.manual_seed(cfg.run.seed)  # prompt initialisation
         given_encoder = self.encoder  # a user's encoder gets last/'s weights in restore(); a built one has them
@@ -180,7 +185,8 @@ class Trainer:
                              loss_scale=self.scaler.scale if self.scaler is not None else None,
                              embed=build.build_embed(cfg, self.encoder, self.examples, self.method))
         self.step = build.build_step(cfg, loss_side)
-        self.evaluator = Evaluator(cfg, self.encoder, self.autocast, device=self.device,
+        eval_autocast = build.autocast_factory(cfg, self.device, precision=cfg.evaluation.eval_precision)
+        self.evaluator = Evaluator(cfg, self.encoder, self.autocast, eval_autocast=eval_autocast, device=self.device,
                                    dev_data=build.load_dev_data(cfg), probe=probe_sentences(self.examples.rows))
         preflight.check_sts_files(cfg)  # the final evaluation's files, read now rather than after training
 
@@ -192,6 +198,7 @@ class Trainer:
         self.dist.broadcast_from_main([*self.encoder.prompt_state_dict().values(),
                                        *self.method.resume_state().values()])
         if self.dist.is_main:
+            self.run_dir.clear_previous()  # a fresh start over an old run: only now that everything above worked
             save_config(cfg, self.run_dir.config_yaml)
             self.metrics = MetricsLog(self.output_dir, resume_step=self.state.global_step if resume_dir else None,
                                       tensorboard=cfg.run.tensorboard,
@@ -270,7 +277,8 @@ class Trainer:
             self.run_dir.save_last(self.encoder, self.method, optimizer=self.optimizer, scheduler=self.scheduler,
                                    scaler=self.scaler, trainer={"state": self.state.__dict__.copy(),
                                                                 "config": self.config.to_dict(),
-                                                                "total_steps": self.total_steps})
+                                                                "total_steps": self.total_steps,
+                                                                "data": self._data})
         return self.last_dir
 
     def save_best(self, score: float | None) -> Path:

@@ -24,7 +24,7 @@ the same rounded values, so only the final rounding to fp16 differs (2^-11 relat
 import pytest
 import torch
 
-from fastprompt.backends import TRITON_INSTALLED, UnsupportedInputError
+from fastprompt.backends import TRITON_INSTALLED
 from fastprompt.ops import _cpp, attention_cpu, prefix_attention
 from fastprompt.ops.reference import prefix_attention_reference
 
@@ -350,6 +350,26 @@ def test_float64_paths_match_the_reference(case, backend):
         assert_close(name, g, w, 1e-12, 1e-12)
 
 
+@pytest.mark.skipif(not TRITON_INSTALLED, reason="needs the triton package (its interpreter runs the kernels here)")
+def test_public_function_passes_the_new_arguments_to_the_triton_kernels(monkeypatch):
+    """backend="triton" gets grouped-query heads, causal, a window, the bias (with its gradient) and a packed batch
+    through the public function (the kernels' own tests call the op directly): same results as the reference."""
+    from fastprompt.kernels import prefix_attention as kernels
+
+    if not kernels.interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1 at import (tests/conftest.py)")
+    seen = []
+    forward = kernels.forward
+    monkeypatch.setattr(kernels, "forward", lambda *a, **kw: seen.append(kw) or forward(*a, **kw))
+    tensors, kw, dims = packed_case([3, 1, 6], 4, 2, 3, 16, 2, 7, True, (2, 0), "B1", 0.0)
+    out, got, want, want_grads, _ = run_case(tensors, kw, dims, 0.0, backend="triton")
+    assert len(seen) == 1 and seen[0]["causal"] and seen[0]["window"] == (2, 0) and seen[0]["max_seqlen"] == 7
+    assert seen[0]["attn_bias"] is not None and seen[0]["cu_seqlens"] is not None
+    assert_close("out", out, want)
+    for name, g, w in zip(NAMES, got, want_grads):
+        assert_close(name, g, w)
+
+
 def test_composite_without_a_bias_gradient_uses_sdpa_and_agrees():
     """No dropout and a bias that needs no gradient: the composite's SDPA branch (grouped heads via enable_gqa)."""
     tensors, kw, dims = padded_case(2, 4, 2, 13, 2, 8, None, "random", True, (4, 1), "1H", 0.0, dtype=torch.float64)
@@ -468,8 +488,6 @@ def bad_call(case):
     elif case == "packed_prompt_index_per_token":
         args = packed[:3] + [torch.zeros(2, 2, 3, 16)] * 2
         kw = dict(cu_seqlens=cu, prompt_index=torch.zeros(8, dtype=torch.long))
-    elif case == "triton_explicit":
-        kw.update(causal=True, backend="triton")
     return args, kw
 
 
@@ -498,17 +516,11 @@ def bad_call(case):
     ("packed_bias_not_max_seqlen", "L \\(max_seqlen\\)"),
     ("packed_bias_not_longest", "L = 5"),
     ("packed_prompt_index_per_token", "shape \\(2,\\) \\(one per sequence\\)"),
-    ("triton_explicit", "backend='triton' does not take this input: .*causal"),
 ])
 def test_bad_new_arguments_raise_value_error(case, match):
-    if case == "triton_explicit" and not TRITON_INSTALLED:
-        pytest.skip("needs the triton package (the interpreter runs its kernels on the CPU)")
     args, kw = bad_call(case)
     with pytest.raises(ValueError, match=match):
         prefix_attention(*args, **kw)
-    if case == "triton_explicit":
-        with pytest.raises(UnsupportedInputError):
-            prefix_attention(*args, **kw)
 
 
 def test_raw_op_checks_the_offsets_and_the_bias():
