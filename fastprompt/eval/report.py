@@ -77,11 +77,9 @@ def read_losses(path: Path) -> list[tuple[int, float]]:
     return out
 
 
-def write_report(run_dir: str | os.PathLike, *, summary: dict[str, Any] | None = None,
-                 output: str | os.PathLike | None = None) -> Path:
-    """Draw the run's report into ``output`` (default ``<run_dir>/report.png``; .png, .pdf or .svg), atomically.
-    ``summary``: the run's summary when the caller holds it (the trainer, before writing summary.json); by default
-    read from the folder. Returns the path written."""
+def write_report(run_dir: str | os.PathLike, *, output: str | os.PathLike | None = None) -> Path:
+    """Draw the run's report into ``output`` (default ``<run_dir>/report.png``; .png, .pdf or .svg), atomically,
+    from the run's files. Returns the path written."""
     try:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
@@ -90,10 +88,7 @@ def write_report(run_dir: str | os.PathLike, *, summary: dict[str, Any] | None =
     output = Path(output) if output is not None else Path(run_dir) / REPORT_NAME
     if output.suffix.lower() not in PLOT_SUFFIXES:
         raise ValueError(f"the report must end in {', '.join(PLOT_SUFFIXES)}, got {output.name!r}")
-    if summary is None:
-        summary, losses = read_run(run_dir)
-    else:
-        losses = read_losses(Path(run_dir) / "train_log.csv")
+    summary, losses = read_run(run_dir)
 
     fig = Figure(figsize=(12, 8.5), dpi=110, layout="constrained")
     FigureCanvasAgg(fig)

@@ -391,9 +391,11 @@ class Trainer:
             if summary["comparison"] is not None:
                 log = logger.warning if summary["comparison"]["outcome"] == "worse" else logger.info
                 log("trained prompt: %s", summary["comparison"]["message"])
-            if self.evaluator.dev_data is not None:  # a run with evaluation draws its report
-                summary["report"] = self._write_report(summary)
             self.run_dir.write_summary(summary)
+            if self.evaluator.dev_data is not None:  # a run with evaluation draws its report, then names it
+                summary["report"] = self._write_report()
+                if summary["report"] is not None:
+                    self.run_dir.write_summary(summary)
         self.dist.barrier()
         self.dist.shutdown()  # the encoder stays usable, e.g. for evaluation
         self._close_logs()
@@ -401,16 +403,16 @@ class Trainer:
                     self.total_steps, summary["best_checkpoint"], self.last_dir, self.log_path, self.summary_path)
         return summary
 
-    def _write_report(self, summary: dict[str, Any]) -> str | None:
-        """``report.png`` from ``summary`` and train_log.csv (:mod:`fastprompt.eval.report`; ``fastprompt report``
-        draws the same from summary.json); a report that cannot be drawn (matplotlib missing) is a warning, not a
-        failed run: the results are in summary.json."""
+    def _write_report(self) -> str | None:
+        """``report.png`` from the run's summary.json and train_log.csv (:mod:`fastprompt.eval.report`, what
+        ``fastprompt report`` draws). A report that cannot be drawn (matplotlib missing, a full disk) is a warning,
+        not a failed run: the results are in summary.json already."""
         from fastprompt.eval.report import write_report
 
         try:
-            path = write_report(self.output_dir, summary=summary)
-        except ImportError as exc:
-            logger.warning("report.png not drawn: %s", exc)
+            path = write_report(self.output_dir)
+        except Exception as exc:  # the results are in summary.json already; the picture is extra
+            logger.warning("report.png not drawn: %s: %s", type(exc).__name__, exc)
             return None
         logger.info("report: %s", path)
         return str(path)

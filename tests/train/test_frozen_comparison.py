@@ -6,6 +6,7 @@ import logging
 import os
 import shutil
 import signal
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -180,3 +181,21 @@ def test_the_same_pooling_is_scored_once_and_the_dev_scores_are_not_recomputed(b
     assert sorted(prompt_final) == sorted(test_sentences - dev_sentences)
     assert sorted(frozen_final) == sorted(test_sentences)
     assert np.isfinite(summary["comparison"]["gain"])
+
+
+def test_a_report_that_cannot_be_drawn_is_a_warning_and_the_results_stay(base_config, tiny_sts_dir, monkeypatch,
+                                                                          caplog):
+    from fastprompt.eval import report
+
+    def full_disk(run_dir, **kwargs):
+        raise OSError("could not write report: No space left on device")
+
+    monkeypatch.setattr(report, "write_report", full_disk)
+    cfg = base_config(max_steps=2, eval_steps=2, sts_dir=str(tiny_sts_dir))
+    with caplog.at_level(logging.WARNING, logger="fastprompt"):
+        summary = Trainer(cfg).train()
+    assert summary["status"] == "completed" and summary["report"] is None and summary["test"]
+    saved = json.loads((Path(cfg["output_dir"]) / "summary.json").read_text())
+    assert saved["test"] == summary["test"] and saved["report"] is None
+    assert any("report.png not drawn: OSError: could not write report: No space left on device" in r.getMessage()
+               for r in caplog.records)
