@@ -16,6 +16,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from fastprompt.eval.sts import TASK_TITLES
 from fastprompt.io import atomic_file, read_json
 
 REPORT_NAME = "report.png"
@@ -24,8 +25,6 @@ PLOT_SUFFIXES = (".png", ".pdf", ".svg")
 MAX_SUMMARY_BYTES = 16 << 20
 MAX_LOG_BYTES = 256 << 20
 
-_TASK_TITLES = {"sts12": "STS12", "sts13": "STS13", "sts14": "STS14", "sts15": "STS15", "sts16": "STS16",
-                "stsb": "STS-B", "sickr": "SICK-R", "avg": "Avg."}
 _PROMPT_COLOR, _FROZEN_COLOR, _SAME_COLOR = "tab:blue", "0.3", "tab:orange"
 
 
@@ -183,7 +182,7 @@ def _draw_tests(ax, summary: dict[str, Any]) -> None:
     # the bars' differences are a few points of ~80: the axis starts just below the lowest bar, and says so
     low = max(-100, math.floor(min(values) / 5) * 5 - 5)
     ax.set_ylim(low, min(100, max(values) + 6))
-    ax.set_xticks(range(len(tasks)), [_TASK_TITLES.get(t, t) for t in tasks])
+    ax.set_xticks(range(len(tasks)), [TASK_TITLES.get(t, t) for t in tasks])
     if tasks[-1] == "avg":  # the average is no task of its own
         ax.axvline(len(tasks) - 1.5, color="0.6", linewidth=0.8)
     ax.set_title(f"STS test sets: best checkpoint vs frozen model (the axis starts at {low:g})", fontsize=10)
