@@ -76,9 +76,11 @@ def frozen_settings(config) -> list[FrozenSetting]:
         return [FrozenSetting("run_pooling", run_pooler, template, denoise, tpl.topk,
                               f"the prompt's pooling; the model's own is not known: {native.source}")]
     own = FrozenSetting("native", native.pooler, None, False, tpl.topk, f"the model's own pooling ({native.source})")
-    same_vector = own.template is None and same.template is None and {own.pooler, same.pooler} <= {"cls",
-                                                                                                "cls_before_pooler"}
-    return [own] if same_vector or (own.pooler, own.template) == (same.pooler, same.template) else [own, same]
+
+    def vector(s: FrozenSetting):  # without a trained head, cls and cls_before_pooler take the same [CLS] state
+        return "cls" if s.pooler == "cls_before_pooler" else s.pooler, s.template
+
+    return [own] if vector(own) == vector(same) else [own, same]
 
 
 def frozen_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
@@ -149,12 +151,18 @@ class Evaluator:
                                     show_progress_bar=False, max_length=self.config.data.max_length)
         return embedding_spread(z)
 
-    def _encode(self, model, datasets, known=None):
+    def _encode(self, model, datasets, known=None, what: str | None = None):
+        """``encode_pairs`` under the run's autocast; ``what``: a long encoding's name, shown as a progress bar on a
+        terminal and logged as it goes elsewhere (a log file, a batch job)."""
         from fastprompt.eval.sts import encode_pairs
 
+        run = self.config.run
+        show = what is not None and (run.progress_bar if run.progress_bar is not None else sys.stderr.isatty())
+        if what is not None and not show:
+            model = LoggedEncoder(model, what)
         with self.autocast():
             return encode_pairs(model, datasets, batch_size=self.config.evaluation.eval_batch_size,
-                                show_progress_bar=False, known=known)
+                                show_progress_bar=show, known=known)
 
     def dev(self) -> float | None:
         """STS-B dev Spearman x 100 of the current prompt (None without ``sts_dir``)."""
@@ -191,14 +199,11 @@ class Evaluator:
         evaluation's), reused instead of encoded again."""
         from fastprompt.eval.sts import load_sts_tasks, scores_from_pairs
 
-        run, ev = self.config.run, self.config.evaluation
+        ev = self.config.evaluation
         data = self.test_data if self.test_data is not None else load_sts_tasks(ev.sts_dir)
-        show = run.progress_bar if run.progress_bar is not None else sys.stderr.isatty()
         logger.info("final evaluation of %s on the STS test sets", checkpoint)
-        # without a progress bar (a log file, a batch job) the minutes of encoding are logged instead
-        model = self.encoder if show else LoggedEncoder(self.encoder, "final evaluation")
         with self.encoder.using_weights(checkpoint):
-            return scores_from_pairs(self._encode(model, data, known), data)
+            return scores_from_pairs(self._encode(self.encoder, data, known, what="final evaluation"), data)
 
     def _frozen_encoder(self, setting: FrozenSetting):
         from fastprompt.model import PromptEncoder
@@ -239,7 +244,8 @@ class Evaluator:
         for setting in self.frozen_settings:
             # without the dev score, the dev sentences join the test sets' encoding pass
             datasets = data if setting.key in known_dev else {**data, "_dev": self.dev_data["stsb"]}
-            pairs = self._encode(self._frozen_encoder(setting), datasets, self._frozen_vectors.get(setting.key))
+            pairs = self._encode(self._frozen_encoder(setting), datasets, self._frozen_vectors.get(setting.key),
+                                 what=f"frozen model, {setting.pooler} pooling")
             test = scores_from_pairs({k: pairs[k] for k in data}, data)
             dev_score = (known_dev[setting.key] if setting.key in known_dev
                          else scores_from_pairs({"stsb": pairs["_dev"]}, self.dev_data)["stsb"])
