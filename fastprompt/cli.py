@@ -93,10 +93,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--topk", type=_positive_int, metavar="K",
                    help="k of the topk pooler: the static embeddings of the K tokens the MLM head ranks highest at "
                         "the [MASK], weighted by their probabilities (PromptBERT Eq. 3; default: the "
-                        "checkpoint's, else 10)")
+                        "checkpoint's, else 200, PromptBERT's Table 9)")
     g.add_argument("--denoise", action=argparse.BooleanOptionalAction, default=None,
                    help="PromptBERT template denoising: subtract the [MASK] state of the template fed alone "
-                        "(needs --pooler mask; default: the checkpoint's, else off)")
+                        "(needs --pooler mask, or topk: top-k of the denoised state, PromptBERT's Table 9; "
+                        "default: the checkpoint's, else off)")
     g.add_argument("--batch-size", type=_positive_int, default=64, metavar="N", help="sentences per batch (64)")
     g.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available)")
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="backbone weights dtype (float32)")

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from fastprompt.io import read_utf8_lines
+from fastprompt.messages import shown
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +134,12 @@ def _finish(name: str, s1: list[str], s2: list[str], gold: list[float], preproce
 
 def _parse_score(text: str, path: Path, line_no: int) -> float:
     try:
-        return float(text)
+        score = float(text)
     except ValueError:
-        raise ValueError(f"{path}:{line_no}: gold score {text!r} is not a number") from None
+        raise ValueError(f"{path}:{line_no}: gold score {shown(text)} is not a number") from None
+    if not math.isfinite(score):  # nan or inf would be ranked (inf first or last) or break the correlation
+        raise ValueError(f"{path}:{line_no}: gold score {shown(text)} is not a finite number")
+    return score
 
 
 def _task_root(sts_dir: Path, folder: str) -> Path:
@@ -151,6 +156,8 @@ def _task_root(sts_dir: Path, folder: str) -> Path:
 def _check_dir(sts_dir: str | Path) -> Path:
     sts_dir = Path(sts_dir)
     if not sts_dir.is_dir():
+        if sts_dir.exists():
+            raise NotADirectoryError(f"STS directory {sts_dir} is a file, not a folder")
         raise FileNotFoundError(f"STS directory not found: {sts_dir}")
     return sts_dir
 
@@ -324,6 +331,11 @@ def spearman_x100(predicted: np.ndarray, gold: np.ndarray) -> float:
         raise ValueError(f"need two 1-D arrays of equal length, got {predicted.shape} and {gold.shape}")
     if len(gold) < 2:
         raise ValueError("Spearman correlation needs at least two pairs")
+    for name, values in (("predicted", predicted), ("gold", gold)):
+        bad = int(np.count_nonzero(~np.isfinite(values)))
+        if bad:
+            raise ValueError(f"Spearman correlation is undefined: {bad} of the {len(values)} {name} scores are NaN or "
+                             "infinite")
     with warnings.catch_warnings():  # a constant input gets our ValueError below, not a warning
         warnings.simplefilter("ignore")
         rho = spearmanr(predicted, gold).statistic

@@ -39,9 +39,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from fastprompt.messages import shown
+from fastprompt.model.checkpoint import CheckpointFile
+from fastprompt.schema import check_json
 
 from ._common import (
     check_export_target,
@@ -62,6 +67,19 @@ METADATA_KEY = "fastprompt_config"
 #: The PEFT release whose adapter layout export writes (read from its code, loaded by it in the tests); written as
 #: ``peft_version``, where PEFT records the version that saved an adapter.
 PEFT_FORMAT_VERSION = "0.21.2"
+
+
+@dataclass
+class PrefixAdapterConfig:
+    """The keys of a PEFT prefix-tuning ``adapter_config.json`` that import reads (:mod:`fastprompt.schema`)."""
+
+    peft_type: str
+    num_layers: int = field(metadata={"ge": 1})
+    num_attention_heads: int = field(metadata={"ge": 1})
+    token_dim: int = field(metadata={"ge": 1})
+    num_virtual_tokens: int = field(metadata={"ge": 1})
+    num_transformer_submodules: int = 1
+    base_model_name_or_path: str | None = None
 
 
 def is_fastprompt_adapter(folder: str | os.PathLike) -> bool:
@@ -165,14 +183,12 @@ def read_peft_adapter(adapter_dir: str | os.PathLike) -> tuple[dict, torch.Tenso
     config = read_json(adapter_dir / ADAPTER_CONFIG, what="PEFT adapter config")
     if config.get("peft_type") != "PREFIX_TUNING":
         raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: only prefix-tuning adapters can become a fastprompt "
-                         f"prompt, this one is {config.get('peft_type')!r}")
+                         f"prompt, this one is {shown(config.get('peft_type'))}")
+    check_json(config, PrefixAdapterConfig, f"PEFT adapter config {adapter_dir / ADAPTER_CONFIG}")
     if config.get("num_transformer_submodules", 1) != 1:
         raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: an encoder-decoder adapter "
                          f"(num_transformer_submodules={config['num_transformer_submodules']}) has no encoder-only "
                          "equivalent")
-    missing = [k for k in ("num_layers", "num_attention_heads", "token_dim", "num_virtual_tokens") if not config.get(k)]
-    if missing:
-        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} is missing {missing}")
     state = load_foreign_weights(adapter_dir, ADAPTER_WEIGHTS, "PEFT adapter weights")
     if PREFIX_KEY not in state:
         raise ValueError(f"PEFT adapter weights in {adapter_dir} have no {PREFIX_KEY!r} tensor "
@@ -183,10 +199,19 @@ def read_peft_adapter(adapter_dir: str | os.PathLike) -> tuple[dict, torch.Tenso
         raise ValueError(f"{PREFIX_KEY} has shape {tuple(weights.shape)}, the adapter config says "
                          f"({P}, {L * 2 * config['token_dim']})")
     metadata = None
-    if (adapter_dir / ADAPTER_WEIGHTS[0]).is_file():
-        with safe_open(str(adapter_dir / ADAPTER_WEIGHTS[0]), framework="pt") as f:
+    weights_file = adapter_dir / ADAPTER_WEIGHTS[0]
+    if weights_file.is_file():
+        with safe_open(str(weights_file), framework="pt") as f:
             raw = (f.metadata() or {}).get(METADATA_KEY)
-        metadata = json.loads(raw) if raw else None
+        if raw:
+            where = f"the fastprompt metadata ({METADATA_KEY}) of {weights_file}"
+            try:
+                metadata = json.loads(raw)
+            except (ValueError, RecursionError):
+                raise ValueError(f"{where} is not valid JSON") from None
+            check_json(metadata, CheckpointFile, where)
+            if metadata["prompt_config"] is None:
+                raise ValueError(f"{where}: key 'prompt_config' must be an object, got null")
     return config, prefix_from_rows(weights.float(), L, H), metadata
 
 

@@ -24,18 +24,50 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import InputModule, Normalize
 
+from fastprompt.io import read_json
 from fastprompt.model import PromptEncoder
+from fastprompt.schema import check_json
 
 logger = logging.getLogger(__name__)
 
 PROMPT_SUBFOLDER = "prompt"
 MODULE_TYPE = "fastprompt.integrations.sentence_transformers.PromptEncoderModule"
+
+@dataclass
+class ModuleConfig:
+    """The schema of ``fastprompt_module.json`` (:mod:`fastprompt.schema`): :class:`PromptEncoderModule`'s keys."""
+
+    base_model: str | None = None
+    prompt_path: str = PROMPT_SUBFOLDER
+
+
+@dataclass
+class TrainInfo:
+    """The keys of a checkpoint's ``train_info.json`` the model card shows."""
+
+    step: int | None = None
+    stsb_dev: float | None = None
+    config: dict[str, Any] | None = None
+
+
+@dataclass
+class RunSummary:
+    """The keys of a run's ``summary.json`` the model card shows."""
+
+    best_checkpoint: str | None = None
+    best_stsb_dev: float | None = None
+    best_step: int | None = None
+    test: dict[str, float] | None = None
+    config: dict[str, Any] | None = None
+
 
 #: One line per training objective for the model card (an objective missing here is shown by name).
 OBJECTIVE_DESCRIPTIONS = {
@@ -123,6 +155,7 @@ class PromptEncoderModule(InputModule):
                "local_files_only": local_files_only}
         config = cls.load_config(model_name_or_path, **hub)
         folder = Path(cls.load_dir_path(model_name_or_path, **hub))
+        check_json(config, ModuleConfig, f"{folder / cls.config_file_name}")
         dtype = (model_kwargs or {}).get("dtype", (model_kwargs or {}).get("torch_dtype"))
         if isinstance(dtype, str):
             dtype = None if dtype == "auto" else getattr(torch, dtype)
@@ -188,16 +221,16 @@ def _run_info(checkpoint: Path | None) -> tuple[dict | None, dict | None]:
     if checkpoint is None:
         return None, None
 
-    def read(path: Path) -> dict | None:
+    def read(path: Path, schema: type) -> dict | None:
         try:
-            return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+            return read_json(path, path.name, schema=schema) if path.is_file() else None
         except (OSError, ValueError) as exc:
             logger.warning("model card: ignoring unreadable %s (%s)", path, exc)
             return None
 
     checkpoint = checkpoint.resolve()
-    info = read(checkpoint / "train_info.json")
-    summary = read(checkpoint.parent / "summary.json")
+    info = read(checkpoint / "train_info.json", TrainInfo)
+    summary = read(checkpoint.parent / "summary.json", RunSummary)
     best = (summary or {}).get("best_checkpoint")
     if summary is not None and (not isinstance(best, str) or Path(best).name != checkpoint.name):
         summary = None  # the run's results belong to another of its checkpoints

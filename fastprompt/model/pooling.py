@@ -11,7 +11,7 @@ from torch import nn
 
 from fastprompt.choices import MLP_MODES, POOLERS, check_choice
 
-__all__ = ["Pooler", "POOLERS", "MLP_MODES", "NativePooling", "bn_mlp_head", "native_pooling",
+__all__ = ["Pooler", "POOLERS", "MLP_MODES", "NativePooling", "bn_mlp_head", "init_linear_layers", "native_pooling",
            "topk_token_representation"]
 
 
@@ -25,26 +25,40 @@ class Pooler(nn.Module):
     ([CLS] state with D2CSE's BatchNorm MLP head).
     mlp: when the head is applied: "none", "train" (SimCSE's ``mlp_only_train``: training only) or "always".
     The head is SimCSE's Linear + Tanh for cls/mean/mask and DiffCSE's projection MLP for bn_mlp
-    (:func:`bn_mlp_head`).
+    (:func:`bn_mlp_head`), its Linear weights drawn from N(0, ``init_std``) with zero biases: what
+    SimCSE, DCPCSE/PromCSE, PromptBERT and DiffCSE get from Hugging Face's ``init_weights()`` (std = the
+    backbone's ``initializer_range``, 0.02 for BERT and RoBERTa). ``mlm_transform`` (a module, pooler "mask"
+    only) is the head instead: the checkpoint's pretrained MLM transform, applied by :meth:`transform` to the
+    [MASK] state and to the template bias before denoising subtracts one from the other (PromptBERT's
+    supervised BERT runs), not by :meth:`apply_head`.
 
     ``forward`` = :meth:`apply_head` of :meth:`pool`. Training calls the two apart: the encoder returns
     :meth:`pool`'s vectors and the trainer applies the head over the whole global batch (every view, every
     process), so a head that mixes rows (BatchNorm) sees the same batch however the step is split.
     """
 
-    def __init__(self, pooler: str, hidden_size: int, mlp: str = "none"):
+    def __init__(self, pooler: str, hidden_size: int, mlp: str = "none", init_std: float = 0.02,
+                 mlm_transform: nn.Module | None = None):
         super().__init__()
         check_choice("pooler", pooler, POOLERS)
         check_choice("mlp", mlp, MLP_MODES)
         if pooler == "cls_before_pooler" and mlp != "none":
             raise ValueError("pooler 'cls_before_pooler' never uses a head; use pooler 'cls' with an mlp mode")
         self.pooler, self.mlp = pooler, mlp
-        if mlp == "none":
+        self.head_kind = "mlm_transform" if mlm_transform is not None else "new"
+        if mlm_transform is not None:
+            if pooler != "mask" or mlp == "none":
+                raise ValueError(f"pooler_head mlm_transform transforms the template's [MASK] state: it needs pooler "
+                                 f"'mask' and mlp 'train' or 'always', got pooler {pooler!r}, mlp {mlp!r}")
+            self.head = mlm_transform  # pretrained: not re-initialised
+        elif mlp == "none":
             self.head = None
         elif pooler == "bn_mlp":
             self.head = bn_mlp_head(hidden_size)
         else:
             self.head = nn.Sequential(nn.Linear(hidden_size, hidden_size), nn.Tanh())
+        if self.head is not None and self.head_kind == "new":
+            init_linear_layers(self.head, init_std)
 
     def select(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
                mask_token_id: int | None = None, mask_positions: torch.Tensor | None = None) -> torch.Tensor:
@@ -71,15 +85,35 @@ class Pooler(nn.Module):
                              "encode with a template that contains [MASK]")
         return hidden[rows, is_mask.to(torch.int8).argmax(1)]
 
+    def _active(self) -> bool:
+        return self.head is not None and (self.mlp == "always" or self.training)
+
+    def transform(self, vec: torch.Tensor) -> torch.Tensor:
+        """The ``mlm_transform`` head, when active: applied per row to a selected vector (and to a template bias)
+        before denoising; the identity for every other head."""
+        return self.head(vec) if self.head_kind == "mlm_transform" and self._active() else vec
+
     def apply_head(self, vec: torch.Tensor) -> torch.Tensor:
-        """The trainable head, when the mlp mode applies it in the current train/eval mode."""
-        if self.head is not None and (self.mlp == "always" or self.training):
+        """The trainable head, when the mlp mode applies it in the current train/eval mode (the
+        ``mlm_transform`` head is applied by :meth:`transform` instead)."""
+        if self.head_kind == "new" and self._active():
             vec = self.head(vec)
         return vec
 
     def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
                 mask_token_id: int | None = None, mask_positions: torch.Tensor | None = None) -> torch.Tensor:
-        return self.apply_head(self.select(hidden, attention_mask, input_ids, mask_token_id, mask_positions))
+        vec = self.select(hidden, attention_mask, input_ids, mask_token_id, mask_positions)
+        return self.apply_head(self.transform(vec))
+
+
+@torch.no_grad()
+def init_linear_layers(module: nn.Module, std: float) -> None:
+    """Hugging Face's ``_init_weights`` for the Linear layers of ``module``: weights N(0, std), biases 0."""
+    for m in module.modules():
+        if isinstance(m, nn.Linear):
+            m.weight.normal_(0.0, std)
+            if m.bias is not None:
+                m.bias.zero_()
 
 
 def bn_mlp_head(hidden_size: int) -> nn.Sequential:

@@ -122,13 +122,16 @@ def compare_with_frozen(test: Mapping[str, float], frozen: Mapping[str, Any], mo
 
 
 class Evaluator:
-    """The evaluations of one run. ``dev_data``: the STS-B dev pairs (None without ``sts_dir``); ``test_data``:
-    the seven test tasks (None without a final evaluation; loaded once, at setup); ``probe``: the collapse
-    probe's sentences."""
+    """The evaluations of one run. ``autocast``: the training forwards' (the collapse probe watches what training
+    computes); ``eval_autocast``: STS-B dev, the test table and the frozen baseline's (``eval_precision``: fp32
+    by default, whatever the training precision, as the papers evaluate); ``dev_data``: the STS-B dev pairs (None
+    without ``sts_dir``); ``test_data``: the seven test tasks (None without a final evaluation; loaded once, at
+    setup); ``probe``: the collapse probe's sentences."""
 
-    def __init__(self, config, encoder, autocast: Callable, *, device, dev_data, probe: list[str],
-                 test_data=None):
+    def __init__(self, config, encoder, autocast: Callable, *, eval_autocast: Callable, device, dev_data,
+                 probe: list[str], test_data=None):
         self.config, self.encoder, self.autocast, self.device = config, encoder, autocast, device
+        self.eval_autocast = eval_autocast
         self.dev_data, self.probe, self.test_data = dev_data, probe, test_data
         self._settings: list[FrozenSetting] | None = None
         self._dev_vectors: dict[str, np.ndarray] | None = None  # the latest dev evaluation's, sentence -> vector
@@ -152,15 +155,15 @@ class Evaluator:
         return embedding_spread(z)
 
     def _encode(self, model, datasets, known=None, what: str | None = None):
-        """``encode_pairs`` under the run's autocast; ``what``: a long encoding's name, shown as a progress bar on a
-        terminal and logged as it goes elsewhere (a log file, a batch job)."""
+        """``encode_pairs`` under the evaluations' autocast; ``what``: a long encoding's name, shown as a progress
+        bar on a terminal and logged as it goes elsewhere (a log file, a batch job)."""
         from fastprompt.eval.sts import encode_pairs
 
         run = self.config.run
         show = what is not None and (run.progress_bar if run.progress_bar is not None else sys.stderr.isatty())
         if what is not None and not show:
             model = LoggedEncoder(model, what)
-        with self.autocast():
+        with self.eval_autocast():
             return encode_pairs(model, datasets, batch_size=self.config.evaluation.eval_batch_size,
                                 show_progress_bar=show, known=known)
 

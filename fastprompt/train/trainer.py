@@ -33,7 +33,7 @@ from tqdm.auto import tqdm
 from fastprompt.data import Batch, TrainExamples
 from fastprompt.objectives.base import TokenTerm
 from fastprompt.train import build, preflight
-from fastprompt.train.checkpoints import RunDirectory
+from fastprompt.train.checkpoints import RunDirectory, data_fingerprint
 from fastprompt.train.collapse import SPREAD_STAT, CollapseMonitor
 from fastprompt.train.config import TrainConfig, load_config, save_config
 from fastprompt.train.distributed import init_distributed
@@ -161,8 +161,12 @@ class Trainer:
 
         if self.examples is None:
             self.examples = build.load_examples(cfg)
+        self._data = data_fingerprint(self.examples)
+        if resume_dir is not None:
+            self.run_dir.check_same_data(resume_dir, self._data, self.examples.source)
         self.sampler = build.build_sampler(cfg, self.examples, self.dist)
         self.total_steps = build.count_total_steps(cfg, self.sampler)
+        build.check_warmup(cfg, self.total_steps)
 
         torch.manual_seed(cfg.run.seed)  # prompt initialisation
         given_encoder = self.encoder  # a user's encoder gets last/'s weights in restore(); a built one has them
@@ -181,8 +185,9 @@ class Trainer:
                              loss_scale=self.scaler.scale if self.scaler is not None else None,
                              embed=build.build_embed(cfg, self.encoder, self.examples, self.method))
         self.step = build.build_step(cfg, loss_side)
+        eval_autocast = build.autocast_factory(cfg, self.device, precision=cfg.evaluation.eval_precision)
         # the final evaluation's files are read now, so a missing or corrupt one fails before training
-        self.evaluator = Evaluator(cfg, self.encoder, self.autocast, device=self.device,
+        self.evaluator = Evaluator(cfg, self.encoder, self.autocast, eval_autocast=eval_autocast, device=self.device,
                                    dev_data=build.load_dev_data(cfg), probe=probe_sentences(self.examples.rows),
                                    test_data=preflight.check_sts_files(cfg))
 
@@ -273,7 +278,8 @@ class Trainer:
             self.run_dir.save_last(self.encoder, self.method, optimizer=self.optimizer, scheduler=self.scheduler,
                                    scaler=self.scaler, trainer={"state": self.state.__dict__.copy(),
                                                                 "config": self.config.to_dict(),
-                                                                "total_steps": self.total_steps})
+                                                                "total_steps": self.total_steps,
+                                                                "data": self._data})
         return self.last_dir
 
     def save_best(self, score: float | None) -> Path:

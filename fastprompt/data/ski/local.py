@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from fastprompt.choices import DTYPES, check_choice
 from fastprompt.data.ski.filters import Generation
 from fastprompt.data.ski.prompt import Sampling
+from fastprompt.messages import shown
 from fastprompt.remote_code import refusing_remote_code
 
 logger = logging.getLogger(__name__)
@@ -129,12 +131,20 @@ class LocalBackend:
         source, gguf_file, self.model_id = resolve_local_model(model)
         kwargs = {"gguf_file": gguf_file} if gguf_file else {}
         try:
+            # a GGUF file, or safetensors: never a pickled pytorch_model.bin
             with refusing_remote_code(source, trust_remote_code):
                 self.tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
                 self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype),
-                                                                  trust_remote_code=trust_remote_code, **kwargs)
+                                                                  trust_remote_code=trust_remote_code,
+                                                                  **(kwargs or {"use_safetensors": True}))
         except OSError as exc:  # transformers' "not a folder, not on the hub" error
             raise ValueError(f"cannot load the local LLM {model!r}: {exc}") from exc
+        except (ValueError, struct.error) as exc:
+            if not gguf_file:
+                raise
+            # the gguf reader fails on a truncated or foreign file with struct.error or a numpy reshape error
+            raise ValueError(f"cannot load the local LLM {model!r}: {Path(source) / gguf_file} is truncated or not "
+                             f"a GGUF file ({shown(str(exc))[1:-1]})") from None
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model.to(self.device).eval()
         self.batch_size, self.dtype, self.gguf_file = batch_size, dtype, gguf_file
