@@ -340,6 +340,30 @@ def test_cpu_any_thread_count_matches_reference_with_options(threads):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("backend", ["reference", pytest.param("cpu", marks=needs_cpp)])
+def test_anchor_chunks_sum_to_the_whole_batch(backend):
+    """The split a loss-stage gradient cache or an all-gather makes: chunks of anchors, each against every column
+    (positive_offset = the chunk's first row) and, for the reverse term, against every anchor (reverse_columns),
+    with the ids and guide rows of the whole batch. Their summed losses and gradients are the whole batch's."""
+    n, k = 13, 2
+    (z1, z2, z3, _), guide = make(n, n, 10, k, dg=6)
+    guide = guide._replace(reverse_columns=guide.z1)
+    ids, anchor_ids = text_ids(n, n, k)
+    kw = dict(column_ids=ids, anchor_ids=anchor_ids[:n], symmetric=True, partition_mode="joint", fn_margin=0.1,
+              hardness_mode="all_negatives", hardness_strength=3.0, matryoshka_dims=[10, 4], hinge_weight=1.0,
+              hard_negative_weight=0.2, reduction="sum", backend=backend)
+    whole = contrastive_loss(z1, z2, z3, guide=guide._replace(reverse_columns=None), **kw)
+    expected = torch.autograd.grad(whole, (z1, z2, z3))
+    total = 0.0
+    for begin, end in ((0, 5), (5, 6), (6, 13)):
+        g = guide._replace(z1=guide.z1[begin:end])
+        total = total + contrastive_loss(z1[begin:end], z2, z3, reverse_columns=z1, guide=g, positive_offset=begin,
+                                         **kw)
+    torch.testing.assert_close(total, whole, **F64)
+    for a, b in zip(torch.autograd.grad(total, (z1, z2, z3)), expected):
+        torch.testing.assert_close(a, b, **F64)
+
+
 @needs_cpp
 def test_two_dimensional_z3_is_one_negative_per_row():
     """The old call contrastive_loss(z1, z2, z3) with z3 (M2, d) is k = 1: z3[None]."""
