@@ -496,6 +496,12 @@ def _guide(g1, g2, g3, grev):
 _STATS_OUT = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+def _no_autocast(z):
+    """The kernels compute in float32 (float64) whatever an enclosing autocast region asks: the loss stays float32
+    (closer to the float32 loss than a bf16 / fp16 one), and the host-side products do not drop to half."""
+    return torch.autocast(z.device.type, enabled=False)
+
+
 @torch.library.custom_op("fastprompt::contrastive_loss_fwd", mutates_args=())
 def _op_fwd(z1: torch.Tensor, z2: torch.Tensor, z3: Optional[torch.Tensor], reverse_columns: Optional[torch.Tensor],
             column_ids: Optional[torch.Tensor], anchor_ids: Optional[torch.Tensor], g1: Optional[torch.Tensor],
@@ -512,8 +518,9 @@ def _op_fwd(z1: torch.Tensor, z2: torch.Tensor, z3: Optional[torch.Tensor], reve
     per-row upstream gradient ``grad_weight`` when it is > 0 (the CPU's fused forward+backward), else empty."""
     cfg = _Cfg(dims, weights, temperature, hard_negative_weight, a_in, a_own, fn_margin, relative_margin,
                hinge_margin, hinge_weight, symmetric, joint, positive_offset, backend)
-    stats, grads = _kernel_fwd(z1, z2, z3, reverse_columns, column_ids, anchor_ids, _guide(g1, g2, g3, grev), cfg,
-                               track_hardest or hinge_weight != 0.0, grad_weight)
+    with _no_autocast(z1):
+        stats, grads = _kernel_fwd(z1, z2, z3, reverse_columns, column_ids, anchor_ids, _guide(g1, g2, g3, grev),
+                                   cfg, track_hardest or hinge_weight != 0.0, grad_weight)
     if grads is None:
         grads = (_empty(z1), _empty(z1), _empty(z1), _empty(z1))  # distinct: outputs must not alias
     else:
@@ -550,8 +557,9 @@ def _op_bwd(grad: torch.Tensor, z1: torch.Tensor, z2: torch.Tensor, z3: Optional
     """(dz1, dz2, dz3, drev); dz3 / drev are empty tensors when z3 / reverse_columns are None."""
     cfg = _Cfg(dims, weights, temperature, hard_negative_weight, a_in, a_own, fn_margin, relative_margin,
                hinge_margin, hinge_weight, symmetric, joint, positive_offset, backend)
-    d1, d2, d3, dr = _kernel_bwd(grad, z1, z2, z3, reverse_columns, column_ids, anchor_ids, _guide(g1, g2, g3, grev),
-                                 (lse, lse_sym, pos_sim, hard_sim, hard_idx), cfg)
+    with _no_autocast(z1):
+        d1, d2, d3, dr = _kernel_bwd(grad, z1, z2, z3, reverse_columns, column_ids, anchor_ids,
+                                     _guide(g1, g2, g3, grev), (lse, lse_sym, pos_sim, hard_sim, hard_idx), cfg)
     return d1, d2, (d3 if d3 is not None else _empty(z1)), (dr if dr is not None else _empty(z1))
 
 
