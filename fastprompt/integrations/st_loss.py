@@ -26,6 +26,14 @@ binds nothing). They add PromCSE's energy-based hinge on top (``hinge_weight``, 
 cos(anchor, hardest negative) - cos(anchor, positive))`` averaged over the anchors, the hardest negative taken over
 all the anchor's candidates but its positive); 0 (the default) gives sentence-transformers' loss exactly.
 
+Each class subclasses sentence-transformers' class of the same name, so ``isinstance`` checks see
+sentence-transformers' loss. The symmetric classes inherit from fastprompt's base variant and from
+sentence-transformers' symmetric class, whose constructor only fixes the directions (fastprompt's does the same).
+sentence-transformers 6.2 deprecates its symmetric classes (use the base loss with both directions, which
+fastprompt's symmetric classes also are): subclassing one raises its DeprecationWarning at class definition, which
+is silenced here because it is not about the user's code, and once sentence-transformers removes them fastprompt's
+symmetric classes derive from the base variant only.
+
 What the fused op cannot express is refused at construction with a one-line error rather than computed
 differently: a similarity other than cosine and the ``query_to_query`` / ``doc_to_doc`` directions (same-type
 columns with their own exclusions, which the op's blocks do not have). Use sentence-transformers' own loss for
@@ -60,6 +68,7 @@ except ImportError as exc:  # pragma: no cover - exercised only without sentence
                       "pip install 'fastprompt[sentence-transformers]'") from exc
 
 from fastprompt.ops import contrastive_loss
+from fastprompt.ops.reference import contrastive_loss_reference
 
 __all__ = [
     "MultipleNegativesRankingLoss",
@@ -160,33 +169,19 @@ class MultipleNegativesRankingLoss(_STMNRL):
             # last batch of one pair must not crash
             constant = math.log(2.0) if symmetric and self.partition_mode == "joint" else 0.0
             return 0.0 * (anchors.sum() + positives.sum()) + constant
+        kw = dict(temperature=1.0 / self.scale, hinge_weight=float(self.hinge_weight),
+                  hinge_margin=float(self.hinge_margin), symmetric=symmetric,
+                  partition_mode=self.partition_mode if symmetric else "per_direction", reverse_columns=anchors_all,
+                  hardness_mode=self.hardness_mode, hardness_strength=float(self.hardness_strength),
+                  positive_offset=offset)
+        z3 = torch.stack(negatives) if negatives else None
         if symmetric and anchors_all is None and n < 2:
             # one anchor: the reverse term has a single column (cross-entropy 0 per direction; joint: the positive
-            # twice), so the op is called on the anchor's term and the reverse block added by hand
-            return self._single_anchor_symmetric(anchors, positives, negatives)
+            # twice), which the op refuses as an in-batch loss; its 1 x M scores are the reference's to compute
+            return contrastive_loss_reference(anchors, positives, z3, **kw)
         # negative columns are appended as more candidates: columns = cat(positives, negatives_1, ...), which is
         # the op's z2, z3 (k, M2, d) layout
-        return contrastive_loss(
-            anchors, positives, torch.stack(negatives) if negatives else None, temperature=1.0 / self.scale,
-            hinge_weight=float(self.hinge_weight), hinge_margin=float(self.hinge_margin), symmetric=symmetric,
-            partition_mode=self.partition_mode if symmetric else "per_direction", reverse_columns=anchors_all,
-            hardness_mode=self.hardness_mode, hardness_strength=float(self.hardness_strength),
-            positive_offset=offset)
-
-    def _single_anchor_symmetric(self, anchor, positives, negatives):
-        """The symmetric loss of a batch of one anchor (not gathered): its forward term, plus the reverse term's
-        single logit cos(positive, anchor) · scale, the positive's."""
-        forward, stats = contrastive_loss(
-            anchor, positives, torch.stack(negatives) if negatives else None, temperature=1.0 / self.scale,
-            hinge_weight=float(self.hinge_weight), hinge_margin=float(self.hinge_margin),
-            hardness_mode=self.hardness_mode, hardness_strength=float(self.hardness_strength), return_stats=True,
-            reduction="none")
-        hinge = float(self.hinge_weight) * torch.relu(self.hinge_margin + stats.hardest_neg_sim - stats.pos_sim)
-        if self.partition_mode == "per_direction":  # the reverse cross-entropy over one column is 0
-            return (0.5 * (forward - hinge) + hinge).mean()
-        pos = torch.nn.functional.cosine_similarity(anchor, positives[:1], eps=1e-8) * self.scale
-        lse = forward - hinge + pos  # the forward term's log-sum-exp
-        return (torch.logaddexp(lse, pos) - pos + hinge).mean()
+        return contrastive_loss(anchors, positives, z3, **kw)
 
     def get_config_dict(self) -> dict[str, Any]:
         return {**super().get_config_dict(), **_hinge_config(self)}

@@ -160,6 +160,22 @@ def test_hinge_adds_promcse_energy_term(symmetric):
     assert float(torch.relu(m + hardest - positive).mean().detach()) > 1e-2  # the hinge is active on this batch
 
 
+@pytest.mark.parametrize("directions", [SYMMETRIC, DIRECTIONS["joint"]], ids=["symmetric", "joint"])
+def test_hinge_on_a_single_anchor_symmetric_batch(directions):
+    """One anchor, symmetric: the reverse term has a single column (the reference computes the 1 x M scores); the
+    hinge is added once, with its full gradient."""
+    n, w, m = 1, 10.0, 0.9
+    embs = _embeddings(n, 24, 4, seed=8)
+    cos = torch.nn.functional.normalize(embs[0], dim=1) @ torch.nn.functional.normalize(torch.cat(embs[1:]), dim=1).T
+    hinge = torch.relu(m + cos[0, 1:].max() - cos[0, 0])
+    expected = (st_losses.MultipleNegativesRankingLoss(None, **directions).compute_loss_from_embeddings(embs, None)
+                + w * hinge)
+    assert float(hinge) > 0.1
+    ours = _loss_and_grads(st_loss.MultipleNegativesRankingLoss(None, hinge_weight=w, hinge_margin=m, **directions),
+                           embs)
+    _assert_same(ours, (expected.detach(), torch.autograd.grad(expected, embs)))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(similarity_fct=dot_score), "cosine"),
     (dict(similarity_fct=functools.partial(dot_score)), "cosine"),
