@@ -262,6 +262,17 @@ void clear_targets(const Problem& p, const Tile& t, at::Tensor& mask) {
   for_each_target(p, t, [&](int64_t i, int64_t c) { mp[i * t.nc + c] = false; });
 }
 
+// The inverse norms of the tile's columns at dimension u, in the tile's column order.
+template <typename scalar_t>
+std::vector<scalar_t> column_norms(const Problem& p, const Tile& t, int64_t u) {
+  std::vector<scalar_t> rc(t.nc, scalar_t(0));
+  for (const Part& q : t.parts) {
+    const scalar_t* r = q.seg->r[u].data_ptr<scalar_t>() + q.begin;
+    std::copy(r, r + q.size(), rc.begin() + q.off);
+  }
+  return rc;
+}
+
 // The cosines of rows r0..r0+nr with the tile's columns, for every prefix (one sweep over d), and the columns
 // that are left out at every dimension (text ids, guide).
 template <typename scalar_t>
@@ -288,10 +299,15 @@ Tile make_tile(const Problem& p, int64_t r0, int64_t nr, std::vector<Part> parts
       k0 = k1;
     }
   }
-  for (int64_t u = 0; u < p.ndims(); ++u) {  // raw products -> cosines
-    t.cos[u].mul_(p.rx[u].narrow(0, r0, nr).unsqueeze(1));
-    for (const Part& q : t.parts) {
-      t.cos[u].narrow(1, q.off, q.size()).mul_(q.seg->r[u].narrow(0, q.begin, q.size()).unsqueeze(0));
+  for (int64_t u = 0; u < p.ndims(); ++u) {  // raw products -> cosines, one pass
+    const std::vector<scalar_t> rc = column_norms<scalar_t>(p, t, u);
+    const scalar_t* rx = p.rx[u].data_ptr<scalar_t>() + r0;
+    scalar_t* c = t.cos[u].data_ptr<scalar_t>();
+    for (int64_t i = 0; i < nr; ++i) {
+      scalar_t* ci = c + i * t.nc;
+      const scalar_t ri = rx[i];
+#pragma omp simd
+      for (int64_t j = 0; j < t.nc; ++j) ci[j] *= ri * rc[j];
     }
   }
   if (p.static_mask()) {
@@ -457,13 +473,17 @@ struct Coefficients {
   at::Tensor L, cce, cdiag, chg, hidx;
 };
 
-// dS of dimension u into `ds` (from the logits in it), then the row / column sums of dS ∘ cos (Q), then the
-// coefficient tile X^u = dS ∘ r^u_i r^u_j into the cosine buffer of dimension u.
+// The softmax part of dS, cce · exp(logit - L), in place of the logits in `ds`.
+void softmax_part(const Tile& t, int64_t u, const Coefficients& co, at::Tensor& ds) {
+  ds.sub_(co.L[u].narrow(0, t.r0, t.nr).unsqueeze(1)).exp_().mul_(co.cce[u].narrow(0, t.r0, t.nr).unsqueeze(1));
+}
+
+// dS of dimension u in `ds` from its softmax part (the one-hot terms added), then the row / column sums of
+// dS ∘ cos (Q), and the coefficient tile X^u = dS ∘ r^u_i r^u_j in place of the cosines of dimension u.
 template <typename scalar_t>
 void grad_tile(const Problem& p, Tile& t, int64_t u, const Coefficients& co, at::Tensor& ds, scalar_t* qx,
                scalar_t* qcol) {
   const int64_t nr = t.nr, nc = t.nc;
-  ds.sub_(co.L[u].narrow(0, t.r0, nr).unsqueeze(1)).exp_().mul_(co.cce[u].narrow(0, t.r0, nr).unsqueeze(1));
   scalar_t* dp = ds.data_ptr<scalar_t>();
   const scalar_t* cd = co.cdiag[u].data_ptr<scalar_t>() + t.r0;
   for_each_target(p, t, [&](int64_t i, int64_t j) { dp[i * nc + j] -= cd[i]; });
@@ -475,15 +495,24 @@ void grad_tile(const Problem& p, Tile& t, int64_t u, const Coefficients& co, at:
       if (ch[i] != 0 && hi[i] >= g0 && hi[i] < g0 + q.size()) dp[i * nc + q.off + hi[i] - g0] += ch[i];
     }
   }
-  at::Tensor& c = t.cos[u];
-  c.mul_(ds);  // dS ∘ cos
-  const at::Tensor rs = c.sum(1), cs = c.sum(0);
-  const scalar_t* rsp = rs.data_ptr<scalar_t>();
-  const scalar_t* csp = cs.data_ptr<scalar_t>();
-  for (int64_t i = 0; i < nr; ++i) qx[i] += rsp[i];
-  for (int64_t j = 0; j < nc; ++j) qcol[j] += csp[j];
-  c.copy_(ds).mul_(p.rx[u].narrow(0, t.r0, nr).unsqueeze(1));
-  for (const Part& q : t.parts) c.narrow(1, q.off, q.size()).mul_(q.seg->r[u].narrow(0, q.begin, q.size()).unsqueeze(0));
+  // one pass: the row and column sums of dS ∘ cos, and the cosine tile replaced by X^u = dS ∘ r^u_i r^u_j
+  const std::vector<scalar_t> rc = column_norms<scalar_t>(p, t, u);
+  const scalar_t* rx = p.rx[u].data_ptr<scalar_t>() + t.r0;
+  scalar_t* c = t.cos[u].data_ptr<scalar_t>();
+  for (int64_t i = 0; i < nr; ++i) {
+    scalar_t* ci = c + i * nc;
+    const scalar_t* di = dp + i * nc;
+    const scalar_t ri = rx[i];
+    scalar_t row = 0;
+#pragma omp simd reduction(+ : row)
+    for (int64_t j = 0; j < nc; ++j) {
+      const scalar_t v = di[j] * ci[j];
+      row += v;
+      qcol[j] += v;
+      ci[j] = di[j] * ri * rc[j];
+    }
+    qx[i] += row;
+  }
 }
 
 // W^u = Σ_{v >= u} X^v, in place.
@@ -557,6 +586,7 @@ void grads_pass(const Problem& p, const Coefficients& co, Grads& g) {
           for (int64_t u = 0; u < p.ndims(); ++u) {
             const at::Tensor mask = dim_mask<scalar_t>(p, t, u, b);
             logit_tile<scalar_t>(p, t, u, mask, ds);
+            softmax_part(t, u, co, ds);
             grad_tile<scalar_t>(p, t, u, co, ds, qx + u * p.n + r0, qc + u * p.m + q.seg->base + q.begin);
           }
           suffix_sums(t);
@@ -653,12 +683,19 @@ void fused_pass(const Problem& p, const std::vector<double>& cw, const std::vect
           hi_p[u * p.n + r0 + i] = idx[i];
         }
         logit_tile<scalar_t>(p, t, u, mask, ds);
-        const at::Tensor lse = ds.logsumexp(1);
-        const scalar_t* lp = lse.data_ptr<scalar_t>();
-        std::copy(lp, lp + nr, lse_p + u * p.n + r0);
+        // the log-sum-exp from the stripe, whose exponentials are then the softmax part of dS (one exp per entry;
+        // the maximum is finite: the target is never masked)
+        const at::Tensor mx = ds.amax(1);
+        const at::Tensor sum = ds.sub_(mx.unsqueeze(1)).exp_().sum(1);
+        const scalar_t* mxp = mx.data_ptr<scalar_t>();
+        const scalar_t* sump = sum.data_ptr<scalar_t>();
         const int64_t o = u * p.n + r0;
+        for (int64_t i = 0; i < nr; ++i) lse_p[o + i] = mxp[i] + std::log(sump[i]);
         fused_coefficients<scalar_t>(pos_p + o, val.data(), cw[u], hw[u], margin, nr, cce_p + o, chg_p + o,
                                      cdiag_p + o);
+        std::vector<scalar_t> scale(nr);
+        for (int64_t i = 0; i < nr; ++i) scale[i] = cce_p[o + i] / sump[i];
+        ds.mul_(at::from_blob(scale.data(), {nr, 1}, p.opts()));
         grad_tile<scalar_t>(p, t, u, co, ds, qx + o, qcol_part[s][u].data_ptr<scalar_t>());
       }
       suffix_sums(t);

@@ -6,7 +6,8 @@ to a temporary folder, and run with a pytest plugin written there that
 - replaces ``MultipleNegativesRankingLoss``, ``CachedMultipleNegativesRankingLoss`` and the two symmetric classes of
   ``sentence_transformers.sentence_transformer.losses`` by ``fastprompt.integrations.st_loss``'s before the tests
   import them: all four (``--swap all``), only the plain ones (``plain``: fastprompt's MNRL against
-  sentence-transformers' cached loss), or only the cached ones (``cached``);
+  sentence-transformers' cached loss), only the cached ones (``cached``), or none (``none``: the baseline, to tell
+  a failure of the setting from one of fastprompt's classes);
 - resolves the Hub models the tests load to local folders, so that the run is offline: the tiny BERT
   ``sentence-transformers-testing/stsb-bert-tiny-safetensors`` (2 layers, hidden 128) becomes a random BERT of that
   shape with all-MiniLM-L6-v2's tokenizer, and ``distilbert/distilbert-base-uncased`` becomes all-MiniLM-L6-v2 (the
@@ -48,6 +49,7 @@ SWAPS = {
             "CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss"),
     "plain": ("MultipleNegativesRankingLoss", "MultipleNegativesSymmetricRankingLoss"),
     "cached": ("CachedMultipleNegativesRankingLoss", "CachedMultipleNegativesSymmetricRankingLoss"),
+    "none": (),  # the baseline: which tests fail in this setting (offline, the local models) without fastprompt
 }
 
 PLUGIN = '''
