@@ -126,6 +126,22 @@ def _pick(tile, sel):
 
 
 @triton.jit
+def _prefix_tile(X, C, RX, RC, DIMS, THR, static, target, rows, rmask, cols, cmask, r0, c0, acc, k0, t, n_rows, m_seg,
+                 stride_x, stride_c, margin_mode, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Dimension t of a tile: the raw products advanced from the prefix k0 to d_t (the dimensions share one sweep
+    over d), then that prefix's inverse norms, cosines and mask: (acc, d_t, rx, rc, cos, masked)."""
+    k1 = tl.load(DIMS + t)
+    acc = _dot_range(X, C, r0, c0, rmask, cmask, k0, k1, stride_x, stride_c, acc,
+                     BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
+    rx = tl.load(RX + t * n_rows + rows, mask=rmask, other=0.0)
+    rc = tl.load(RC + t * m_seg + cols, mask=cmask, other=0.0)
+    cos = acc * rx[:, None] * rc[None, :]
+    masked = _dim_mask(static, cos, target, THR, t, n_rows, rows, rmask, margin_mode)
+    return acc, k1, rx, rc, cos, masked
+
+
+@triton.jit
 def _stats_kernel(X, RX, C0, RC0, C1, RC1, DIMS, TID, IDS0, IDS1, GX, GC0, GC1, THR, LSE, POS, HARD, HIDX,
                   n_rows, m0, m1, d, dg, ndims, stride_x, stride_c0, stride_c1, stride_gx, stride_gc0, stride_gc1,
                   label_offset, inv_tau, bias_own, a_in, a_own, track_hard, has_ids, margin_mode,
@@ -155,14 +171,9 @@ def _stats_kernel(X, RX, C0, RC0, C1, RC1, DIMS, TID, IDS0, IDS1, GX, GC0, GC1, 
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             k0 = 0
             for t in range(ndims):
-                k1 = tl.load(DIMS + t)
-                acc = _dot_range(X, C, r0, c0, rmask, cmask, k0, k1, stride_x, stride_c, acc,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
-                k0 = k1
-                rx = tl.load(RX + t * n_rows + rows, mask=rmask, other=0.0)
-                rc = tl.load(RC + t * m_seg + cols, mask=cmask, other=0.0)
-                cos = acc * rx[:, None] * rc[None, :]
-                masked = _dim_mask(static, cos, target, THR, t, n_rows, rows, rmask, margin_mode)
+                acc, k0, rx, rc, cos, masked = _prefix_tile(
+                    X, C, RX, RC, DIMS, THR, static, target, rows, rmask, cols, cmask, r0, c0, acc, k0, t, n_rows,
+                    m_seg, stride_x, stride_c, margin_mode, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
                 sel = dcol == t
                 pos += tl.where(sel, tl.sum(tl.where(target, cos, 0.0), axis=1)[:, None], 0.0)
                 if track_hard != 0:
@@ -221,19 +232,21 @@ def _accumulate_unit(acc_ptrs, amask, w, v_ptrs, vmask, rv, k_hi, BLOCK_K: tl.co
 
 
 @triton.jit
-def _ds_tile(lg, target, rows, rmask, gcol, t, n_rows, L, CCE, CDIAG, CHG, HIDX):
+def _ds_tile(cos, target, own, masked, rows, rmask, cmask, gcol, t, n_rows, L, CCE, CDIAG, CHG, HIDX, inv_tau,
+             bias_own, a_in, a_own):
     """dLoss/dcos of dimension t: cce · softmax (masked columns: exp(-inf) = 0), -cdiag at the target, +chg at
-    the hardest negative."""
+    the hardest negative; 0 outside the rows and columns."""
     o = t * n_rows + rows
     lse = tl.load(L + o, mask=rmask, other=0.0)
     cce = tl.load(CCE + o, mask=rmask, other=0.0)
     cdiag = tl.load(CDIAG + o, mask=rmask, other=0.0)
     chg = tl.load(CHG + o, mask=rmask, other=0.0)
     hidx = tl.load(HIDX + o, mask=rmask, other=-1).to(tl.int32)
+    lg = _logits(cos, target, own, masked, inv_tau, bias_own, a_in, a_own)
     ds = cce[:, None] * tl.exp(lg - lse[:, None])
     ds -= tl.where(target, cdiag[:, None], 0.0)
     ds += tl.where(gcol[None, :] == hidx[:, None], chg[:, None], 0.0)
-    return ds
+    return tl.where(rmask[:, None] & cmask[None, :], ds, 0.0)
 
 
 @triton.jit
@@ -265,20 +278,14 @@ def _bwd_rows_kernel(X, RX, C0, RC0, C1, RC1, DIMS, TID, IDS0, IDS1, GX, GC0, GC
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             k0 = 0
             for t in range(ndims):
-                k1 = tl.load(DIMS + t)
-                acc = _dot_range(X, C, r0, c0, rmask, cmask, k0, k1, stride_x, stride_c, acc,
-                                 BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
-                k0 = k1
-                rx = tl.load(RX + t * n_rows + rows, mask=rmask, other=0.0)
-                rc = tl.load(RC + t * m_seg + cols, mask=cmask, other=0.0)
-                cos = acc * rx[:, None] * rc[None, :]
-                masked = _dim_mask(static, cos, target, THR, t, n_rows, rows, rmask, margin_mode)
-                lg = _logits(cos, target, own, masked, inv_tau, bias_own, a_in, a_own)
-                ds = _ds_tile(lg, target, rows, rmask, cols + base, t, n_rows, L, CCE, CDIAG, CHG, HIDX)
-                ds = tl.where(rmask[:, None] & cmask[None, :], ds, 0.0)
+                acc, k0, rx, rc, cos, masked = _prefix_tile(
+                    X, C, RX, RC, DIMS, THR, static, target, rows, rmask, cols, cmask, r0, c0, acc, k0, t, n_rows,
+                    m_seg, stride_x, stride_c, margin_mode, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
+                ds = _ds_tile(cos, target, own, masked, rows, rmask, cmask, cols + base, t, n_rows, L, CCE, CDIAG,
+                              CHG, HIDX, inv_tau, bias_own, a_in, a_own)
                 q += tl.where(dcol == t, tl.sum(ds * cos, axis=1)[:, None], 0.0)
                 w = (ds * (rx / r_last * grad_scale)[:, None]).to(C.dtype.element_ty)
-                _accumulate_unit(da_base, rmask, w, _row_ptrs(C, c0, stride_c, BLOCK_N, BLOCK_K), cmask, rc, k1,
+                _accumulate_unit(da_base, rmask, w, _row_ptrs(C, c0, stride_c, BLOCK_N, BLOCK_K), cmask, rc, k0,
                                  BLOCK_K, UPCAST, DOT_PREC)
                 tl.debug_barrier()  # the next product re-reads what other threads of this program stored
     tl.store(Q + dcol * n_rows + rows[:, None], q, mask=rmask[:, None] & (dcol < ndims))
@@ -309,20 +316,14 @@ def _bwd_cols_kernel(X, RX, C, RC, DIMS, TID, IDS, GX, GC, THR, L, CCE, CDIAG, C
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k0 = 0
         for t in range(ndims):
-            k1 = tl.load(DIMS + t)
-            acc = _dot_range(X, C, r0, c0, rmask, cmask, k0, k1, stride_x, stride_c, acc,
-                             BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
-            k0 = k1
-            rx = tl.load(RX + t * n_rows + rows, mask=rmask, other=0.0)
-            rc = tl.load(RC + t * m_seg + cols, mask=cmask, other=0.0)
-            cos = acc * rx[:, None] * rc[None, :]
-            masked = _dim_mask(static, cos, target, THR, t, n_rows, rows, rmask, margin_mode)
-            lg = _logits(cos, target, own, masked, inv_tau, bias_own, a_in, a_own)
-            ds = _ds_tile(lg, target, rows, rmask, cols + base, t, n_rows, L, CCE, CDIAG, CHG, HIDX)
-            ds = tl.where(rmask[:, None] & cmask[None, :], ds, 0.0)
+            acc, k0, rx, rc, cos, masked = _prefix_tile(
+                X, C, RX, RC, DIMS, THR, static, target, rows, rmask, cols, cmask, r0, c0, acc, k0, t, n_rows, m_seg,
+                stride_x, stride_c, margin_mode, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
+            ds = _ds_tile(cos, target, own, masked, rows, rmask, cmask, cols + base, t, n_rows, L, CCE, CDIAG, CHG,
+                          HIDX, inv_tau, bias_own, a_in, a_own)
             q += tl.where(dcol == t, tl.sum(ds * cos, axis=0)[:, None], 0.0)
             w = tl.trans((ds * (rc / r_last * grad_scale)[None, :]).to(X.dtype.element_ty))  # (cols, rows)
-            _accumulate_unit(db_base, cmask, w, _row_ptrs(X, r0, stride_x, BLOCK_M, BLOCK_K), rmask, rx, k1,
+            _accumulate_unit(db_base, cmask, w, _row_ptrs(X, r0, stride_x, BLOCK_M, BLOCK_K), rmask, rx, k0,
                              BLOCK_K, UPCAST, DOT_PREC)
             tl.debug_barrier()
     tl.store(QC + dcol * m_seg + cols[:, None], q, mask=cmask[:, None] & (dcol < ndims))
