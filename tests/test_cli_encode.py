@@ -202,15 +202,46 @@ def test_topk_option_sets_k_of_the_topk_pooler(tmp_path, capsys, input_file, tin
     torch.manual_seed(3)
     AutoModelForMaskedLM.from_config(AutoConfig.from_pretrained(tiny_bert_dir)).save_pretrained(mlm)
     out = {}
-    for k in (3, None):
+    for k in (3, 40):
         out[k] = tmp_path / f"emb-{k}.npy"
-        extra = ["--topk", k] if k else []
-        rc, _, err = _run(capsys, "--model", mlm, "--pooler", "topk", *extra, "--input", input_file, "--output", out[k])
+        rc, _, err = _run(capsys, "--model", mlm, "--pooler", "topk", "--topk", k, "--input", input_file,
+                          "--output", out[k])
         assert rc == 0, err
     ref = PromptEncoder.from_pretrained(mlm, pooler="topk", topk=3).eval()
     np.testing.assert_allclose(np.load(out[3]), ref.encode(LINES), atol=1e-5)
-    assert ref.topk == 3 and not np.allclose(np.load(out[3]), np.load(out[None]), atol=1e-3)  # default k is 10
+    assert ref.topk == 3 and not np.allclose(np.load(out[3]), np.load(out[40]), atol=1e-3)
+    # the default k is PromptBERT's 200 (Table 9): more than this tiny vocabulary holds, a clear error
+    vocab = AutoConfig.from_pretrained(mlm).vocab_size
+    assert vocab < 200
+    rc, _, err = _run(capsys, "--model", mlm, "--pooler", "topk", "--input", input_file, "--output",
+                      tmp_path / "default.npy")
+    assert rc == 2 and f"topk must be an integer in [1, vocab size {vocab}], got 200" in err
     with pytest.raises(SystemExit):
         cli.main(["encode", "--model", str(mlm), "--pooler", "topk", "--topk", "0", "--input", str(input_file),
                   "--output", str(tmp_path / "x.npy")])
     assert "expected a positive integer, got 0" in capsys.readouterr().err
+
+
+def _leftovers(folder) -> list[str]:
+    return sorted(p.name for p in folder.rglob("*") if ".tmp" in p.name)
+
+
+@pytest.mark.parametrize("suffix", [".safetensors", ".npy"])
+def test_encode_on_a_real_full_disk_is_one_line(small_disk, fill_disk, tmp_path, tiny_bert_dir, capsys, suffix):
+    """A 3 MB tmpfs, filled: safetensors raised its own SafetensorError (a traceback); now the one line of the
+    faked test above, and the previous file is kept."""
+    sentences = tmp_path / "many.txt"
+    sentences.write_text("the dog runs\na man plays guitar\n" * 200, encoding="utf-8")  # 400 x 32 floats: 51 KB
+    out = small_disk / f"emb{suffix}"
+    out.write_bytes(b"previous embeddings")
+    filler = fill_disk()
+    argv = ["--model", tiny_bert_dir, "--input", sentences, "--output", out]
+    rc, _, err = _run(capsys, *argv)
+    assert rc == 2 and "Traceback" not in err and "SafetensorError" not in err, err
+    assert f"fastprompt encode: error: could not write --output {out}: No space left on device; the previous {out} " \
+           "is unchanged" in err, err
+    assert out.read_bytes() == b"previous embeddings" and not _leftovers(small_disk)
+    out.unlink()
+    rc, _, err = _run(capsys, *argv)  # numpy reports its short write without an errno: the free space tells
+    assert rc == 2 and "No space left on device; nothing was written" in err, err
+    assert sorted(p.name for p in small_disk.iterdir()) == [filler.name]

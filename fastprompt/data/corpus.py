@@ -8,11 +8,13 @@ from __future__ import annotations
 import csv
 import io
 import logging
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastprompt.choices import DECODE_ERROR_MODES, TRAIN_FORMATS, check_choice
-from fastprompt.io import read_utf8_text, reject_binary
+from fastprompt.io import check_file, read_utf8_text, reject_binary
+from fastprompt.messages import shown
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +66,7 @@ def read_text_corpus(path: str | Path, *, on_decode_error: str = "error") -> Tra
     (``on_decode_error="error"``), or are skipped with a warning (``"skip"``).
     """
     check_choice("on_decode_error", on_decode_error, DECODE_ERROR_MODES)
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"training file not found: {path}")
+    path = check_file(path, "training file")
     rows: list[tuple[str, ...]] = []
     n_empty = 0
     bad_lines: list[tuple[int, int]] = []  # (line number, byte offset of the first bad byte in that line)
@@ -99,33 +99,42 @@ def read_text_corpus(path: str | Path, *, on_decode_error: str = "error") -> Tra
     return TrainExamples(columns=("sent0",), rows=rows, source=str(path), skipped=skipped)
 
 
-def read_pair_csv(path: str | Path) -> TrainExamples:
+def parse_csv(text: str, path, *, delimiter: str = ",", hint: str = "") -> list[list[str]]:
+    """Every record of CSV ``text`` (read from ``path``); a ValueError naming the file and line for what the csv
+    module rejects (a quoted field that never closes and runs past its field limit, a NUL byte), then ``hint``."""
+    reader = csv.reader(io.StringIO(text, newline=""), delimiter=delimiter)
+    try:
+        return list(reader)
+    except csv.Error as exc:
+        kind = "CSV" if delimiter == "," else "tab-separated"
+        raise ValueError(f"{path}: not a valid {kind} file (line {reader.line_num}: {exc}){hint}") from None
+
+
+def read_pair_csv(path: str | Path, *, delimiter: str = ",") -> TrainExamples:
     """Read a CSV with a header: ``sent0,sent1`` (pairs) or ``sent0,sent1,hard_neg`` (triplets), with a ``ski``
     column kept when present; a ``sent0,ski`` file is read by :func:`fastprompt.data.ski.read_ski_csv`.
+    ``delimiter="\t"`` reads the same layout tab-separated (a ``.tsv`` file).
 
     Other columns are ignored. Rows with an empty required cell are skipped and counted.
     """
     path = Path(path)
+    kind = "CSV" if delimiter == "," else "tab-separated"
     text = read_utf8_text(path, "training file", encoding="utf-8-sig")
-    reader = csv.reader(io.StringIO(text, newline=""))
-    try:
-        records = list(reader)
-    except csv.Error as exc:  # e.g. a quoted field that never closes
-        raise ValueError(f"{path}: not a valid CSV file (line {reader.line_num}: {exc}); the training file must "
-                         "be a sent0,sent1[,hard_neg] CSV or a .txt corpus") from None
+    records = parse_csv(text, path, delimiter=delimiter,
+                        hint="; the training file must be a sent0,sent1[,hard_neg] CSV or a .txt corpus")
     header = records.pop(0) if records else None
     if header is None:
-        raise ValueError(f"training file {path} is empty (expected a CSV header sent0,sent1[,hard_neg])")
+        raise ValueError(f"training file {path} is empty (expected a {kind} header sent0,sent1[,hard_neg])")
     header = [h.strip() for h in header]
-    if SKI_COLUMN in header and "sent1" not in header:
+    if SKI_COLUMN in header and "sent1" not in header and delimiter == ",":
         from fastprompt.data.ski.files import read_ski_csv
 
         return read_ski_csv(path)  # sent0,ski: unsupervised SKICSE
     missing = [c for c in PAIR_COLUMNS if c not in header]
     if missing:
         raise ValueError(
-            f"CSV {path} must have a header with columns sent0,sent1 (pairs) or sent0,sent1,hard_neg "
-            f"(triplets, SimCSE's NLI layout); found columns {header}, missing {missing}"
+            f"{kind} file {path} must have a header with columns sent0,sent1 (pairs) or sent0,sent1,hard_neg "
+            f"(triplets, SimCSE's NLI layout); found columns {shown(header)}, missing {missing}"
         )
     columns = TRIPLET_COLUMNS if "hard_neg" in header else PAIR_COLUMNS
     if SKI_COLUMN in header:
@@ -151,21 +160,37 @@ def read_pair_csv(path: str | Path) -> TrainExamples:
     return TrainExamples(columns=columns, rows=rows, source=str(path), skipped=skipped)
 
 
-def _looks_like_csv(path: Path) -> bool:
+def _table_format(path: Path) -> str | None:
+    """"csv" or "tsv" when the first line is a ``sent0,sent1...`` header (comma- or tab-separated), else None."""
     with open(path, "rb") as f:
-        first = f.readline().decode("utf-8-sig", errors="replace").strip()
-    try:
-        cells = [c.strip() for c in next(csv.reader([first]), [])]
-    except csv.Error:
-        return False
-    return cells[:2] in (list(PAIR_COLUMNS), ["sent0", SKI_COLUMN])
+        first = f.readline(1 << 16).decode("utf-8-sig", errors="replace").strip()
+    for fmt, delimiter in (("csv", ","), ("tsv", "\t")):
+        try:
+            cells = [c.strip() for c in next(csv.reader([first], delimiter=delimiter), [])]
+        except csv.Error:
+            continue
+        if cells[:2] in (list(PAIR_COLUMNS), ["sent0", SKI_COLUMN]):
+            return fmt
+    return None
+
+
+def _refuse_tab_separated_corpus(examples: TrainExamples) -> None:
+    """A corpus whose every line holds a tab is a table of pairs without a header, not sentences: read as text,
+    each pair would become one "sentence" with a tab inside, silently."""
+    if all("\t" in row[0] for row in examples.rows):
+        raise ValueError(f"{examples.source}: every line holds a tab, so it looks like tab-separated pairs, which a "
+                         "text corpus would read as one sentence per line; give it a header line sent0<TAB>sent1 "
+                         "(it is then read as pairs), or set train_format=text to train on each line as one "
+                         "sentence")
 
 
 def load_train_file(path: str | Path, *, fmt: str = "auto", on_decode_error: str = "error") -> TrainExamples:
     """Load ``path`` as a text corpus or a pair/triplet CSV.
 
-    ``fmt="auto"`` decides by extension (``.csv`` -> CSV, ``.txt`` -> text) and otherwise by whether the
-    first line is a ``sent0,sent1...`` header. ``path == "builtin:gensim-wiki"`` loads the embedded corpus.
+    ``fmt="auto"`` decides by extension (``.csv`` -> CSV, ``.tsv`` -> tab-separated), otherwise (``.txt`` too) by
+    whether the first line is a ``sent0,sent1...`` header, comma- or tab-separated; a text corpus whose every line
+    holds a tab is refused (pairs without a header) unless ``fmt="text"``. ``path == "builtin:gensim-wiki"`` loads
+    the embedded corpus.
     """
     if str(path) == BUILTIN_WIKI:
         from fastprompt.data.builtin import builtin_wiki_corpus
@@ -173,17 +198,18 @@ def load_train_file(path: str | Path, *, fmt: str = "auto", on_decode_error: str
         return builtin_wiki_corpus()
     check_choice("train_format", fmt, TRAIN_FORMATS)
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise FileNotFoundError(
             f"training file not found: {path} (relative paths are resolved against the current directory "
             f"{Path.cwd()}; use {BUILTIN_WIKI!r} for the corpus embedded in the gensim package)"
         )
-    if fmt == "auto":
-        suffix = path.suffix.lower()
-        if suffix in (".csv", ".txt"):
-            fmt = "csv" if suffix == ".csv" else "text"
-        else:
-            fmt = "csv" if _looks_like_csv(path) else "text"
-    if fmt == "csv":
-        return read_pair_csv(path)
-    return read_text_corpus(path, on_decode_error=on_decode_error)
+    check_file(path, "training file")
+    auto = fmt == "auto"
+    if auto:
+        fmt = {".csv": "csv", ".tsv": "tsv"}.get(path.suffix.lower()) or _table_format(path) or "text"
+    if fmt in ("csv", "tsv"):
+        return read_pair_csv(path, delimiter="," if fmt == "csv" else "\t")
+    examples = read_text_corpus(path, on_decode_error=on_decode_error)
+    if auto:
+        _refuse_tab_separated_corpus(examples)
+    return examples

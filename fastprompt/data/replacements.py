@@ -25,12 +25,15 @@ import logging
 import os
 import zlib
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from fastprompt.choices import RTD_SAMPLING, check_choice
+from fastprompt.io import check_file, read_json, write_json_atomic
+from fastprompt.schema import check_json
 
 logger = logging.getLogger(__name__)
 
@@ -125,13 +128,28 @@ class MaskedLMGenerator(ReplacementGenerator):
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike, tokenizer, masking_ratio: float, sampling: str = "sample",
-                        device: torch.device | str = "cpu") -> "MaskedLMGenerator":
+                        device: torch.device | str = "cpu", trust_remote_code: bool = False) -> "MaskedLMGenerator":
         from transformers import AutoModelForMaskedLM
 
+        from fastprompt.model.backbone import check_model_folder
+        from fastprompt.remote_code import refusing_remote_code
+
         try:
-            model = AutoModelForMaskedLM.from_pretrained(path)
+            if Path(path).is_dir():
+                check_model_folder(path, tokenizer=False)  # config types, safetensors only (it reads the encoder's ids)
+            with refusing_remote_code(path, trust_remote_code):
+                model, info = AutoModelForMaskedLM.from_pretrained(path, output_loading_info=True, use_safetensors=True,
+                                                                   trust_remote_code=trust_remote_code)
         except (OSError, ValueError) as e:
             raise ValueError(f"cannot load the masked-LM generator {str(path)!r}: {e}".splitlines()[0]) from None
+        prefix = f"{model.base_model_prefix}."
+        head = [k for k in info.get("missing_keys") or [] if not k.startswith(prefix)
+                and not k.endswith("decoder.weight")]  # the decoder is tied to the word embeddings
+        if head:  # transformers initialised the MLM head at random: its "replacements" would be noise
+            raise ValueError(f"the masked-LM generator {str(path)!r} has no masked-LM head in its weights (missing "
+                             f"{', '.join(sorted(head)[:3])}, ...): a random head would pick the replacements; use a "
+                             "checkpoint saved from a *ForMaskedLM model (D2CSE: distilbert-base-uncased), or "
+                             "rtd_generator=random")
         return cls(model, tokenizer, masking_ratio, sampling, device)
 
     def replace(self, input_ids, attention_mask, chosen, generator):
@@ -196,11 +214,12 @@ class MaskedLMGenerator(ReplacementGenerator):
 
 
 def build_generator(spec: str, tokenizer, masking_ratio: float, sampling: str = "sample",
-                    device: torch.device | str = "cpu") -> ReplacementGenerator:
-    """``spec``: ``"random"`` or the path of a Hugging Face masked LM."""
+                    device: torch.device | str = "cpu", trust_remote_code: bool = False) -> ReplacementGenerator:
+    """``spec``: ``"random"`` or the path of a Hugging Face masked LM (whose own code runs only with
+    ``trust_remote_code``)."""
     if spec == "random":
         return RandomGenerator(tokenizer, masking_ratio)
-    return MaskedLMGenerator.from_pretrained(spec, tokenizer, masking_ratio, sampling, device)
+    return MaskedLMGenerator.from_pretrained(spec, tokenizer, masking_ratio, sampling, device, trust_remote_code)
 
 
 # ---------------------------------------------------------------- ahead of training
@@ -212,18 +231,34 @@ def sentence_seed(seed: int, ids: Iterable[int]) -> int:
     return int(np.random.SeedSequence([int(seed), zlib.crc32(words), len(words)]).generate_state(1)[0])
 
 
+@dataclass
+class ReplacementLine:
+    """The schema of one line of a replacement file (:mod:`fastprompt.schema`)."""
+
+    ids: list[int]
+    replaced: list[int]
+
+
+#: Token ids are int32 in the table (vocabularies are far below 2**31).
+_MAX_ID = 2**31 - 1
+
+
 def _read_lines(path: Path) -> Iterator[tuple[list[int], list[int]]]:
-    """(ids, replaced) of every line of a replacement file, checked."""
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
+    """(ids, replaced) of every line of a replacement file, checked: types, lengths and the id range."""
+    with open(check_file(path, "replacement file"), "rb") as f:
+        for n, raw in enumerate(f, 1):
+            where = f"replacement file {path}:{n}"
             try:
-                rec = json.loads(line)
-                ids, rep = [int(i) for i in rec["ids"]], [int(i) for i in rec["replaced"]]
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"{path}:{n}: not a line of a replacement file (expected "
+                rec = json.loads(raw)
+            except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+                raise ValueError(f"{where}: not a line of a replacement file (expected "
                                  '{"ids": [...], "replaced": [...]})') from None
+            check_json(rec, ReplacementLine, where)
+            ids, rep = rec["ids"], rec["replaced"]
             if len(ids) != len(rep):
-                raise ValueError(f"{path}:{n}: ids and replaced have different lengths")
+                raise ValueError(f"{where}: ids and replaced have different lengths")
+            if any(not 0 <= i <= _MAX_ID for i in (*ids, *rep)):
+                raise ValueError(f"{where}: a token id outside [0, {_MAX_ID}]")
             yield ids, rep
 
 
@@ -270,6 +305,20 @@ def check_replacement_settings(made: dict, rtd, model: str | None, path) -> None
                          + ": run `fastprompt make-replacements` with the training config")
 
 
+@dataclass
+class ReplacementSettings:
+    """The schema of ``FILE.meta.json`` beside a replacement file (:func:`replacement_settings`, the format and the
+    seed)."""
+
+    generator: str | None = None
+    masking_ratio: float | None = None
+    model: str | None = None
+    max_length: int | None = None
+    sampling: str | None = None
+    format: str | None = None
+    seed: int | None = None
+
+
 def _meta_path(path: Path) -> Path:
     return Path(f"{path}.meta.json")
 
@@ -286,7 +335,6 @@ def write_replacement_file(path: str | os.PathLike, sentences: list[list[int]], 
     those of one sentence at a time.
     """
     from fastprompt.data.ski.store import drop_torn_tail
-    from fastprompt.io import read_json, write_json_atomic
 
     path = Path(path)
     meta = _meta_path(path)
@@ -294,7 +342,7 @@ def write_replacement_file(path: str | os.PathLike, sentences: list[list[int]], 
     if path.exists():
         if not meta.exists():
             raise ValueError(f"{path} exists without {meta.name}: not a replacement file (choose another output)")
-        old = read_json(meta, "replacement settings")
+        old = read_json(meta, "replacement settings", schema=ReplacementSettings)
         if old != settings:
             diff = sorted(k for k in set(old) | set(settings) if old.get(k) != settings.get(k))
             raise ValueError(f"{path} was written with other settings ({', '.join(diff)}); use another output")
@@ -364,9 +412,7 @@ class ReplacementTable:
 
 
 def _read_meta(path: Path) -> dict:
-    from fastprompt.io import read_json
-
     meta = _meta_path(path)
     if not meta.exists():
         raise ValueError(f"{path}: no {meta.name} beside it; not a file written by `fastprompt make-replacements`")
-    return read_json(meta, "replacement settings")
+    return read_json(meta, "replacement settings", schema=ReplacementSettings)

@@ -54,7 +54,8 @@ def run_make_replacements(args: argparse.Namespace) -> int:
         for ids, mask in zip(tok["input_ids"], tok["attention_mask"]):
             sentences.append(ids[:int(mask.sum())].tolist())
     rtd = cfg.rtd
-    gen = build_generator(rtd.generator, encoder.tokenizer, rtd.masking_ratio, rtd.sampling, device)
+    gen = build_generator(rtd.generator, encoder.tokenizer, rtd.masking_ratio, rtd.sampling, device,
+                          trust_remote_code=cfg.encoder.trust_remote_code)
     settings = replacement_settings(rtd, encoder.base_model, cfg.data.max_length)
     added = write_replacement_file(args.output, sentences, gen, seed=args.seed, settings=settings,
                                    chunk_size=args.batch_size)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ import numpy as np
 from scipy.stats import spearmanr
 
 from fastprompt.io import read_utf8_lines
+from fastprompt.messages import shown
 
 logger = logging.getLogger(__name__)
 
@@ -132,9 +134,12 @@ def _finish(name: str, s1: list[str], s2: list[str], gold: list[float], preproce
 
 def _parse_score(text: str, path: Path, line_no: int) -> float:
     try:
-        return float(text)
+        score = float(text)
     except ValueError:
-        raise ValueError(f"{path}:{line_no}: gold score {text!r} is not a number") from None
+        raise ValueError(f"{path}:{line_no}: gold score {shown(text)} is not a number") from None
+    if not math.isfinite(score):  # nan or inf would be ranked (inf first or last) or break the correlation
+        raise ValueError(f"{path}:{line_no}: gold score {shown(text)} is not a finite number")
+    return score
 
 
 def _task_root(sts_dir: Path, folder: str) -> Path:
@@ -151,6 +156,8 @@ def _task_root(sts_dir: Path, folder: str) -> Path:
 def _check_dir(sts_dir: str | Path) -> Path:
     sts_dir = Path(sts_dir)
     if not sts_dir.is_dir():
+        if sts_dir.exists():
+            raise NotADirectoryError(f"STS directory {sts_dir} is a file, not a folder")
         raise FileNotFoundError(f"STS directory not found: {sts_dir}")
     return sts_dir
 
@@ -324,6 +331,11 @@ def spearman_x100(predicted: np.ndarray, gold: np.ndarray) -> float:
         raise ValueError(f"need two 1-D arrays of equal length, got {predicted.shape} and {gold.shape}")
     if len(gold) < 2:
         raise ValueError("Spearman correlation needs at least two pairs")
+    for name, values in (("predicted", predicted), ("gold", gold)):
+        bad = int(np.count_nonzero(~np.isfinite(values)))
+        if bad:
+            raise ValueError(f"Spearman correlation is undefined: {bad} of the {len(values)} {name} scores are NaN or "
+                             "infinite")
     with warnings.catch_warnings():  # a constant input gets our ValueError below, not a warning
         warnings.simplefilter("ignore")
         rho = spearmanr(predicted, gold).statistic
@@ -338,22 +350,46 @@ def encode_pairs(
     *,
     batch_size: int = 64,
     show_progress_bar: bool | None = None,
+    known: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Embeddings of both sides of every task's pairs.
 
     Every distinct sentence over all tasks is encoded once (STS13-16 and STS-B share headlines,
     SICK repeats sentences across pairs): about 25% fewer sentences for the seven-task table.
+    ``known``: vectors this same model already gave (sentence -> vector, e.g. :func:`sentence_vectors` of an
+    earlier evaluation of the same weights); only the other sentences are encoded. Batches then hold other
+    sentences, so a reused vector may differ from a fresh one in the last float32 bits (padding changes the
+    shapes the kernels run on), far below the table's two decimals.
     """
     index: dict[str, int] = {}
     for data in datasets.values():
         for s in (*data.sentences1, *data.sentences2):
             index.setdefault(s, len(index))
-    emb = encode_sentences(model, list(index), batch_size=batch_size, show_progress_bar=show_progress_bar)
+    todo = [s for s in index if s not in known] if known else list(index)
+    if len(todo) == len(index):
+        emb = encode_sentences(model, todo, batch_size=batch_size, show_progress_bar=show_progress_bar)
+    else:
+        fresh = (dict(zip(todo, encode_sentences(model, todo, batch_size=batch_size,
+                                                 show_progress_bar=show_progress_bar))) if todo else {})
+        emb = np.stack([fresh[s] if s in fresh else known[s] for s in index])
+        logger.info("encoded %d sentences, reused %d encoded before", len(todo), len(index) - len(todo))
     out = {}
     for name, data in datasets.items():
         i1 = np.fromiter((index[s] for s in data.sentences1), dtype=np.int64, count=len(data))
         i2 = np.fromiter((index[s] for s in data.sentences2), dtype=np.int64, count=len(data))
         out[name] = (emb[i1], emb[i2])
+    return out
+
+
+def sentence_vectors(
+    pairs: Mapping[str, tuple[np.ndarray, np.ndarray]], datasets: Mapping[str, STSData]
+) -> dict[str, np.ndarray]:
+    """The table sentence -> vector of :func:`encode_pairs`' output (for its ``known`` argument)."""
+    out: dict[str, np.ndarray] = {}
+    for name, (e1, e2) in pairs.items():
+        data = datasets[name]
+        out.update(zip(data.sentences1, e1))
+        out.update(zip(data.sentences2, e2))
     return out
 
 

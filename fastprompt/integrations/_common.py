@@ -35,10 +35,12 @@ def check_export_target(output: str | os.PathLike, what: str, is_previous_export
     """Exporting replaces the whole ``output`` folder (atomically), so, as :meth:`PromptEncoder.save` does for
     checkpoints, refuse anything but a new or empty folder or an earlier export of the same kind
     (``is_previous_export(folder)``) unless ``overwrite``: FileExistsError naming what is there. The input folder
-    ``source`` itself is refused even with ``overwrite`` (ValueError): replacing it would destroy the prompt."""
+    ``source``, a folder holding it and one inside it are refused even with ``overwrite`` (ValueError): replacing
+    them would destroy the prompt."""
+    from fastprompt.io import check_apart
+
     out = Path(output)
-    if source is not None and out.resolve() == Path(source).resolve():
-        raise ValueError(f"cannot export to {out}: it is the input folder; choose another folder")
+    check_apart(out, (source,), "export target")
     if overwrite or not os.path.lexists(out):
         return
     if not out.is_dir():

@@ -8,6 +8,7 @@ import argparse
 from pathlib import Path
 
 from fastprompt.choices import PAPER_POOLER_TYPES, POOLERS
+from fastprompt.cli import add_trust_remote_code_arg
 
 EXPORT_FORMATS = ("sentence-transformers", "peft")
 IMPORT_FORMATS = ("promcse", "dcpcse", "peft")
@@ -29,11 +30,13 @@ examples:
 """
 
 
-def _check_output(output: str, source: str) -> None:
-    """The input folder is never a target; what else --output may replace the exporters and importers decide (a
-    new or empty folder, or an earlier output of the same kind, unless --overwrite)."""
-    if Path(output).resolve() == Path(source).resolve():
-        raise ValueError(f"--output {output} is the input folder; choose another folder")
+def _check_output(output: str, *sources: str | None) -> None:
+    """No input (the checkpoint, a local base model) is the target, inside it or inside the target, even with
+    --overwrite; what else --output may replace the exporters and importers decide (a new or empty folder, or an
+    earlier output of the same kind, unless --overwrite)."""
+    from fastprompt.io import check_apart
+
+    check_apart(output, [s for s in sources if s is not None and Path(s).exists()])
 
 
 def add_export_parser(subparsers) -> argparse.ArgumentParser:
@@ -54,15 +57,17 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
                     help="do not copy the backbone into the folder; name the base model instead (refused for a "
                          "fine-tuned backbone)")
     st.add_argument("--no-normalize", action="store_true", help="no L2 normalisation module")
+    add_trust_remote_code_arg(st)
     p.set_defaults(func=run_export)
     return p
 
 
 def run_export(args: argparse.Namespace) -> int:
-    _check_output(args.output, args.prompt)
+    _check_output(args.output, args.prompt, args.model)
     if args.to == "peft":
-        if args.model or args.no_backbone or args.no_normalize:
-            raise ValueError("--model, --no-backbone and --no-normalize apply to --to sentence-transformers only")
+        if args.model or args.no_backbone or args.no_normalize or args.trust_remote_code:
+            raise ValueError("--model, --no-backbone, --no-normalize and --trust-remote-code apply to --to "
+                             "sentence-transformers only")
         from fastprompt.integrations.peft import export_peft
 
         out = export_peft(args.prompt, args.output, overwrite=args.overwrite)
@@ -71,7 +76,7 @@ def run_export(args: argparse.Namespace) -> int:
 
         out = export_sentence_transformers(args.prompt, args.output, base_model=args.model,
                                            include_backbone=not args.no_backbone, normalize=not args.no_normalize,
-                                           overwrite=args.overwrite)
+                                           overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)
     print(f"wrote {args.to} model to {out}")
     return 0
 
@@ -91,6 +96,7 @@ def add_import_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--model", metavar="NAME_OR_PATH",
                    help="base model (promcse/dcpcse: default the checkpoint folder, which holds the frozen backbone; "
                         "peft: default the adapter's base_model_name_or_path)")
+    add_trust_remote_code_arg(p)
     papers = p.add_argument_group("promcse / dcpcse")
     papers.add_argument("--pooler-type", choices=PAPER_POOLER_TYPES,
                         help="the checkpoint's --pooler_type (unsupervised models: cls_before_pooler, supervised: cls)")
@@ -106,14 +112,14 @@ def add_import_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_import(args: argparse.Namespace) -> int:
-    _check_output(args.output, args.checkpoint)
+    _check_output(args.output, args.checkpoint, args.model, args.args_file)
     if args.source == "peft":
         if args.pooler_type or args.mlp_only_train or args.args_file:
             raise ValueError("--pooler-type, --mlp-only-train and --args apply to --from promcse/dcpcse only")
         from fastprompt.integrations.peft import import_peft
 
         out = import_peft(args.checkpoint, args.output, base_model=args.model, pooler=args.pooler,
-                          overwrite=args.overwrite)
+                          overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)
     else:
         if args.pooler:
             raise ValueError("--pooler applies to --from peft; give the checkpoint's --pooler-type")
@@ -121,6 +127,7 @@ def run_import(args: argparse.Namespace) -> int:
 
         out = import_promcse(args.checkpoint, args.output, pooler_type=args.pooler_type,
                              mlp_only_train=True if args.mlp_only_train else None, base_model=args.model,
-                             args_file=args.args_file, overwrite=args.overwrite)
+                             args_file=args.args_file, overwrite=args.overwrite,
+                             trust_remote_code=args.trust_remote_code)
     print(f"wrote prompt checkpoint to {out}")
     return 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,9 +39,20 @@ SOURCES = ("promcse", "dcpcse")
 def _read_args_file(path: str | os.PathLike) -> dict:
     from fastprompt.io import read_json
 
-    data = read_json(path, what="training arguments file")
+    data = read_json(path, what="training arguments file", schema=TheirArguments)
     return {k: data[k] for k in ("pooler_type", "mlp_only_train", "pre_seq_len", "prefix_projection",
                                  "prefix_hidden_size") if k in data}
+
+
+@dataclass
+class TheirArguments:
+    """The arguments of PromCSE/DCPCSE's ``train.py`` that import reads from ``--args`` (:mod:`fastprompt.schema`)."""
+
+    pooler_type: str | None = None
+    mlp_only_train: bool = False
+    pre_seq_len: int = field(default=1, metadata={"ge": 1})
+    prefix_projection: bool = False
+    prefix_hidden_size: int = field(default=1, metadata={"ge": 1})
 
 
 def _backbone_prefix(state: dict[str, torch.Tensor]) -> str:
@@ -52,7 +64,8 @@ def _backbone_prefix(state: dict[str, torch.Tensor]) -> str:
 
 def import_promcse(checkpoint_dir: str | os.PathLike, output: str | os.PathLike, *, pooler_type: str | None = None,
                    mlp_only_train: bool | None = None, base_model: str | os.PathLike | None = None,
-                   args_file: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
+                   args_file: str | os.PathLike | None = None, overwrite: bool = False,
+                   trust_remote_code: bool = False) -> Path:
     """Convert a PromCSE/DCPCSE checkpoint folder into a fastprompt prompt checkpoint at ``output``.
 
     ``pooler_type``: their ``--pooler_type`` (``cls`` or ``cls_before_pooler``); ``mlp_only_train``: their
@@ -61,13 +74,15 @@ def import_promcse(checkpoint_dir: str | os.PathLike, output: str | os.PathLike,
     holds the frozen backbone; a different base is checked against the checkpoint's backbone weights. ``output``
     must be new, empty or an earlier prompt checkpoint (it is replaced) unless ``overwrite``.
     """
-    from fastprompt.io import read_json
+    from fastprompt.io import check_apart, read_json
     from fastprompt.model import PromptConfig, PromptEncoder
+    from fastprompt.model.backbone import ModelConfigFile
     from fastprompt.model.checkpoint import check_save_target
 
     checkpoint_dir = Path(checkpoint_dir)
     if not checkpoint_dir.is_dir():
         raise FileNotFoundError(f"checkpoint folder not found: {checkpoint_dir}")
+    check_apart(output, (checkpoint_dir,), "output")  # the input is never replaced, even with overwrite
     check_save_target(output, overwrite)  # before anything loads
     args = _read_args_file(args_file) if args_file else {}
     pooler_type = pooler_type or args.get("pooler_type")
@@ -93,15 +108,24 @@ def import_promcse(checkpoint_dir: str | os.PathLike, output: str | os.PathLike,
     pooler, mlp = ("cls", "train" if mlp_only_train else "always") if pooler_type == "cls" else (pooler_type, "none")
     if mlp != "none" and "mlp.dense.weight" not in state:
         raise ValueError("pooler_type cls needs the checkpoint's mlp.dense head, which it does not have")
+    if base_model is None and not (checkpoint_dir / WEIGHTS[0]).is_file():
+        # the prompt's tensors were read above with the restricted unpickler; the backbone would be a model loaded
+        # from a pickle every time the prompt is used, and fastprompt loads models from safetensors only
+        raise ValueError(f"{checkpoint_dir} holds its backbone only as a PyTorch pickle ({WEIGHTS[1]}), and "
+                         "fastprompt loads models from safetensors only; pass the base model the prompt was trained "
+                         "on (--model / base_model=, e.g. bert-base-uncased): its weights are compared with the "
+                         "checkpoint's")
     base = base_model or checkpoint_dir.resolve()
     # get_prompt's dropout is the backbone's hidden dropout: keep it for further training
     their_config = checkpoint_dir / "config.json"
-    dropout = float(read_json(their_config).get("hidden_dropout_prob", 0.0)) if their_config.is_file() else 0.0
+    dropout = (read_json(their_config, "model config", schema=ModelConfigFile).get("hidden_dropout_prob", 0.0)
+               if their_config.is_file() else 0.0)
     config_kwargs = {"prompt_length": P, "prefix_projection": projection, "position_mode": "shifted",
                      "prompt_dropout": dropout}
     if projection:
         config_kwargs["projection_hidden_size"] = state["prefix_encoder.trans.0.weight"].shape[0]
-    encoder = PromptEncoder.from_pretrained(base, prompt_config=PromptConfig(**config_kwargs), pooler=pooler, mlp=mlp)
+    encoder = PromptEncoder.from_pretrained(base, prompt_config=PromptConfig(**config_kwargs), pooler=pooler, mlp=mlp,
+                                            trust_remote_code=trust_remote_code)
 
     prompt_state = {}
     if projection:

@@ -39,9 +39,14 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+from fastprompt.messages import shown
+from fastprompt.model.checkpoint import CheckpointFile
+from fastprompt.schema import check_json
 
 from ._common import (
     check_export_target,
@@ -62,6 +67,19 @@ METADATA_KEY = "fastprompt_config"
 #: The PEFT release whose adapter layout export writes (read from its code, loaded by it in the tests); written as
 #: ``peft_version``, where PEFT records the version that saved an adapter.
 PEFT_FORMAT_VERSION = "0.21.2"
+
+
+@dataclass
+class PrefixAdapterConfig:
+    """The keys of a PEFT prefix-tuning ``adapter_config.json`` that import reads (:mod:`fastprompt.schema`)."""
+
+    peft_type: str
+    num_layers: int = field(metadata={"ge": 1})
+    num_attention_heads: int = field(metadata={"ge": 1})
+    token_dim: int = field(metadata={"ge": 1})
+    num_virtual_tokens: int = field(metadata={"ge": 1})
+    num_transformer_submodules: int = 1
+    base_model_name_or_path: str | None = None
 
 
 def is_fastprompt_adapter(folder: str | os.PathLike) -> bool:
@@ -165,14 +183,12 @@ def read_peft_adapter(adapter_dir: str | os.PathLike) -> tuple[dict, torch.Tenso
     config = read_json(adapter_dir / ADAPTER_CONFIG, what="PEFT adapter config")
     if config.get("peft_type") != "PREFIX_TUNING":
         raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: only prefix-tuning adapters can become a fastprompt "
-                         f"prompt, this one is {config.get('peft_type')!r}")
+                         f"prompt, this one is {shown(config.get('peft_type'))}")
+    check_json(config, PrefixAdapterConfig, f"PEFT adapter config {adapter_dir / ADAPTER_CONFIG}")
     if config.get("num_transformer_submodules", 1) != 1:
         raise ValueError(f"{adapter_dir / ADAPTER_CONFIG}: an encoder-decoder adapter "
                          f"(num_transformer_submodules={config['num_transformer_submodules']}) has no encoder-only "
                          "equivalent")
-    missing = [k for k in ("num_layers", "num_attention_heads", "token_dim", "num_virtual_tokens") if not config.get(k)]
-    if missing:
-        raise ValueError(f"{adapter_dir / ADAPTER_CONFIG} is missing {missing}")
     state = load_foreign_weights(adapter_dir, ADAPTER_WEIGHTS, "PEFT adapter weights")
     if PREFIX_KEY not in state:
         raise ValueError(f"PEFT adapter weights in {adapter_dir} have no {PREFIX_KEY!r} tensor "
@@ -183,27 +199,38 @@ def read_peft_adapter(adapter_dir: str | os.PathLike) -> tuple[dict, torch.Tenso
         raise ValueError(f"{PREFIX_KEY} has shape {tuple(weights.shape)}, the adapter config says "
                          f"({P}, {L * 2 * config['token_dim']})")
     metadata = None
-    if (adapter_dir / ADAPTER_WEIGHTS[0]).is_file():
-        with safe_open(str(adapter_dir / ADAPTER_WEIGHTS[0]), framework="pt") as f:
+    weights_file = adapter_dir / ADAPTER_WEIGHTS[0]
+    if weights_file.is_file():
+        with safe_open(str(weights_file), framework="pt") as f:
             raw = (f.metadata() or {}).get(METADATA_KEY)
-        metadata = json.loads(raw) if raw else None
+        if raw:
+            where = f"the fastprompt metadata ({METADATA_KEY}) of {weights_file}"
+            try:
+                metadata = json.loads(raw)
+            except (ValueError, RecursionError):
+                raise ValueError(f"{where} is not valid JSON") from None
+            check_json(metadata, CheckpointFile, where)
+            if metadata["prompt_config"] is None:
+                raise ValueError(f"{where}: key 'prompt_config' must be an object, got null")
     return config, prefix_from_rows(weights.float(), L, H), metadata
 
 
 def import_peft(adapter_dir: str | os.PathLike, output: str | os.PathLike, *,
                 base_model: str | os.PathLike | None = None, pooler: str | None = None,
-                overwrite: bool = False) -> Path:
+                overwrite: bool = False, trust_remote_code: bool = False) -> Path:
     """Convert a PEFT prefix-tuning adapter folder into a fastprompt prompt checkpoint at ``output``.
 
     ``base_model`` defaults to the adapter's ``base_model_name_or_path`` (what PEFT loads, and what a user edits to
     move the adapter), else the base model in fastprompt's metadata. An adapter exported by fastprompt gets its
     pooler, template, position mode and other settings back; any other adapter gets ``position_mode: shifted``
     (how PEFT ran it) and ``pooler`` (default ``cls``). ``output`` must be new, empty or an earlier prompt
-    checkpoint (it is replaced) unless ``overwrite``.
+    checkpoint (it is replaced) unless ``overwrite``. The base model's own code runs only with ``trust_remote_code``.
     """
+    from fastprompt.io import check_apart
     from fastprompt.model import PromptConfig, PromptEncoder
     from fastprompt.model.checkpoint import check_save_target
 
+    check_apart(output, (adapter_dir,), "output")  # the input is never replaced, even with overwrite
     check_save_target(output, overwrite)  # before the base model loads
     config, prefix, saved = read_peft_adapter(adapter_dir)
     base = base_model or config.get("base_model_name_or_path") or (saved or {}).get("base_model")
@@ -218,7 +245,8 @@ def import_peft(adapter_dir: str | os.PathLike, output: str | os.PathLike, *,
         fields = {"position_mode": "shifted"}
         settings = {"pooler": pooler or "cls"}
     prompt_config = PromptConfig.from_dict({**fields, "prompt_length": prefix.shape[3]})
-    encoder = PromptEncoder.from_pretrained(base, prompt_config=prompt_config, **settings)
+    encoder = PromptEncoder.from_pretrained(base, prompt_config=prompt_config, trust_remote_code=trust_remote_code,
+                                            **settings)
     if (encoder.num_layers, encoder.num_heads, encoder.head_dim) != tuple(prefix.shape[i] for i in (0, 2, 4)):
         raise ValueError(f"the adapter's prefix {tuple(prefix.shape)} does not fit base model {base!r} "
                          f"({encoder.num_layers} layers, {encoder.num_heads} heads of {encoder.head_dim})")

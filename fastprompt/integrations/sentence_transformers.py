@@ -24,24 +24,72 @@ from __future__ import annotations
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import InputModule, Normalize
 
+from fastprompt.io import read_json
 from fastprompt.model import PromptEncoder
+from fastprompt.schema import check_json
 
 logger = logging.getLogger(__name__)
 
 PROMPT_SUBFOLDER = "prompt"
 MODULE_TYPE = "fastprompt.integrations.sentence_transformers.PromptEncoderModule"
 
+@dataclass
+class ModuleConfig:
+    """The schema of ``fastprompt_module.json`` (:mod:`fastprompt.schema`): :class:`PromptEncoderModule`'s keys."""
+
+    base_model: str | None = None
+    prompt_path: str = PROMPT_SUBFOLDER
+
+
+@dataclass
+class TrainInfo:
+    """The keys of a checkpoint's ``train_info.json`` the model card shows."""
+
+    step: int | None = None
+    stsb_dev: float | None = None
+    config: dict[str, Any] | None = None
+
+
+@dataclass
+class RunSummary:
+    """The keys of a run's ``summary.json`` the model card shows."""
+
+    best_checkpoint: str | None = None
+    best_stsb_dev: float | None = None
+    best_step: int | None = None
+    test: dict[str, float] | None = None
+    config: dict[str, Any] | None = None
+
+
 #: One line per training objective for the model card (an objective missing here is shown by name).
 OBJECTIVE_DESCRIPTIONS = {
     "simcse": "InfoNCE over in-batch negatives (SimCSE objective, as DCPCSE)",
     "promcse_eh": "InfoNCE + energy-based hinge loss over the hardest negative (PromCSE)",
 }
+
+
+def check_prompt_path(prompt_path, folder: str | os.PathLike | None = None) -> str:
+    """``prompt_path`` if it names a folder inside the model folder: a relative path without ``..`` (and, given the
+    ``folder``, one that stays inside it once symlinks are resolved), else ValueError. A module config pointing
+    elsewhere would make loading read, and ``SentenceTransformer.save`` overwrite, a checkpoint outside the folder."""
+    path = Path(prompt_path) if isinstance(prompt_path, str) and prompt_path.strip() else None
+    inside = (path is not None and not path.is_absolute() and not path.drive and ".." not in path.parts
+              and "\\" not in prompt_path)
+    if inside and folder is not None:
+        inside = Path(folder).resolve() in (Path(folder) / path).resolve().parents
+    if not inside:
+        where = f"{Path(folder) / PromptEncoderModule.config_file_name}: " if folder is not None else ""
+        raise ValueError(f"{where}prompt_path must be a folder inside the model folder (a relative path without "
+                         f"'..'), got {prompt_path!r}")
+    return prompt_path
 
 
 class PromptEncoderModule(InputModule):
@@ -59,7 +107,7 @@ class PromptEncoderModule(InputModule):
         super().__init__()
         self.encoder = encoder
         self.base_model = base_model
-        self.prompt_path = prompt_path
+        self.prompt_path = check_prompt_path(prompt_path)
 
     @property
     def tokenizer(self):
@@ -93,7 +141,7 @@ class PromptEncoderModule(InputModule):
 
     def save(self, output_path: str, *args, safe_serialization: bool = True, **kwargs) -> None:
         # a fine-tuned backbone is part of the prompt checkpoint (PromptEncoder.save writes it there): not again here
-        self.encoder.save(Path(output_path) / self.prompt_path)
+        self.encoder.save(Path(output_path) / check_prompt_path(self.prompt_path, output_path))
         if self.base_model is None and not self.encoder.backbone_trained:
             self.encoder.backbone.save_pretrained(output_path, safe_serialization=safe_serialization)
             self.encoder.tokenizer.save_pretrained(output_path)
@@ -107,10 +155,13 @@ class PromptEncoderModule(InputModule):
                "local_files_only": local_files_only}
         config = cls.load_config(model_name_or_path, **hub)
         folder = Path(cls.load_dir_path(model_name_or_path, **hub))
+        check_json(config, ModuleConfig, f"{folder / cls.config_file_name}")
         dtype = (model_kwargs or {}).get("dtype", (model_kwargs or {}).get("torch_dtype"))
         if isinstance(dtype, str):
             dtype = None if dtype == "auto" else getattr(torch, dtype)
-        prompt_path = config.get("prompt_path", PROMPT_SUBFOLDER)
+        prompt_path = check_prompt_path(config.get("prompt_path", PROMPT_SUBFOLDER), folder)
+        # sentence-transformers' trust_remote_code (in kwargs) is what lets it import this class: it does not let
+        # the backbone run code of its own (fastprompt.remote_code)
         encoder = PromptEncoder.from_pretrained(config.get("base_model") or folder, prompt=folder / prompt_path,
                                                 torch_dtype=dtype)
         return cls(encoder, base_model=config.get("base_model"), prompt_path=prompt_path)
@@ -128,7 +179,7 @@ def is_sentence_transformers_export(folder: str | os.PathLike) -> bool:
 
 def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_model: str | os.PathLike | None = None,
                                  include_backbone: bool = True, normalize: bool = True,
-                                 overwrite: bool = False) -> Path:
+                                 overwrite: bool = False, trust_remote_code: bool = False) -> Path:
     """Write ``prompt`` (a checkpoint folder or a :class:`PromptEncoder`) as a sentence-transformers model folder.
 
     ``base_model`` overrides the base the checkpoint names. ``include_backbone=False`` leaves the backbone out and
@@ -144,7 +195,8 @@ def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_mode
     source = None if isinstance(prompt, PromptEncoder) else Path(prompt)
     check_export_target(output, "sentence-transformers", is_sentence_transformers_export, overwrite=overwrite,
                         source=source)
-    encoder = prompt if source is None else PromptEncoder.load(source, base_model=base_model)
+    encoder = (prompt if source is None
+               else PromptEncoder.load(source, base_model=base_model, trust_remote_code=trust_remote_code))
     if encoder.backbone_trained and not include_backbone:
         raise ValueError("this prompt's backbone is fine-tuned (train_backbone): the base model cannot stand in for "
                          "it, so it cannot be left out (drop include_backbone=False / --no-backbone)")
@@ -169,16 +221,16 @@ def _run_info(checkpoint: Path | None) -> tuple[dict | None, dict | None]:
     if checkpoint is None:
         return None, None
 
-    def read(path: Path) -> dict | None:
+    def read(path: Path, schema: type) -> dict | None:
         try:
-            return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+            return read_json(path, path.name, schema=schema) if path.is_file() else None
         except (OSError, ValueError) as exc:
             logger.warning("model card: ignoring unreadable %s (%s)", path, exc)
             return None
 
     checkpoint = checkpoint.resolve()
-    info = read(checkpoint / "train_info.json")
-    summary = read(checkpoint.parent / "summary.json")
+    info = read(checkpoint / "train_info.json", TrainInfo)
+    summary = read(checkpoint.parent / "summary.json", RunSummary)
     best = (summary or {}).get("best_checkpoint")
     if summary is not None and (not isinstance(best, str) or Path(best).name != checkpoint.name):
         summary = None  # the run's results belong to another of its checkpoints

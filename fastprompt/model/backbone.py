@@ -4,28 +4,65 @@ from __future__ import annotations
 
 import contextlib
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
+
+from fastprompt.io import read_json
+from fastprompt.remote_code import refusing_remote_code
 
 from .resolve import check_hub_model, resolve_model
 
 CONFIG_FILE = "config.json"
-WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
-                "pytorch_model.bin.index.json")
+#: The weights fastprompt loads: safetensors only (a pickle can run code when it is loaded).
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json")
+#: PyTorch pickles, named in the error for a folder that holds only those.
+PICKLE_FILES = ("pytorch_model.bin", "pytorch_model.bin.index.json", "model.pt", "model.pth")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.txt", "vocab.json", "spiece.model",
                    "sentencepiece.bpe.model", "tokenizer.model")
 
 
-def check_model_folder(path: str | os.PathLike) -> None:
-    """A local model folder must hold a config, weights and a tokenizer; say which is missing (transformers would
-    instead guess at a tokenizer class and ask for sentencepiece)."""
+@dataclass
+class ModelConfigFile:
+    """The keys of a Hugging Face ``config.json`` that fastprompt or transformers compute with, typed (the
+    schema of :mod:`fastprompt.schema`; other keys are the model's business). A string where a count belongs
+    (``num_attention_heads: "twelve"``) fails here in one line instead of inside transformers."""
+
+    model_type: str | None = None
+    architectures: list[str] | None = None
+    num_hidden_layers: int = field(default=1, metadata={"ge": 1})
+    num_attention_heads: int = field(default=1, metadata={"ge": 1})
+    num_key_value_heads: int | None = field(default=None, metadata={"ge": 1})
+    hidden_size: int = field(default=1, metadata={"ge": 1})
+    head_dim: int | None = field(default=None, metadata={"ge": 1})
+    intermediate_size: int = field(default=1, metadata={"ge": 1})
+    max_position_embeddings: int = field(default=1, metadata={"ge": 1})
+    vocab_size: int = field(default=1, metadata={"ge": 1})
+    type_vocab_size: int = field(default=0, metadata={"ge": 0})
+    pad_token_id: int | None = None
+    layer_norm_eps: float = field(default=1e-12, metadata={"gt": 0})
+    hidden_dropout_prob: float = field(default=0.0, metadata={"ge": 0, "le": 1})
+    attention_probs_dropout_prob: float = field(default=0.0, metadata={"ge": 0, "le": 1})
+
+
+def check_model_folder(path: str | os.PathLike, tokenizer: bool = True) -> None:
+    """A local model folder must hold a config of the right types, safetensors weights and (unless ``tokenizer`` is
+    false: a model that works on another model's token ids) a tokenizer; say which is missing or wrong
+    (transformers would instead guess at a tokenizer class and ask for sentencepiece, or fail deep inside on a
+    malformed config)."""
     path = Path(path)
     names = sorted(p.name for p in path.iterdir())
     holds = f"it holds {', '.join(names[:8])}{', ...' if len(names) > 8 else ''}" if names else "it is empty"
     if CONFIG_FILE not in names:
         raise FileNotFoundError(f"{path} is not a Hugging Face model folder: it has no {CONFIG_FILE} ({holds})")
-    if not any(f in names for f in WEIGHT_FILES):
+    read_json(path / CONFIG_FILE, "model config", schema=ModelConfigFile)
+    if not any(f in names for f in WEIGHT_FILES) and not any(n.endswith(".safetensors") for n in names):
+        pickles = [f for f in PICKLE_FILES if f in names]
+        if pickles:
+            raise ValueError(f"{path} holds its weights only as a PyTorch pickle ({', '.join(pickles)}): fastprompt "
+                             "loads only safetensors, because loading a pickle can run code; convert the folder "
+                             "once where you trust it (AutoModel.from_pretrained(folder).save_pretrained(out))")
         raise FileNotFoundError(f"{path} has no model weights ({' or '.join(WEIGHT_FILES[:2])}; {holds})")
-    if not any(f in names for f in TOKENIZER_FILES):
+    if tokenizer and not any(f in names for f in TOKENIZER_FILES):
         raise FileNotFoundError(f"{path} has no tokenizer files ({', '.join(TOKENIZER_FILES[:3])}, ...; {holds})")
 
 
@@ -80,8 +117,10 @@ def _quiet_transformers():
         hf_logging.set_verbosity(level)
 
 
-def load_backbone(name_or_path: str | os.PathLike, *, attn_implementation: str, dtype=None):
-    """(tokenizer, model) of a local folder, an installed model package or a hub id, loaded strictly."""
+def load_backbone(name_or_path: str | os.PathLike, *, attn_implementation: str, dtype=None,
+                  trust_remote_code: bool = False):
+    """(tokenizer, model) of a local folder, an installed model package or a hub id, loaded strictly. The model's
+    own code runs only with ``trust_remote_code`` (:mod:`fastprompt.remote_code`)."""
     from safetensors import SafetensorError
     from transformers import AutoModel, AutoTokenizer
 
@@ -92,18 +131,44 @@ def load_backbone(name_or_path: str | os.PathLike, *, attn_implementation: str, 
     else:
         check_model_folder(where)
     try:
-        with _quiet_transformers():
-            tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local_only)
+        with _quiet_transformers(), refusing_remote_code(where, trust_remote_code):
+            tokenizer = AutoTokenizer.from_pretrained(where, local_files_only=local_only,
+                                                      trust_remote_code=trust_remote_code)
             model, info = AutoModel.from_pretrained(where, attn_implementation=attn_implementation, dtype=dtype,
                                                     local_files_only=local_only, output_loading_info=True,
-                                                    ignore_mismatched_sizes=True)
+                                                    ignore_mismatched_sizes=True, trust_remote_code=trust_remote_code,
+                                                    use_safetensors=True)
     except SafetensorError as exc:
         raise ValueError(f"the model weights in {where} are corrupt or truncated: {exc}") from exc
     except OSError as exc:
         raise FileNotFoundError(f"could not load a Hugging Face model from {os.fspath(name_or_path)!r} "
                                 f"(resolved to {where!r}): {exc}") from exc
-    check_loading_info(info, model, repr(os.fspath(name_or_path)) if kind == "hub" else where)
+    where = repr(os.fspath(name_or_path)) if kind == "hub" else where
+    check_loading_info(info, model, where)
+    check_position_offset(model, where)
     return tokenizer, model
+
+
+def check_position_offset(model, where: str) -> None:
+    """Refuse BERT weights under a RoBERTa-family ``model_type`` (positions silently shifted by one or two).
+
+    Models whose position ids start after the padding index (RoBERTa, XLM-R, MPNet: ``padding_idx + 1``) keep
+    the position-embedding row of ``padding_idx`` at zero: it is an ``nn.Embedding`` padding row, which
+    transformers initialises to zero and which never gets a gradient. Weights trained with positions from 0
+    (BERT) use that row for a real position, so it is not zero. The key names cannot tell: BertModel and
+    RobertaModel save the same ones."""
+    emb = getattr(model, "embeddings", None)
+    table = getattr(emb, "position_embeddings", None)
+    pad = getattr(emb, "padding_idx", None)
+    if (not hasattr(emb, "create_position_ids_from_input_ids") or table is None or not isinstance(pad, int)
+            or not 0 <= pad < table.weight.shape[0]):
+        return
+    if bool(table.weight[pad].detach().ne(0).any()):
+        model_type = getattr(model.config, "model_type", "?")
+        raise ValueError(f"the config.json of {where} says model_type {model_type!r}, whose position ids start "
+                         f"after the padding index {pad}, but the weights use position row {pad} (a {model_type} "
+                         "model never trains it): they come from a model whose positions start at 0, such as BERT; "
+                         "set model_type (and the architecture) in config.json to the model the weights belong to")
 
 
 def max_input_length(model, shifted_by: int = 0) -> int | None:

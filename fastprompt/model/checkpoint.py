@@ -12,18 +12,53 @@ from __future__ import annotations
 
 import fnmatch
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from fastprompt.io import atomic_directory, read_json, recover_directory, write_json_atomic
+from fastprompt.messages import shown
+from fastprompt.schema import check_json
 
 CONFIG_NAME = "fastprompt_config.json"
 WEIGHTS_NAME = "prompt.safetensors"
 FORMAT = "fastprompt.prompt"
 FORMAT_VERSION = 1
+
+
+@dataclass
+class BackboneShape:
+    """``backbone`` of a checkpoint's config: the shape the prompt was trained for (see :func:`_backbone_shape`)."""
+
+    num_layers: int = field(metadata={"ge": 1})
+    num_heads: int = field(metadata={"ge": 1})
+    head_dim: int = field(metadata={"ge": 1})
+    hidden_size: int = field(metadata={"ge": 1})
+    model_type: str | None = None
+
+
+@dataclass
+class CheckpointFile:
+    """The schema of ``fastprompt_config.json`` (:mod:`fastprompt.schema`); what :func:`save_checkpoint` writes."""
+
+    format: str
+    base_model: str | None
+    backbone: BackboneShape
+    prompt_config: dict[str, Any] | None
+    pooler: str
+    mlp: str
+    format_version: int = 0
+    fastprompt_version: str = ""
+    max_length: int | None = field(default=None, metadata={"ge": 1})
+    template: str | None = None
+    denoise: bool = False
+    topk: int | None = field(default=None, metadata={"ge": 1})
+    backbone_weights: bool = False
+    files: list[str] = field(default_factory=list)
 
 
 def _backbone_shape(encoder) -> dict:
@@ -40,11 +75,12 @@ _BACKBONE_FILES = ("config.json", "generation_config.json", "model.safetensors",
 
 
 def _checkpoint_config(path: Path) -> dict | None:
+    """The config of the checkpoint in ``path``; None when it holds none (or a malformed one: not ours to replace)."""
     try:
         config = read_json(path / CONFIG_NAME)
+        return check_json(config, CheckpointFile, CONFIG_NAME) if config.get("format") == FORMAT else None
     except (OSError, ValueError):
         return None
-    return config if config.get("format") == FORMAT else None
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -61,6 +97,17 @@ def _own_file(name: str, config: dict) -> bool:
     return holds_backbone_weights(config) and any(fnmatch.fnmatchcase(name, p) for p in _BACKBONE_FILES)
 
 
+def foreign_files(path: str | os.PathLike, also_own: tuple[str, ...] = ()) -> list[str]:
+    """The names in folder ``path`` that no checkpoint save wrote there (all of them when it is no checkpoint);
+    ``also_own``: names a caller writes beside a checkpoint (a training run's state in ``last/``)."""
+    path = Path(path)
+    config = _checkpoint_config(path)
+    names = sorted(p.name for p in path.iterdir())
+    if config is None:
+        return names
+    return [n for n in names if not _own_file(n, config) and n not in also_own]
+
+
 def check_save_target(path: str | os.PathLike, overwrite: bool = False) -> None:
     """Saving replaces the whole target folder: refuse anything but a new or empty folder or an earlier checkpoint
     holding only its own files, unless ``overwrite`` (FileExistsError naming what saving would delete)."""
@@ -71,8 +118,7 @@ def check_save_target(path: str | os.PathLike, overwrite: bool = False) -> None:
         raise FileExistsError(f"cannot save a prompt checkpoint to {path}: it is a file; choose a folder name, "
                               "or pass overwrite=True to replace the file")
     config = _checkpoint_config(path)
-    names = sorted(p.name for p in path.iterdir())
-    others = names if config is None else [n for n in names if not _own_file(n, config)]
+    others = foreign_files(path)
     if others:
         shown = ", ".join(others[:5]) + (", ..." if len(others) > 5 else "")
         what = "other files" if config is None else "a prompt checkpoint and other files"
@@ -95,6 +141,7 @@ def save_checkpoint(encoder, checkpoint_dir: str | os.PathLike, overwrite: bool 
         "prompt_config": encoder.prompt_config.to_dict() if encoder.prompt_config is not None else None,
         "pooler": encoder.pooler.pooler,
         "mlp": encoder.pooler.mlp,
+        "pooler_head": encoder.pooler.head_kind,
         "max_length": encoder.max_length,
         "template": encoder.template,
         "denoise": encoder.denoise,
@@ -146,13 +193,11 @@ def read_checkpoint_config(checkpoint_dir: str | os.PathLike) -> dict:
     config = read_json(path / CONFIG_NAME, what="prompt checkpoint config")
     if config.get("format") != FORMAT:
         raise ValueError(f"{path / CONFIG_NAME} is not a fastprompt prompt checkpoint "
-                         f"(format={config.get('format')!r}, expected {FORMAT!r})")
+                         f"(format={shown(config.get('format'))}, expected {FORMAT!r})")
+    check_json(config, CheckpointFile, f"prompt checkpoint config {path / CONFIG_NAME}")
     if config.get("format_version", 0) > FORMAT_VERSION:
         raise ValueError(f"checkpoint format version {config['format_version']} is newer than this "
                          f"fastprompt supports ({FORMAT_VERSION}); upgrade fastprompt")
-    missing = [k for k in ("base_model", "backbone", "prompt_config", "pooler", "mlp") if k not in config]
-    if missing:
-        raise ValueError(f"{path / CONFIG_NAME} is missing keys {missing}")
     return config
 
 
@@ -182,6 +227,10 @@ def load_checkpoint_weights(encoder, checkpoint_dir: str | os.PathLike, config: 
            if tensors[k].shape != v.shape]
     if bad:
         raise ValueError(f"prompt weights {weights} have wrong shapes: " + "; ".join(bad))
+    nonfinite = [k for k, t in tensors.items() if t.is_floating_point() and not torch.isfinite(t).all()]
+    if nonfinite:  # every sentence would encode to NaN
+        raise ValueError(f"prompt weights {weights} hold NaN or infinite values (in {', '.join(nonfinite[:3])}): "
+                         "the run that wrote them diverged; use an earlier checkpoint")
     if backbone and holds_backbone_weights(config):
         _load_backbone(encoder, path)
     encoder.load_state_dict(tensors, strict=False)

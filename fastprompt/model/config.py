@@ -9,6 +9,7 @@ from dataclasses import dataclass, fields
 
 from fastprompt.choices import INIT_MODES, POSITION_MODES, PROMPT_TYPES
 from fastprompt.fields import option, validate_fields
+from fastprompt.messages import shown
 
 __all__ = ["PromptConfig", "INIT_MODES", "POSITION_MODES"]
 
@@ -64,8 +65,10 @@ class PromptConfig:
 
     @classmethod
     def from_dict(cls, data: dict) -> "PromptConfig":
+        if not isinstance(data, dict):
+            raise ValueError(f"a prompt config must be a mapping of PromptConfig fields, got {shown(data)}")
         known = {f.name for f in fields(cls)}
-        unknown = set(data) - known
+        unknown = sorted(map(str, set(data) - known))
         if unknown:
-            raise ValueError(f"unknown PromptConfig keys: {sorted(unknown)}")
+            raise ValueError(f"unknown PromptConfig keys: {shown(unknown)}")
         return cls(**data)

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 from typing import TYPE_CHECKING
+
+from fastprompt.messages import shown
 
 if TYPE_CHECKING:
     import torch
 
 logger = logging.getLogger(__name__)
 
+GiB = 1024 ** 3
 _warned: set[tuple[torch.dtype, str]] = set()
 _DEVICE = re.compile(r"([a-z_]+)(?::(\d+))?")
 
@@ -27,7 +31,7 @@ def parse_device(spec: str) -> tuple[str, int | None]:
     :func:`resolve_device`'s business); ValueError for anything that is not ``type`` or ``type:index``."""
     match = _DEVICE.fullmatch(spec) if isinstance(spec, str) else None
     if match is None:
-        raise ValueError(f"device {spec!r} is not a torch device (e.g. cpu, cuda, cuda:1)")
+        raise ValueError(f"device {shown(spec)} is not a torch device (e.g. cpu, cuda, cuda:1)")
     kind, index = match.groups()
     return kind, None if index is None else int(index)
 
@@ -44,7 +48,7 @@ def resolve_device(spec: str | torch.device | None = None) -> torch.device:
     try:
         device = torch.device(spec)
     except (RuntimeError, TypeError) as exc:
-        raise ValueError(f"device {spec!r} is not a torch device (e.g. cpu, cuda, cuda:1): {exc}") from None
+        raise ValueError(f"device {shown(spec)} is not a torch device (e.g. cpu, cuda, cuda:1): {exc}") from None
     if device.type == "cuda":
         if not torch.cuda.is_available():
             why = ("this PyTorch build has no CUDA support" if torch.version.cuda is None
@@ -73,3 +77,40 @@ def warn_if_slow(dtype: torch.dtype | None, device: str | torch.device) -> None:
     _warned.add(key)
     logger.warning("float16 on the CPU is many times slower than float32 (most CPUs have no fast float16 matrix "
                    "kernels; see docs/troubleshooting.md): use float32 on the CPU, float16 on a GPU")
+
+
+def size_text(n: int) -> str:
+    """Bytes for a message: ``1.5 GiB``, ``12.0 MiB``."""
+    return f"{n / GiB:.1f} GiB" if n >= GiB // 10 else f"{n / 1024 ** 2:.1f} MiB"
+
+
+def available_bytes(device) -> int | None:
+    """Memory a step can still use: free CUDA memory, else available RAM (psutil, else /proc/meminfo);
+    None when unknown."""
+    if getattr(device, "type", str(device)) == "cuda":
+        import torch
+
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        import psutil
+    except ImportError:
+        psutil = None
+    if psutil is not None:
+        return int(psutil.virtual_memory().available)
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def check_allocation(nbytes: int, what: str, hint: str, device="cpu") -> None:
+    """ValueError before allocating ``nbytes`` on ``device`` when they exceed the memory available there (an
+    allocation of a size the user typed, ``prompt_length=1000000000``, fails with a bare RuntimeError or swaps
+    the machine to a halt). ``what``: the thing allocated, ``hint``: what to do instead."""
+    available = available_bytes(device)
+    if available is not None and nbytes > available:
+        raise ValueError(f"{what} needs {size_text(nbytes)}, more than the {size_text(available)} of memory "
+                         f"available; {hint}")

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from fastprompt.choices import BACKENDS, MLP_MODES, POOLERS, PREFIX_MODES, TEMPLATE_POOLERS, check_choice
+from fastprompt.choices import BACKENDS, MLP_MODES, POOLER_HEADS, POOLERS, PREFIX_MODES, TEMPLATE_POOLERS, check_choice
+from fastprompt.messages import shown
 
 from .attention import PrefixState, build_prefix_cache, cache_keyword, register_attention
 from .backbone import load_backbone, max_input_length
@@ -40,7 +41,9 @@ class PromptEncoder(nn.Module):
 
     PromptBERT (``docs/promptbert.md``): ``template`` wraps every sentence, ``pooler="mask"`` takes the
     template's [MASK] state, ``denoise`` subtracts the template bias, ``pooler="topk"`` is the top-k weighted
-    token representation; ``PromptConfig.prompt_type``/``optiprompt`` add soft input tokens and OptiPrompt.
+    token representation; ``PromptConfig.prompt_type``/``optiprompt`` add soft input tokens and OptiPrompt;
+    ``mlm_transform`` (a module, with ``pooler="mask"``) is the supervised BERT runs' head, the checkpoint's
+    MLM transform applied to the [MASK] state and to the template bias before subtracting.
 
     ``prefix_mode="attention"`` (default) hands each layer its prefix through fastprompt's registered
     attention function and the fused ``prefix_attention`` op; ``"cache"`` is the reference path that expands
@@ -49,9 +52,10 @@ class PromptEncoder(nn.Module):
 
     def __init__(self, backbone: nn.Module, tokenizer, prompt_config: PromptConfig | None = None, *,
                  pooler: str = "cls", mlp: str = "none", max_length: int | None = None,
-                 template: str | None = None, denoise: bool = False, topk: int = 10,
+                 template: str | None = None, denoise: bool = False, topk: int = 200,
                  mlm_head: nn.Module | None = None, attn_backend: str = "auto",
-                 prefix_mode: str = "attention", base_model: str | None = None):
+                 prefix_mode: str = "attention", base_model: str | None = None,
+                 mlm_transform: nn.Module | None = None):
         super().__init__()
         _check_options(pooler, mlp, attn_backend, prefix_mode)
         cfg = backbone.config
@@ -85,7 +89,8 @@ class PromptEncoder(nn.Module):
             cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
             init = self.backbone.get_input_embeddings().weight[cls_id].detach().clone()
             self.cls_prompt = nn.Parameter(init)
-        self.pooler = Pooler(pooler, self.hidden_size, mlp)
+        self.pooler = Pooler(pooler, self.hidden_size, mlp, init_std=getattr(cfg, "initializer_range", 0.02),
+                             mlm_transform=mlm_transform)
         if pooler in TEMPLATE_POOLERS and template is None:
             template = DEFAULT_TEMPLATE
         self.template = template
@@ -96,9 +101,10 @@ class PromptEncoder(nn.Module):
                 raise ValueError("optiprompt=True makes the template's words trainable: give a template "
                                  "(or pooler='mask', which defaults to PromptBERT's)")
             self.template_words = TemplateWords(self._template, self.backbone.get_input_embeddings().weight)
-        if denoise and (pooler != "mask" or self._template is None or self._template.mask_token_id is None):
-            raise ValueError("denoise=True subtracts the template's [MASK] state: it needs pooler='mask' and a "
-                             "template with [MASK]")
+        if denoise and (pooler not in TEMPLATE_POOLERS or self._template is None
+                        or self._template.mask_token_id is None):
+            raise ValueError("denoise=True subtracts the template's [MASK] state: it needs pooler 'mask' or 'topk' "
+                             "and a template with [MASK]")
         self.denoise = bool(denoise)
         if pooler == "topk":
             if mlm_head is None:
@@ -109,6 +115,7 @@ class PromptEncoder(nn.Module):
         self.topk = topk
         self.mlm_head = mlm_head.requires_grad_(False) if mlm_head is not None else None
         self._bias_cache: dict = {}
+        self.trust_remote_code = False  # set by from_pretrained
         self._bias_cache_version = None
         #: the most tokens one input may have (the backbone's position table, less the positions a "shifted"
         #: prefix or an input prompt take), None when unbounded
@@ -128,16 +135,19 @@ class PromptEncoder(nn.Module):
                         prompt_config: PromptConfig | dict | None = None, pooler: str | None = None,
                         mlp: str | None = None, max_length: int | None = None, template: str | None = None,
                         denoise: bool | None = None, topk: int | None = None, attn_backend: str = "auto",
-                        prefix_mode: str = "attention",
-                        torch_dtype: torch.dtype | None = None) -> "PromptEncoder":
+                        prefix_mode: str = "attention", torch_dtype: torch.dtype | None = None,
+                        pooler_head: str | None = None, trust_remote_code: bool = False) -> "PromptEncoder":
         """Load a base encoder (local folder, installed model package, or hub id) and attach prompts.
 
         ``prompt``: a checkpoint folder written by :meth:`save`; its prompt, pooler and head are used (an
         explicit ``pooler``/``mlp``/``max_length`` overrides the saved one). Without ``prompt``, a fresh prompt
         is created from ``prompt_config`` (or none at all: the frozen model as is). ``template``/``denoise``:
         PromptBERT's template and template denoising (see :mod:`fastprompt.model.template`); ``None`` keeps
-        the checkpoint's choice. ``topk``: k of the ``topk`` pooler (10; the MLM head is read from the model
-        folder, see :mod:`fastprompt.model.mlm_head`).
+        the checkpoint's choice. ``topk``: k of the ``topk`` pooler (200, PromptBERT's Table 9; the MLM head is
+        read from the model folder, see :mod:`fastprompt.model.mlm_head`). ``pooler_head``: ``new`` (default) or
+        ``mlm_transform`` (the pooler head is the base model's pretrained MLM transform, PromptBERT's supervised
+        BERT head); ``None`` keeps the checkpoint's. ``trust_remote_code``: let a model folder that names its own
+        Python classes run them (:mod:`fastprompt.remote_code`; off: such a folder is refused).
         """
         saved, holds_backbone = None, False
         if prompt is not None:
@@ -158,26 +168,38 @@ class PromptEncoder(nn.Module):
             template = template or saved.get("template")
             denoise = saved.get("denoise", False) if denoise is None else denoise
             topk = topk or saved.get("topk")
+            pooler_head = pooler_head or saved.get("pooler_head", "new")
             holds_backbone = holds_backbone_weights(saved)
         elif isinstance(prompt_config, dict):
             prompt_config = PromptConfig.from_dict(prompt_config)
         _check_options(pooler or "cls", mlp or "none", attn_backend, prefix_mode)  # before any weights load
+        check_choice("pooler_head", pooler_head or "new", POOLER_HEADS)
         attn = register_attention() if prefix_mode == "attention" else "sdpa"
         # a fully fine-tuned checkpoint holds its backbone (and tokenizer) in the Hugging Face layout: load them
         # from there; the base model is only named
         tokenizer, backbone = load_backbone(prompt if holds_backbone else model_name_or_path,
-                                            attn_implementation=attn, dtype=torch_dtype)
-        mlm_head = None
+                                            attn_implementation=attn, dtype=torch_dtype,
+                                            trust_remote_code=trust_remote_code)
+        mlm_head = mlm_transform = None
         if (pooler or "cls") == "topk":
             from .mlm_head import load_mlm_head
             from .resolve import resolve_model_path
 
             # the base model's head (a saved fine-tuned backbone has none), tied to this backbone's embeddings
-            mlm_head = load_mlm_head(resolve_model_path(model_name_or_path), backbone)
+            mlm_head = load_mlm_head(resolve_model_path(model_name_or_path), backbone,
+                                     trust_remote_code=trust_remote_code)
+        if (pooler_head or "new") == "mlm_transform":
+            from .mlm_head import load_mlm_transform
+            from .resolve import resolve_model_path
+
+            # the base model's pretrained transform; a checkpoint's trained one replaces it below
+            mlm_transform = load_mlm_transform(resolve_model_path(model_name_or_path), backbone,
+                                               trust_remote_code=trust_remote_code)
         encoder = cls(backbone, tokenizer, prompt_config, pooler=pooler or "cls", mlp=mlp or "none",
-                      max_length=max_length, template=template, denoise=bool(denoise), topk=topk or 10,
-                      mlm_head=mlm_head, attn_backend=attn_backend,
-                      prefix_mode=prefix_mode, base_model=model_reference(model_name_or_path))
+                      max_length=max_length, template=template, denoise=bool(denoise), topk=topk or 200,
+                      mlm_head=mlm_head, attn_backend=attn_backend, prefix_mode=prefix_mode,
+                      base_model=model_reference(model_name_or_path), mlm_transform=mlm_transform)
+        encoder.trust_remote_code = trust_remote_code  # what later loads from the same model (MLM head) follow
         if saved is not None:
             from .checkpoint import load_checkpoint_weights
 
@@ -484,18 +506,22 @@ class PromptEncoder(nn.Module):
              head: bool = True) -> torch.Tensor:
         """Hidden states (B, S, hidden) of rows built with ``template`` -> sentence vectors (B, hidden).
 
-        ``denoise`` overrides the encoder's setting (``None`` keeps it); ``head=False`` skips the pooler head.
+        ``denoise`` overrides the encoder's setting (``None`` keeps it); ``head=False`` skips the pooler head
+        (training applies it on the loss side), except an ``mlm_transform`` head, which acts per row before
+        denoising and so always here.
         """
         tpl = self._resolve_template(template)
         vec = self.pooler.select(hidden, attention_mask, input_ids, self.tokenizer.mask_token_id,
                                  mask_positions=self._mask_positions(tpl, attention_mask))
+        vec = self.pooler.transform(vec)  # the mlm_transform head: on the [MASK] state and on the bias alike
         denoise = self.denoise if denoise is None else denoise
         if denoise:
-            if self.pooler.pooler != "mask" or tpl is None:
-                raise ValueError("denoising subtracts the template's [MASK] state: it needs pooler='mask' and a "
-                                 "template")
-            vec = vec - self.template_bias(tpl, self.sentence_lengths(tpl, attention_mask)).to(vec.dtype)
-        if self.pooler.pooler == "topk":
+            if self.pooler.pooler not in TEMPLATE_POOLERS or tpl is None:
+                raise ValueError("denoising subtracts the template's [MASK] state: it needs pooler 'mask' or "
+                                 "'topk' and a template")
+            bias = self.template_bias(tpl, self.sentence_lengths(tpl, attention_mask))
+            vec = vec - self.pooler.transform(bias).to(vec.dtype)
+        if self.pooler.pooler == "topk":  # PromptBERT's Table 9: top-k of the (denoised) [MASK] state
             vec = topk_token_representation(vec, self.mlm_head, self.backbone.get_input_embeddings().weight,
                                             self.topk)
         return self.pooler.apply_head(vec) if head else vec
@@ -623,6 +649,11 @@ class PromptEncoder(nn.Module):
             out[torch.as_tensor(order, device=out.device)] = torch.cat(chunks)
         finally:
             self.train(was_training)
+        bad = (~torch.isfinite(out).all(dim=1)).nonzero().flatten().tolist()
+        if bad:  # a vector of NaNs ranks and compares as garbage downstream: never hand one out
+            raise ValueError(f"{len(bad)} of {len(sentences)} sentences encode to NaN or infinite vectors (the first: "
+                             f"sentence {bad[0]}, {shown(sentences[bad[0]])}): the prompt or the backbone holds "
+                             "non-finite values (from a run that diverged?); load an earlier checkpoint")
         return out.cpu().numpy() if convert_to_numpy else out
 
     def similarity(self, a: list[str] | str, b: list[str] | str, batch_size: int = 64) -> np.ndarray:

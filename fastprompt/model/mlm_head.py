@@ -1,4 +1,5 @@
-"""The backbone's masked-language-model head, read from its checkpoint (needed by the ``topk`` pooler).
+"""The backbone's masked-language-model head, read from its checkpoint (the ``topk`` pooler, the MLM term, the
+``mlm_transform`` pooler head).
 
 :class:`PromptEncoder` loads the backbone with ``AutoModel``, which drops the MLM head; this reads just the head's
 tensors (``cls.predictions.*`` for BERT, ``lm_head.*`` for RoBERTa, from ``model.safetensors`` or a sharded
@@ -11,11 +12,16 @@ skipped by name (:data:`OTHER_HEADS`); any other unknown tensor under the head's
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 from torch import nn
+
+from fastprompt.io import read_json
+from fastprompt.messages import shown
+from fastprompt.remote_code import refusing_remote_code
 
 HEAD_ATTRIBUTES = ("cls", "lm_head")  # BertForMaskedLM.cls, RobertaForMaskedLM.lm_head
 # heads that share the MLM head's prefix in a checkpoint but are not part of it: BertForPreTraining's
@@ -25,30 +31,40 @@ NO_HEAD_HINT = ("the topk pooler needs a checkpoint saved from a *ForMaskedLM mo
                 "roberta-base), or choose another pooler (mask, cls, mean)")
 
 
+@dataclass
+class ShardIndex:
+    """The schema of ``model.safetensors.index.json`` (:mod:`fastprompt.schema`): tensor name -> shard file."""
+
+    weight_map: dict[str, str]
+
+
 def _safetensors_files(path: Path, hint: str = NO_HEAD_HINT) -> list[Path]:
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        import json
-
-        return sorted({path / f for f in json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()})
+        shards = set(read_json(index, "shard index", schema=ShardIndex)["weight_map"].values())
+        outside = sorted(f for f in shards if Path(f).name != f or f in (".", ".."))
+        if outside:  # a shard is a file of the folder: never a path that reads elsewhere
+            raise ValueError(f"shard index {index} names files outside its folder: {shown(outside)}")
+        return sorted(path / f for f in shards)
     single = path / "model.safetensors"
     if single.is_file():
         return [single]
     raise FileNotFoundError(f"no model.safetensors in {path}: the MLM head is only read from safetensors; " + hint)
 
 
-def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module, hint: str = NO_HEAD_HINT) -> nn.Module:
+def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module, hint: str = NO_HEAD_HINT,
+                  trust_remote_code: bool = False) -> nn.Module:
     """The frozen MLM head of the checkpoint at ``model_path``, on the backbone's device and dtype.
 
     ``head(hidden) -> logits`` over the vocabulary. A clear ``ValueError`` when the checkpoint has no head
-    (``hint``: what the caller's user can do about it).
+    (``hint``: what the caller's user can do about it). ``trust_remote_code``: as the backbone was loaded.
     """
     from transformers import AutoModelForMaskedLM
 
     path = Path(model_path)
     try:
-        with torch.device("meta"):
-            mlm = AutoModelForMaskedLM.from_config(backbone.config)
+        with torch.device("meta"), refusing_remote_code(path, trust_remote_code):
+            mlm = AutoModelForMaskedLM.from_config(backbone.config, trust_remote_code=trust_remote_code)
     except ValueError as exc:
         raise ValueError(f"{backbone.config.model_type} has no masked-LM class in transformers: {exc}; "
                          + hint) from exc
@@ -82,7 +98,45 @@ def load_mlm_head(model_path: str | os.PathLike, backbone: nn.Module, hint: str 
     return head.to(emb.dtype).requires_grad_(False).eval()
 
 
-def new_tied_mlm_head(backbone: nn.Module) -> nn.Module:
+def load_mlm_transform(model_path: str | os.PathLike, backbone: nn.Module,
+                       trust_remote_code: bool = False) -> nn.Module:
+    """The checkpoint's pretrained MLM transform (BERT's ``cls.predictions.transform``: dense, activation,
+    LayerNorm), trainable: PromptBERT's supervised head (``--mask_embedding_sentence_org_mlp``)."""
+    hint = ("pooler_head: mlm_transform needs a checkpoint saved from a BERT-family *ForMaskedLM model (e.g. "
+            "bert-base-uncased), whose MLM head holds a transform; use pooler_head: new otherwise")
+    head = load_mlm_head(model_path, backbone, hint=hint, trust_remote_code=trust_remote_code)
+    transform = getattr(getattr(head, "predictions", None), "transform", None)
+    if not isinstance(transform, nn.Module):
+        raise ValueError(f"the MLM head of {model_path} ({type(head).__name__}) has no separate transform; " + hint)
+    return transform.requires_grad_(True).train()
+
+
+def trainable_mlm_head(head: nn.Module) -> nn.Module:
+    """A checkpoint's head (from :func:`load_mlm_head`) made trainable as DCPCSE's code trains it.
+
+    DCPCSE/PromCSE build ``lm_head = RobertaLMHead(config)`` (``BertLMPredictionHead`` for BERT) next to the
+    frozen encoder; ``from_pretrained`` fills it from the checkpoint (for RoBERTa; BERT's ``lm_head.*`` names
+    match no ``cls.predictions.*`` tensor, so there it starts from init_weights()), nothing freezes it, and
+    their model defines no ``get_output_embeddings``, so its decoder is not tied to the word embeddings: every
+    tensor of the head, the decoder's (vocab, hidden) matrix included, trains at the prompt's learning rate.
+    Here: the decoder's weight becomes its own copy of what it holds (the word embeddings, or the
+    checkpoint's own decoder), the output bias lives in the decoder only (one tensor, saved once), and every
+    parameter requires a gradient.
+    """
+    decoder = head.get_output_embeddings() if hasattr(head, "get_output_embeddings") else None
+    decoder = decoder or getattr(head, "predictions", head).decoder
+    decoder.weight = nn.Parameter(decoder.weight.detach().clone())
+    owner = next(m for m in head.modules() if getattr(m, "decoder", None) is decoder)
+    if isinstance(getattr(owner, "bias", None), nn.Parameter):
+        if decoder.bias is owner.bias:
+            owner.bias = None
+        else:
+            raise ValueError(f"{type(head).__name__} keeps an output bias apart from its decoder's: not a head "
+                             "this function knows how to train")
+    return head.requires_grad_(True).train()
+
+
+def new_tied_mlm_head(backbone: nn.Module, trust_remote_code: bool = False) -> nn.Module:
     """A freshly initialised MLM head of the backbone's family, its decoder tied to the (frozen) word embeddings.
 
     For backbones saved without a head (sentence-transformers' all-MiniLM-L6-v2 keeps only ``BertModel``). The
@@ -95,7 +149,7 @@ def new_tied_mlm_head(backbone: nn.Module) -> nn.Module:
 
     config = backbone.config
     with torch.device("meta"):
-        mlm = AutoModelForMaskedLM.from_config(config)
+        mlm = AutoModelForMaskedLM.from_config(config, trust_remote_code=trust_remote_code)
     name = next((a for a in HEAD_ATTRIBUTES if isinstance(getattr(mlm, a, None), nn.Module)), None)
     if name is None:
         raise ValueError(f"{type(mlm).__name__} keeps its MLM head under none of {HEAD_ATTRIBUTES}")

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from .config import PromptConfig
+from .device import check_allocation
 
 
 class PrefixPrompt(nn.Module):
@@ -25,6 +26,12 @@ class PrefixPrompt(nn.Module):
         self.num_layers, self.num_heads, self.head_dim = num_layers, num_heads, head_dim
         self.stored_layers = 1 if (config.shared_across_layers or config.input_layer_only) else num_layers
         P, hidden = config.prompt_length, num_heads * head_dim
+        # checked before allocating (prompt_length=1e9 failed inside torch): a prompt is made to be trained, so its
+        # weights count with their gradient and AdamW's two moments
+        check_allocation(4 * self.bytes_needed(config, self.stored_layers, hidden),
+                         f"prompt_length={P} (a prefix of {self.stored_layers} layers x 2 x {P} positions x {hidden}, "
+                         "with its gradient and AdamW moments)", "deep prompts use a few positions (the papers: 10 "
+                         "to 32)")
         if config.prefix_projection:
             # PromCSE / P-tuning v2 "prefix_projection": a reparameterisation that is trained and then
             # could be folded away; it makes optimisation smoother on large backbones.
@@ -39,6 +46,16 @@ class PrefixPrompt(nn.Module):
             self.prefix = nn.Parameter(torch.empty(self.stored_layers, 2, num_heads, P, head_dim))
         self.dropout = nn.Dropout(config.prompt_dropout)
         self.reset_parameters()
+
+    @staticmethod
+    def bytes_needed(config: PromptConfig, stored_layers: int, hidden: int) -> int:
+        """The prompt's parameters and the evaluated prefix (every forward materialises it), in the default dtype."""
+        P, prefix = config.prompt_length, stored_layers * 2 * hidden * config.prompt_length
+        params = prefix
+        if config.prefix_projection:
+            width = config.projection_hidden_size
+            params = P * hidden + (hidden + 1) * width + (width + 1) * stored_layers * 2 * hidden + prefix
+        return params * torch.get_default_dtype().itemsize
 
     def reset_parameters(self):
         std = self.config.init_std

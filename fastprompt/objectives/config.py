@@ -10,7 +10,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from fastprompt.choices import BACKENDS, MLM_HEADS, OBJECTIVE_NAMES, RTD_CONDITIONS, RTD_DISCRIMINATORS, RTD_SAMPLING
+from fastprompt.choices import (
+    BACKENDS,
+    MLM_HEADS,
+    OBJECTIVE_NAMES,
+    RTD_AVERAGES,
+    RTD_CONDITIONS,
+    RTD_DISCRIMINATORS,
+    RTD_SAMPLING,
+    SKI2_DENOMINATORS,
+)
 from fastprompt.fields import option, validate_fields
 
 #: hinge_weight when the config leaves it null: PromCSE's objective is L_CL + 10 L_EH, SimCSE's has none.
@@ -41,7 +50,8 @@ class ObjectiveConfig:
     name: str = option("simcse", "sentence-level objective: SimCSE's InfoNCE, PromCSE's InfoNCE + energy-based "
                        "hinge, or SKICSE's InfoNCE + SKI terms (needs a ski column)", choices=OBJECTIVE_NAMES,
                        key="objective")
-    temperature: float = option(0.05, "temperature of the cosine-similarity softmax", gt=0.0)
+    temperature: float = option(0.05, "temperature of the cosine-similarity softmax (below 1e-3 float32 rounding "
+                                "of the cos/temperature logits swamps the loss)", ge=1e-3)
     hard_negative_weight: float = option(0.0, "added to each anchor's own hard-negative logit (log of SimCSE's "
                                          "weight; 0 = weight 1)")
     hinge_margin: float = option(0.2, "margin m of the energy-based hinge max(0, m + cos(h, hardest negative) - "
@@ -51,10 +61,13 @@ class ObjectiveConfig:
     loss_backend: str = option("auto", "implementation of the fused contrastive_loss op", choices=BACKENDS)
     ski_weight: float = option(0.15, "skicse, sent0,ski rows: weight λ of L_ski in (1 - λ) L_simcse + λ L_ski",
                                ge=0.0, le=1.0)
-    ski1_weight: float = option(0.1, "skicse, NLI rows with a ski column: weight λ1 of L_ski1 (sentence vs its SKI)",
-                                ge=0.0, le=1.0)
-    ski2_weight: float = option(0.3, "skicse, NLI rows with a ski column: weight λ2 of L_ski2 (SKI vs the "
-                                "entailment)", ge=0.0, le=1.0)
+    ski1_weight: float = option(0.1, "skicse, NLI rows with a ski column: weight λ1 of L_ski1 (SKICSE Eq. 5: "
+                                "anchor the SKI, positive the entailment)", ge=0.0, le=1.0)
+    ski2_weight: float = option(0.3, "skicse, NLI rows with a ski column: weight λ2 of L_ski2 (SKICSE Eq. 6: "
+                                "anchor the sentence, positive its SKI)", ge=0.0, le=1.0)
+    ski2_denominator: str = option("printed", "skicse, NLI rows: the columns of Eq. 6's denominator: printed (the "
+                                   "entailments and contradictions, as the paper prints it) or ski (the SKIs, "
+                                   "Eq. 2's form; docs/ski.md)", choices=SKI2_DENOMINATORS)
 
     def __post_init__(self):
         self.validate()
@@ -84,7 +97,7 @@ def objective_default(field: str):
 @dataclass
 class MLMConfig:
     """DCPCSE's auxiliary masked-language-model term (``do_mlm``): ``weight(step) * MLM loss`` through the
-    prompted encoder, with the backbone's frozen MLM head."""
+    prompted encoder, with the backbone's MLM head (trained as in DCPCSE's code, or frozen)."""
 
     enabled: bool = option(False, "add the MLM token term (DCPCSE's do_mlm): 15% of each sentence's tokens "
                            "predicted through the prompted encoder", key="do_mlm")
@@ -94,15 +107,20 @@ class MLMConfig:
     decay_steps: int = option(100, "steps per decay of the MLM weight", gt=0, key="mlm_decay_steps")
     probability: float = option(0.15, "share of each sentence's tokens chosen for the MLM term (80% masked, 10% "
                                 "random, 10% kept)", gt=0.0, lt=1.0, key="mlm_probability")
-    head: str = option("checkpoint", "MLM head: the checkpoint's (frozen), or tied_new: a new head tied to the word "
+    head: str = option("checkpoint", "MLM head: the checkpoint's, or tied_new: a new head tied to the word "
                        "embeddings with a trainable transform (for backbones saved without one; not the paper)",
                        choices=MLM_HEADS, key="mlm_head")
+    train_head: bool = option(True, "train the checkpoint's MLM head with the prompt at learning_rate, its decoder "
+                              "an untied copy of the word embeddings (DCPCSE's code, which produced the paper's "
+                              "numbers); false: frozen and tied", key="mlm_train_head")
 
     def __post_init__(self):
         self.validate()
 
     def validate(self) -> "MLMConfig":
         validate_fields(self)
+        if self.enabled and self.head == "tied_new" and not self.train_head:
+            raise ValueError("mlm_head: tied_new is a new head: it must train (mlm_train_head: true)")
         return self
 
 
@@ -131,6 +149,9 @@ class CRTDConfig:
     condition: str = option("after_head", "conditional input at position 0: the sentence embedding after or "
                             "before the pooler head, or none (design c)", choices=RTD_CONDITIONS,
                             key="rtd_condition")
+    average: str = option("tokens", "the RTD loss (summed over the real tokens but position 0) is divided by "
+                          "their number (tokens) or by every position of the padded batch, padding and "
+                          "position 0 included (positions: DiffCSE's mean)", choices=RTD_AVERAGES, key="rtd_average")
 
     def __post_init__(self):
         self.validate()

@@ -6,7 +6,10 @@ and positive, and the hard negative when the data has one) with a frozen generat
 **discriminator** reads the corrupted row with its position-0 ([CLS]/<s>) input replaced by the sentence
 embedding ``h`` of the original row (DiffCSE's ``cls_input``: the output of the backbone's embedding layer at
 position 0 is ``h``). A small trainable classifier (``Linear(hidden, 2)``, DiffCSE's ``electra_head``) predicts
-replaced/original at every real token but position 0; the term is the cross-entropy **sum** over those tokens.
+replaced/original at every real token but position 0; the term is the cross-entropy **sum** over those tokens,
+which the trainer divides by their number in the global batch (``average="tokens"``) or by the number of
+positions of the padded batch (``average="positions"``: the count DiffCSE's ``CrossEntropyLoss`` means over;
+DiffCSE also scores [CLS] and padding as "original", which this term leaves out, see ``docs/crtd.md``).
 The gradient flows into ``h`` (the trainer carries it back into the sentence forwards and the pooler head) and,
 with the shared discriminator, into the prompts.
 
@@ -27,7 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fastprompt.choices import RTD_CONDITIONS, RTD_DISCRIMINATORS, check_choice
+from fastprompt.choices import RTD_AVERAGES, RTD_CONDITIONS, RTD_DISCRIMINATORS, check_choice
 from fastprompt.objectives.base import AFTER_HEAD, TokenTerm, WeightSchedule
 
 
@@ -61,12 +64,18 @@ class CRTDTerm(TokenTerm):
     """
 
     def __init__(self, hidden_size: int, replacer, weight: WeightSchedule = WeightSchedule(0.005), *,
-                 discriminator: str = "prompted", condition: str = AFTER_HEAD, name: str = "rtd"):
+                 discriminator: str = "prompted", condition: str = AFTER_HEAD, average: str = "tokens",
+                 name: str = "rtd"):
         check_choice("discriminator", discriminator, RTD_DISCRIMINATORS)
         check_choice("condition", condition, RTD_CONDITIONS)
+        check_choice("average", average, RTD_AVERAGES)
+        self.average = average
         self.sentence_embedding = None if condition == "none" else condition
         super().__init__(name, weight)
         self.replacer, self.discriminator, self.condition = replacer, discriminator, condition
+        # PyTorch's default initialisation, as DiffCSE's code (train.py: ``model.electra_head =
+        # torch.nn.Linear(768, 2)``, made after from_pretrained, so init_weights() never touches it); D2CSE
+        # publishes no code
         self.classifier = nn.Linear(hidden_size, 2)
 
     def make_extras(self, batch, generator):
@@ -77,7 +86,10 @@ class CRTDTerm(TokenTerm):
         return {f"{self.name}_input_ids": corrupted, f"{self.name}_labels": labels}
 
     def num_targets(self, extras):
-        return (extras[f"{self.name}_labels"] != -100).sum()
+        labels = extras[f"{self.name}_labels"]
+        if self.average == "positions":  # rows x padded length of the collated batch, as DiffCSE's mean
+            return torch.tensor(labels.numel())
+        return (labels != -100).sum()
 
     def forward(self, encoder, inputs, extras, h):
         ids, labels = extras[f"{self.name}_input_ids"], extras[f"{self.name}_labels"]
@@ -103,6 +115,7 @@ def build_crtd_term(cfg, encoder) -> CRTDTerm:
                                    cfg.replacements_file)
     else:
         replacer = build_generator(cfg.generator, encoder.tokenizer, cfg.masking_ratio, cfg.sampling,
-                                   encoder.device)
+                                   encoder.device, trust_remote_code=getattr(encoder, "trust_remote_code", False))
     weight = WeightSchedule(cfg.weight, cfg.decay_rate, cfg.decay_steps)
-    return CRTDTerm(encoder.hidden_size, replacer, weight, discriminator=cfg.discriminator, condition=cfg.condition)
+    return CRTDTerm(encoder.hidden_size, replacer, weight, discriminator=cfg.discriminator, condition=cfg.condition,
+                    average=cfg.average)

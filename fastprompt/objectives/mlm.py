@@ -3,10 +3,13 @@
 BERT's masking recipe on every row of the batch (every view, as DCPCSE's collator does): each real token that
 is not a special token is chosen with probability ``probability``; a chosen token is replaced by the mask token
 (80%), by a uniformly random vocabulary id (10%) or kept (10%), and is predicted by the backbone's MLM head from
-the prompted encoder's last hidden state. The prompts get the term's gradient; the head comes from the
-checkpoint and stays frozen (``mlm_head: tied_new`` instead builds a new head tied to the word embeddings with a
-trainable transform, for backbones saved without one). Vocabulary logits are computed only at the chosen
-positions: (targets, vocab), never (rows, seq_len, vocab).
+the prompted encoder's last hidden state. The prompts get the term's gradient. The head comes from the
+checkpoint and, as in DCPCSE's code (which produced the paper's numbers), trains with the prompt at its
+learning rate, its decoder an untied copy of the word embeddings (``train_head=True``,
+:func:`fastprompt.model.mlm_head.trainable_mlm_head`); ``train_head=False`` keeps it frozen and tied.
+``mlm_head: tied_new`` instead builds a new head tied to the word embeddings with a trainable transform, for
+backbones saved without one. Vocabulary logits are computed only at the chosen positions: (targets, vocab),
+never (rows, seq_len, vocab).
 """
 from __future__ import annotations
 
@@ -66,13 +69,13 @@ class MLMTerm(TokenTerm):
                              persistent=False)
 
     @classmethod
-    def for_encoder(cls, encoder, head: str = "checkpoint", **kwargs) -> "MLMTerm":
+    def for_encoder(cls, encoder, head: str = "checkpoint", train_head: bool = True, **kwargs) -> "MLMTerm":
         """The term for a :class:`~fastprompt.model.PromptEncoder`: its tokenizer's mask and special tokens, and
-        the head ``head`` names (see :func:`build_mlm_head`)."""
+        the head ``head`` and ``train_head`` name (see :func:`build_mlm_head`)."""
         tok = encoder.tokenizer
         if tok.mask_token_id is None:
             raise ValueError(f"the tokenizer of {encoder.base_model} has no mask token: the MLM term cannot mask")
-        return cls(build_mlm_head(encoder, head), mask_token_id=tok.mask_token_id,
+        return cls(build_mlm_head(encoder, head, train_head), mask_token_id=tok.mask_token_id,
                    vocab_size=min(len(tok), encoder.backbone.config.vocab_size),
                    special_ids=list(tok.all_special_ids), **kwargs)
 
@@ -95,19 +98,24 @@ class MLMTerm(TokenTerm):
         return F.cross_entropy(logits.float(), labels[targets], reduction="sum")
 
 
-def build_mlm_head(encoder, head: str = "checkpoint") -> nn.Module:
-    """The MLM head of ``encoder``'s backbone: ``checkpoint`` (frozen, read from the model folder; the encoder's
-    own when its pooler already loaded it) or ``tied_new`` (see
-    :func:`fastprompt.model.mlm_head.new_tied_mlm_head`)."""
-    from fastprompt.model.mlm_head import load_mlm_head, new_tied_mlm_head
+def build_mlm_head(encoder, head: str = "checkpoint", train: bool = True) -> nn.Module:
+    """The MLM head of ``encoder``'s backbone: ``checkpoint`` (read from the model folder) trained as DCPCSE's
+    code trains it (``train``: its own copy, decoder untied) or frozen (the encoder's own when its pooler
+    already loaded it), or ``tied_new`` (see :func:`fastprompt.model.mlm_head.new_tied_mlm_head`; always
+    trained)."""
+    from fastprompt.model.mlm_head import load_mlm_head, new_tied_mlm_head, trainable_mlm_head
     from fastprompt.model.resolve import resolve_model_path
 
     check_choice("mlm_head", head, MLM_HEADS)
     if head == "tied_new":
-        return new_tied_mlm_head(encoder.backbone)
-    if getattr(encoder, "mlm_head", None) is not None:
+        if not train:
+            raise ValueError("mlm_head: tied_new is a new head: it must train (mlm_train_head: true)")
+        return new_tied_mlm_head(encoder.backbone, trust_remote_code=getattr(encoder, "trust_remote_code", False))
+    if not train and getattr(encoder, "mlm_head", None) is not None:
         return encoder.mlm_head
     if encoder.base_model is None:
         raise ValueError("the encoder does not know its model folder, so the MLM head cannot be read; "
                          + MLM_HEAD_HINT)
-    return load_mlm_head(resolve_model_path(encoder.base_model), encoder.backbone, hint=MLM_HEAD_HINT)
+    loaded = load_mlm_head(resolve_model_path(encoder.base_model), encoder.backbone, hint=MLM_HEAD_HINT,
+                           trust_remote_code=getattr(encoder, "trust_remote_code", False))
+    return trainable_mlm_head(loaded) if train else loaded

@@ -31,4 +31,4 @@ def objective_from_config(config: ObjectiveConfig) -> SentenceObjective:
                            hard_negative_weight=config.hard_negative_weight, hinge_margin=config.hinge_margin,
                            hinge_weight=config.resolved_hinge_weight, backend=config.loss_backend,
                            ski_weight=config.ski_weight, ski1_weight=config.ski1_weight,
-                           ski2_weight=config.ski2_weight)
+                           ski2_weight=config.ski2_weight, ski2_denominator=config.ski2_denominator)

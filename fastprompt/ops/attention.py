@@ -127,9 +127,7 @@ def prefix_attention(
                                           seed=seed, prompt_index=prompt_index)
     if resolved == "cpu":
         return _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed)
-    out, _ = torch.ops.fastprompt.prefix_attention_fwd(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale,
-                                                       dropout_p, seed)
-    return out
+    return _triton_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed)
 
 
 def draw_seed() -> int:
@@ -264,20 +262,57 @@ def _seeded_dropout_scale_fake(like, seed, dropout_p):
 # the "triton" backend: one torch.library custom op (forward + registered backward, fake implementations)
 
 
+def _triton_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, *, causal=False,
+                      window=(-1, -1), attn_bias=None, cu_seqlens=None, max_seqlen=None):
+    """The "triton" backend on validated inputs (``mask`` bool or None, ``prompt_index`` int64 or None, ``seed``
+    an int): the output of :func:`prefix_attention`. A packed batch without ``max_seqlen`` reads the longest
+    sequence from ``cu_seqlens`` (a host sync)."""
+    if cu_seqlens is not None and max_seqlen is None:
+        max_seqlen = max(1, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
+        if attn_bias is not None and attn_bias.shape[-1] != max_seqlen:
+            raise ValueError(f"attn_bias must be (1 or B, 1 or H, L, L) with L = {max_seqlen} (the longest sequence, "
+                             f"as max_seqlen is not given), got {tuple(attn_bias.shape)}")
+    left, right = window
+    out, _ = torch.ops.fastprompt.prefix_attention_fwd(
+        q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, attn_bias, cu_seqlens,
+        0 if max_seqlen is None else int(max_seqlen), causal, int(left), int(right))
+    return out
+
+
+def _check_cu_seqlens(cu_seqlens: torch.Tensor, n_rows: int, max_seqlen: int) -> None:
+    """Offsets that do not describe the packed rows, or a sequence longer than ``max_seqlen``, would read or write
+    out of bounds in the kernels: check without a host sync on CUDA."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    bad = (cu_seqlens[0] != 0) | (cu_seqlens[-1] != n_rows) | (lengths < 0).any() | (lengths > max_seqlen).any()
+    message = (f"cu_seqlens must rise from 0 to the {n_rows} packed rows, with no sequence longer than max_seqlen = "
+               f"{max_seqlen}")
+    if cu_seqlens.is_cuda:
+        torch._assert_async(~bad, message)
+    elif bool(bad):
+        raise ValueError(f"{message}; got {cu_seqlens.tolist()}")
+
+
 @torch.library.custom_op("fastprompt::prefix_attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
             key_padding_mask: Optional[torch.Tensor], prompt_index: Optional[torch.Tensor], scale: float,
-            dropout_p: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton forward: (out (B, H, S, D) in a transposed (B, S, H, D) buffer, lse (B, H, S) float32)."""
+            dropout_p: float, seed: int, attn_bias: Optional[torch.Tensor] = None,
+            cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: int = 0, causal: bool = False,
+            window_left: int = -1, window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton forward: out in q's shape (B, H, S, D), or (1, H, N, D) packed, in a transposed (B, S, H, D)
+    buffer, and lse (B, H, S) / (1, H, N) float32. ``max_seqlen`` (packed only) bounds every sequence."""
     from fastprompt.kernels import prefix_attention as kernels
 
     _check_prompt_index(prompt_index, prefix_k.shape[0] if prefix_k.dim() == 4 else 1)
+    if cu_seqlens is not None:
+        _check_cu_seqlens(cu_seqlens, q.shape[2], max_seqlen)
     return kernels.forward(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale=scale,
-                           dropout_p=dropout_p, seed=seed)
+                           dropout_p=dropout_p, seed=seed, causal=causal, window=(window_left, window_right),
+                           attn_bias=attn_bias, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
 
 
 @_fwd_op.register_fake
-def _fwd_fake(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale, dropout_p, seed):
+def _fwd_fake(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale, dropout_p, seed, attn_bias=None,
+              cu_seqlens=None, max_seqlen=0, causal=False, window_left=-1, window_right=-1):
     B, H, S, D = q.shape
     return q.new_empty((B, S, H, D)).transpose(1, 2), q.new_empty((B, H, S), dtype=torch.float32)
 
@@ -285,20 +320,30 @@ def _fwd_fake(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale
 @torch.library.custom_op("fastprompt::prefix_attention_bwd", mutates_args=())
 def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
             prefix_v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
-            prompt_index: Optional[torch.Tensor], scale: float, dropout_p: float,
-            seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Triton backward: dq, dk, dv (like ``torch.empty_like`` of q, k, v), dprefix_k, dprefix_v (contiguous)."""
+            prompt_index: Optional[torch.Tensor], scale: float, dropout_p: float, seed: int,
+            attn_bias: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: int = 0,
+            causal: bool = False, window_left: int = -1, window_right: int = -1,
+            bias_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                                              torch.Tensor]:
+    """Triton backward: dq, dk, dv (like ``torch.empty_like`` of q, k, v), dprefix_k, dprefix_v (contiguous), and
+    with ``bias_grad`` dattn_bias (attn_bias' shape and dtype; an empty tensor without)."""
     from fastprompt.kernels import prefix_attention as kernels
 
-    dq, dk, dv, dpk, dpv = kernels.backward(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask,
-                                            prompt_index, scale=scale, dropout_p=dropout_p, seed=seed)
-    return _like(dq, q), _like(dk, k), _like(dv, v), dpk.contiguous(), dpv.contiguous()
+    dq, dk, dv, dpk, dpv, dbias = kernels.backward(
+        dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask, prompt_index, scale=scale, dropout_p=dropout_p,
+        seed=seed, causal=causal, window=(window_left, window_right), attn_bias=attn_bias, cu_seqlens=cu_seqlens,
+        max_seqlen=max_seqlen, bias_grad=bias_grad)
+    dbias = q.new_empty((0,)) if dbias is None else dbias.contiguous()
+    return _like(dq, q), _like(dk, k), _like(dv, v), dpk.contiguous(), dpv.contiguous(), dbias
 
 
 @_bwd_op.register_fake
-def _bwd_fake(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask, prompt_index, scale, dropout_p, seed):
+def _bwd_fake(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask, prompt_index, scale, dropout_p, seed,
+              attn_bias=None, cu_seqlens=None, max_seqlen=0, causal=False, window_left=-1, window_right=-1,
+              bias_grad=False):
+    dbias = attn_bias.new_empty(attn_bias.shape) if bias_grad and attn_bias is not None else q.new_empty((0,))
     return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            prefix_k.new_empty(prefix_k.shape), prefix_v.new_empty(prefix_v.shape))
+            prefix_k.new_empty(prefix_k.shape), prefix_v.new_empty(prefix_v.shape), dbias)
 
 
 def _like(grad: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -319,23 +364,35 @@ def _dense(x: torch.Tensor) -> bool:
     return True
 
 
+_BIAS_INPUT = 10  # attn_bias' position among the forward op's inputs
+
+
 def _setup_context(ctx, inputs, output):
-    q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed = inputs
+    q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, *rest = inputs
+    attn_bias, cu_seqlens, max_seqlen, causal, window_left, window_right = (
+        rest + [None, None, 0, False, -1, -1][len(rest):])
     out, lse = output
-    ctx.save_for_backward(q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index)
-    ctx.params = (scale, dropout_p, seed)
+    ctx.save_for_backward(q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index, attn_bias, cu_seqlens)
+    ctx.params = (scale, dropout_p, seed, max_seqlen, causal, window_left, window_right)
+    ctx.n_inputs = len(inputs)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
 
 
 def _backward(ctx, dout, _dlse):
-    q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index = ctx.saved_tensors
-    scale, dropout_p, seed = ctx.params
+    none = (None,) * ctx.n_inputs
     if dout is None:
-        return None, None, None, None, None, None, None, None, None, None
-    dq, dk, dv, dpk, dpv = torch.ops.fastprompt.prefix_attention_bwd(
-        dout, q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index, scale, dropout_p, seed)
-    return dq, dk, dv, dpk, dpv, None, None, None, None, None
+        return none
+    q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index, attn_bias, cu_seqlens = ctx.saved_tensors
+    scale, dropout_p, seed, max_seqlen, causal, window_left, window_right = ctx.params
+    bias_grad = attn_bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
+    dq, dk, dv, dpk, dpv, dbias = torch.ops.fastprompt.prefix_attention_bwd(
+        dout, q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index, scale, dropout_p, seed, attn_bias,
+        cu_seqlens, max_seqlen, causal, window_left, window_right, bias_grad)
+    grads = [dq, dk, dv, dpk, dpv] + [None] * (ctx.n_inputs - 5)
+    if bias_grad:
+        grads[_BIAS_INPUT] = dbias
+    return tuple(grads)
 
 
 torch.library.register_autograd("fastprompt::prefix_attention_fwd", _backward, setup_context=_setup_context)

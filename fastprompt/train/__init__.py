@@ -6,6 +6,8 @@
   ``steps.py`` (plain or gradient-cached, ``grad_cache.py``), evaluating with ``evaluation.py``, checkpointing
   and resuming with ``checkpoints.py``/``state.py``, over processes with ``distributed.py``, logging (and the
   summary) with ``logs.py``, stopping cleanly with ``signals.py``
+- :func:`train_seeds` — one recipe over several seeds and their mean ± std table (``seeds.py``; ``fastprompt
+  train --seeds``)
 
 Imported lazily, so that ``fastprompt -h`` (which registers ``fastprompt.train.cli``) loads no torch.
 """
@@ -21,6 +23,7 @@ _LAZY = {
     "TrainingCollapsed": "fastprompt.train.trainer",
     "TrainingDiverged": "fastprompt.train.trainer",
     "step_seed": "fastprompt.train.trainer",
+    "train_seeds": "fastprompt.train.seeds",
 }
 
 __all__ = sorted(_LAZY)

@@ -13,8 +13,6 @@ from pathlib import Path
 
 import torch
 
-from fastprompt.io import read_json
-
 
 def no_decay_parameter_ids(module: torch.nn.Module) -> set[int]:
     """Parameters Hugging Face's Trainer (which SimCSE and PromptBERT fine-tune with) never decays: every bias
@@ -49,9 +47,9 @@ def optimizer_groups(cfg, params: list[torch.nn.Parameter], encoder=None) -> lis
 
 def check_resume_mode(resume_dir: Path, cfg) -> None:
     """Refuse to resume a prompt-only run as a full fine-tuning one, or the reverse."""
-    from fastprompt.model.checkpoint import CONFIG_NAME, holds_backbone_weights
+    from fastprompt.model.checkpoint import holds_backbone_weights, read_checkpoint_config
 
-    saved = holds_backbone_weights(read_json(Path(resume_dir) / CONFIG_NAME, what="prompt checkpoint config"))
+    saved = holds_backbone_weights(read_checkpoint_config(resume_dir))
     wanted = cfg.backbone.train_backbone
     if saved != wanted:
         was = "full fine-tuning (train_backbone=true)" if saved else "prompt-only (train_backbone=false)"

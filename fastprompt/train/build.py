@@ -60,11 +60,12 @@ def build_encoder(cfg: TrainConfig, resume_dir: Path | None):
     enc = cfg.encoder
     if resume_dir is not None:
         return PromptEncoder.from_pretrained(enc.model, prompt=resume_dir, attn_backend=enc.attn_backend,
-                                             prefix_mode=enc.prefix_mode)
+                                             prefix_mode=enc.prefix_mode, trust_remote_code=enc.trust_remote_code)
     tpl = cfg.templates
     return PromptEncoder.from_pretrained(enc.model, prompt_config=dataclasses.replace(cfg.prompt), pooler=enc.pooler,
                                          mlp=enc.mlp, attn_backend=enc.attn_backend, prefix_mode=enc.prefix_mode,
-                                         template=tpl.template, denoise=tpl.resolved_eval_denoise, topk=tpl.topk)
+                                         template=tpl.template, denoise=tpl.resolved_eval_denoise, topk=tpl.topk,
+                                         pooler_head=enc.pooler_head, trust_remote_code=enc.trust_remote_code)
 
 
 def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device, total_steps: int):
@@ -94,7 +95,7 @@ def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> 
         from fastprompt.objectives.mlm import MLMTerm
 
         m = cfg.mlm
-        terms.append(MLMTerm.for_encoder(encoder, m.head, probability=m.probability,
+        terms.append(MLMTerm.for_encoder(encoder, m.head, m.train_head, probability=m.probability,
                                          weight=WeightSchedule(m.weight, m.decay_rate, m.decay_steps)))
     if cfg.rtd.enabled:
         from fastprompt.objectives.crtd import build_crtd_term
@@ -174,6 +175,17 @@ class Optimization:
         return norm, True
 
 
+def check_warmup(cfg: TrainConfig, total_steps: int) -> None:
+    """Refuse a ``warmup_steps`` that is not shorter than the run: the learning rate would still be rising when
+    training ends and never reach ``learning_rate`` (a ``warmup_ratio`` is below 1 by its bounds)."""
+    warmup = cfg.optim.warmup_steps
+    if warmup >= total_steps:
+        raise ValueError(f"warmup_steps={warmup} is not shorter than the run ({total_steps} steps): the learning "
+                         f"rate would still be warming up when training ends (at {total_steps / (warmup + 1):.0%} of "
+                         f"learning_rate at the last step); set warmup_steps below {total_steps}, or give "
+                         "warmup_ratio (a share of the run) instead")
+
+
 def build_optimization(cfg: TrainConfig, params: list[torch.nn.Parameter], total_steps: int,
                        device: torch.device, encoder=None) -> Optimization:
     """AdamW + linear schedule (+ fp16 scaler); with ``train_backbone``, the backbone's weights of ``encoder``
@@ -190,8 +202,10 @@ def build_optimization(cfg: TrainConfig, params: list[torch.nn.Parameter], total
     return Optimization(optimizer, scheduler, scaler)
 
 
-def autocast_factory(cfg: TrainConfig, device: torch.device) -> Callable[[], contextlib.AbstractContextManager]:
-    dtype = _AUTOCAST_DTYPES.get(cfg.run.precision)
+def autocast_factory(cfg: TrainConfig, device: torch.device,
+                     precision: str | None = None) -> Callable[[], contextlib.AbstractContextManager]:
+    """The autocast of the training forwards (``cfg.run.precision``), or of ``precision`` (evaluation's)."""
+    dtype = _AUTOCAST_DTYPES.get(precision or cfg.run.precision)
     if dtype is None:
         return contextlib.nullcontext
     return lambda: torch.autocast(device.type, dtype=dtype)

@@ -10,19 +10,28 @@ once built, puts it back in place with :meth:`RunDirectory.restore`.
 """
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
+import re
 import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from safetensors.torch import load_file, save_file
 
 from fastprompt.io import atomic_directory, recover_directory, write_json_atomic
+from fastprompt.model.checkpoint import foreign_files, is_checkpoint
+from fastprompt.schema import check_json
+from fastprompt.train.run_lock import LOCK_NAME
 from fastprompt.train.state import (
+    META_FILE,
+    TENSORS_FILE,
     TrainerState,
     has_training_state,
     load_training_state,
-    read_training_state,
+    read_training_meta,
     save_training_state,
 )
 
@@ -32,16 +41,56 @@ logger = logging.getLogger(__name__)
 #: two runs): what the trained parameters are (the prompt's shape and kind, the heads, the backbone), what the
 #: evaluated embedding is (pooler, template, denoising, positions), and what the run optimises on. Other
 #: changed keys (learning rate, precision, logging, ...) are allowed, with a warning.
-RUN_IDENTITY_KEYS = ("model", "pooler", "mlp", "prompt_length", "prefix_projection", "projection_hidden_size",
-                     "shared_across_layers", "input_layer_only", "cls_prompt", "prompt_type", "input_prompt_length",
-                     "optiprompt", "position_mode", "objective", "train_file",
-                     "batch_size", "seed", "max_length", "do_mlm", "mlm_head",
-                     "rtd_weight", "rtd_masking_ratio", "rtd_generator", "rtd_discriminator", "rtd_condition",
-                     "ski_weight", "ski1_weight", "ski2_weight",
-                     "template", "second_template", "denoise", "eval_denoise", "topk", "train_backbone")
+RUN_IDENTITY_KEYS = ("model", "pooler", "mlp", "pooler_head", "prompt_length", "prefix_projection",
+                     "projection_hidden_size", "shared_across_layers", "input_layer_only", "cls_prompt",
+                     "prompt_type", "input_prompt_length", "optiprompt", "position_mode", "objective", "train_file",
+                     "batch_size", "seed", "max_length", "do_mlm", "mlm_head", "mlm_train_head", "rtd_weight",
+                     "rtd_masking_ratio", "rtd_generator", "rtd_discriminator", "rtd_condition", "rtd_average",
+                     "ski_weight", "ski1_weight", "ski2_weight", "ski2_denominator", "template", "second_template",
+                     "denoise", "eval_denoise", "topk", "train_backbone")
 #: Keys that only say how to start, never what the run is.
 _START_KEYS = ("resume", "overwrite_output_dir")
 METHOD_FILE = "method.safetensors"
+#: What a run writes at the top of its output_dir besides its checkpoints and the lock (fastprompt.train.run_lock).
+RUN_FILES = ("config.yaml", "train_log.csv", "train.log", "summary.json", "report.png", "tensorboard")
+#: The checkpoints of a run and what it writes into each beside the prompt checkpoint's own files.
+CHECKPOINT_EXTRAS = {"last": (METHOD_FILE, META_FILE, TENSORS_FILE), "best": ("train_info.json",)}
+#: Leftovers of an interrupted atomic write (fastprompt.io) or of the writability probe (preflight).
+_TRANSIENT = re.compile(r"\.(?:(?:last|best|config\.yaml|train_log\.csv|summary\.json)\.(?:old|tmp-\d+)"
+                        r"|report\.tmp-\d+\.png|fastprompt-write-test-\d+)")
+
+
+@dataclass
+class DataFingerprint:
+    """What a run trained on: its row count and a hash of every sentence (:func:`data_fingerprint`)."""
+
+    rows: int
+    sha256: str
+
+
+@dataclass
+class TrainerRecord:
+    """The schema of ``trainer`` in ``last/training_state.json``: what :meth:`Trainer.save_last` records."""
+
+    EXTRA: ClassVar[str] = "forbid"
+    state: TrainerState
+    config: dict[str, Any] = field(default_factory=dict)
+    total_steps: int = 0
+    data: DataFingerprint | None = None  # absent in checkpoints written before it was recorded
+
+
+def data_fingerprint(examples) -> dict[str, Any]:
+    """``{"rows": N, "sha256": hex}`` of a run's training rows: the text of every sentence, in order, hashed once
+    after loading (the file itself is not read again). Measured: 105 MB of text (1M sentences) in 1.8 s on a
+    2-core AMD EPYC under a load of 16, mostly the joins; SHA-256 runs on the CPU's SHA extensions. A run that
+    resumes on data whose fingerprint differs would continue its batch order on other sentences; a path alone
+    cannot tell."""
+    h = hashlib.sha256()
+    rows = examples.rows
+    for start in range(0, len(rows), 4096):  # one join per chunk: the per-sentence work stays in C
+        h.update("\x1e".join("\x1f".join(row) for row in rows[start:start + 4096]).encode("utf-8", "surrogatepass"))
+        h.update(b"\x1d")
+    return {"rows": len(rows), "sha256": h.hexdigest()}
 
 
 class RunDirectory:
@@ -54,13 +103,44 @@ class RunDirectory:
         self.log_csv = self.root / "train_log.csv"
         self.log_text = self.root / "train.log"
         self.summary = self.root / "summary.json"
+        self.report = self.root / "report.png"
         self.config_yaml = self.root / "config.yaml"
+        #: set by :meth:`resume_point`: a fresh start over a previous run, whose files :meth:`clear_previous` deletes
+        self.replaces_previous = False
+
+    def foreign_entries(self) -> list[str]:
+        """The names in output_dir that no fastprompt run wrote there.
+
+        ``last/`` and ``best/`` are a run's when they are prompt checkpoints holding only what a run writes into
+        them; the other names a run writes (:data:`RUN_FILES`, leftovers of an interrupted write) only in a folder a
+        run has used: one holding the run lock or such a checkpoint. So a user's own ``best/``, ``config.yaml`` or
+        ``summary.json`` in a folder that is no run are foreign, as is anything else (a project's files)."""
+        if not self.root.is_dir():
+            return []
+        names = sorted(os.listdir(self.root))
+        own = {name for name, extras in CHECKPOINT_EXTRAS.items()
+               if name in names and is_checkpoint(self.root / name) and not foreign_files(self.root / name, extras)}
+        if own or LOCK_NAME in names:
+            own |= {n for n in names if n == LOCK_NAME or n in RUN_FILES or _TRANSIENT.fullmatch(n)}
+        return [n for n in names if n not in own]
+
+    def check_target(self, overwrite: bool) -> None:
+        """Refuse an output_dir holding anything a run did not write (a ValueError naming it), unless
+        ``overwrite``: training would replace the user's files of the same names, or mix with them."""
+        foreign = self.foreign_entries()
+        if foreign and not overwrite:
+            shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
+            raise ValueError(f"output_dir {self.root} holds files that no fastprompt run wrote ({shown}); a run "
+                             "writes best/, last/, config.yaml, train_log.csv, train.log, summary.json and report.png "
+                             "there. Choose a new or empty output_dir, or set overwrite_output_dir=true to let the run "
+                             "replace what has those names")
 
     def resume_point(self, *, resume: bool, overwrite: bool) -> Path | None:
         """``last`` when this run continues a previous one, None for a fresh start.
 
-        A previous run's files are deleted for a fresh start only with ``overwrite``; without it an existing
-        run is an error that says how to continue or start over.
+        A fresh start over a previous run needs ``overwrite``; without it an existing run is an error that says
+        how to continue or start over. The previous run's files are not deleted here but by :meth:`clear_previous`,
+        once the new run's setup (config, data, model) has succeeded: a fresh start that fails keeps them.
         """
         last = recover_directory(self.last)
         has_last = last.is_dir() and has_training_state(last)
@@ -71,11 +151,18 @@ class RunDirectory:
                 raise ValueError(
                     f"{self.root} already holds a training run; set resume=true to continue it, "
                     "overwrite_output_dir=true to start over, or choose another output_dir")
-            for d in (self.last, self.best):
-                shutil.rmtree(d, ignore_errors=True)
-            for f in (self.log_csv, self.summary):
-                f.unlink(missing_ok=True)
+            self.replaces_previous = True
         return None
+
+    def clear_previous(self) -> None:
+        """Delete the previous run's checkpoints, log and summary for a fresh start (see :meth:`resume_point`)."""
+        if not self.replaces_previous:
+            return
+        for d in (self.last, self.best):
+            shutil.rmtree(d, ignore_errors=True)
+        for f in (self.log_csv, self.summary, self.report):
+            f.unlink(missing_ok=True)
+        self.replaces_previous = False
 
     def resume_point_for(self, config) -> Path | None:
         """:meth:`resume_point` for a :class:`~fastprompt.train.config.TrainConfig`, and the checks that a
@@ -101,6 +188,7 @@ class RunDirectory:
             load_checkpoint_weights(encoder, resume_dir, read_checkpoint_config(resume_dir))
         RunDirectory.load_method(method, resume_dir)
         saved = load_training_state(resume_dir, optimizer=optimizer, scheduler=scheduler, scaler=scaler)
+        check_json(saved, TrainerRecord, f"training state {resume_dir / META_FILE}", "trainer")
         state = TrainerState(**saved["state"])
         logger.info("resumed from %s at step %d (epoch %d, batch %d)", resume_dir, state.global_step, state.epoch,
                     state.batch_in_epoch)
@@ -110,8 +198,9 @@ class RunDirectory:
     @staticmethod
     def check_same_run(resume_dir: Path, config: dict[str, Any]) -> None:
         """Refuse a checkpoint written with another run identity (flat config dicts, old ones included)."""
-        _, meta = read_training_state(resume_dir)
-        before = meta["trainer"].get("config", {})
+        meta = read_training_meta(resume_dir)
+        before = check_json(meta["trainer"], TrainerRecord, f"training state {resume_dir / META_FILE}", "trainer")
+        before = before.get("config", {})
         changed = [k for k in RUN_IDENTITY_KEYS if k in before and before[k] != config.get(k)]
         if changed:
             diffs = ", ".join(f"{k}: {before[k]!r} -> {config.get(k)!r}" for k in changed)
@@ -120,6 +209,17 @@ class RunDirectory:
         other = [k for k in config if k in before and before[k] != config[k] and k not in _START_KEYS]
         if other:
             logger.warning("resuming with changed settings: %s", ", ".join(f"{k}={config[k]!r}" for k in other))
+
+    @staticmethod
+    def check_same_data(resume_dir: Path, fingerprint: dict[str, Any], source: str) -> None:
+        """Refuse to resume on training rows other than the checkpoint's (:func:`data_fingerprint`; a checkpoint
+        written before fingerprints were recorded is not checked)."""
+        before = read_training_meta(resume_dir)["trainer"].get("data")
+        if before is not None and before != fingerprint:
+            raise ValueError(f"{resume_dir} was trained on other data than {source or 'the training rows'} holds now "
+                             f"({before['rows']} rows then, {fingerprint['rows']} now; their content differs): "
+                             "resuming would continue on other sentences; use another output_dir, or resume=false "
+                             "overwrite_output_dir=true to start over")
 
     def save_last(self, encoder, method, *, optimizer, scheduler, scaler, trainer: dict[str, Any]) -> Path:
         """Write ``last/``: everything needed to continue the run exactly."""

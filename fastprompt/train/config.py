@@ -26,6 +26,7 @@ from fastprompt.choices import (
     BACKENDS,
     DECODE_ERROR_MODES,
     MLP_MODES,
+    POOLER_HEADS,
     POOLERS,
     PRECISIONS,
     PREFIX_MODES,
@@ -35,10 +36,12 @@ from fastprompt.choices import (
 )
 from fastprompt.fields import flat_key, option, validate_fields
 from fastprompt.io import read_utf8_text, write_text_atomic
+from fastprompt.messages import shown
 from fastprompt.model.config import PromptConfig
 from fastprompt.model.device import parse_device
 from fastprompt.objectives.config import CRTDConfig, MLMConfig, ObjectiveConfig
 from fastprompt.train.model_sections import BackboneConfig, TemplateConfig, check_template_settings
+from fastprompt.train.recipe_yaml import MAX_RECIPE_BYTES, MAX_SCALAR_CHARS, load_yaml
 
 BASE_KEY = "base"
 
@@ -62,14 +65,23 @@ class EncoderConfig(_Section):
     pooler: str = option("cls", "how the last hidden states become one sentence vector", choices=POOLERS)
     mlp: str = option("none", "when the pooler's trainable head is used: never, in training only, or always",
                       choices=MLP_MODES)
+    pooler_head: str = option("new", "the pooler's trainable head: new (SimCSE's Linear + Tanh; DiffCSE's BatchNorm "
+                              "MLP with pooler bn_mlp) or mlm_transform (the checkpoint's pretrained MLM transform "
+                              "on the [MASK] state and on the template bias before subtracting: PromptBERT's "
+                              "supervised BERT head; pooler mask)", choices=POOLER_HEADS)
     attn_backend: str = option("auto", "implementation of the fused prefix-attention op", choices=BACKENDS)
     prefix_mode: str = option("attention", "attention (the fused op) or cache (reference: prefix in a "
                               "DynamicCache)", choices=PREFIX_MODES)
+    trust_remote_code: bool = option(False, "let the model (and an rtd_generator) run the Python code its folder "
+                                     "names (auto_map); off, such a model is refused: read its code first")
 
     def validate(self):
         super().validate()
         if not self.model:
             raise ValueError("model must name a base encoder (a folder, an installed model package or a hub id)")
+        if self.pooler_head == "mlm_transform" and (self.pooler != "mask" or self.mlp == "none"):
+            raise ValueError(f"pooler_head mlm_transform transforms the template's [MASK] state: it needs pooler "
+                             f"mask and mlp train or always, got pooler {self.pooler}, mlp {self.mlp}")
         return self
 
 
@@ -144,7 +156,8 @@ class RunConfig(_Section):
     """Precision, seeding, device, output folder, checkpoints and logs."""
 
     precision: str = option("fp32", "autocast dtype of the forward passes", choices=PRECISIONS)
-    seed: int = option(42, "seed of the prompt initialisation, the batch order and every step's dropout")
+    seed: int = option(42, "seed of the prompt initialisation, the batch order and every step's dropout (32 bits, "
+                       "which every seeding library accepts)", ge=0, le=2**32 - 1)
     device: str = option("auto", "auto (cuda if available), cpu, cuda or cuda:N")
     num_threads: int = option(0, "torch intra-op threads on CPU; 0 keeps torch's default", ge=0)
     compile: bool | None = option(None, "torch.compile the encoder (same losses and gradients); null: only for CPU "
@@ -181,7 +194,7 @@ def check_train_device(spec: str) -> None:
     except ValueError:
         kind, index = None, None
     if kind not in TRAIN_DEVICE_TYPES or (index is not None and kind != "cuda"):
-        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {spec!r}")
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {shown(spec)}")
 
 
 @dataclass
@@ -193,9 +206,13 @@ class EvalConfig(_Section):
     eval_batch_size: int = option(128, "sentences per batch in evaluation", gt=0)
     eval_at_start: bool = option(False, "also evaluate before the first step")
     final_eval: bool = option(True, "seven-task STS test table of the best checkpoint at the end (needs sts_dir)")
-    frozen_baseline: bool = option(False, "with final_eval, also score the untouched base model (same pooler and "
-                                   "template, no prompt) on STS-B dev and the seven tasks, so the summary shows "
-                                   "the gain")
+    frozen_baseline: bool = option(False, "also score the untouched base model (no prompt) on STS-B dev before "
+                                   "training and, with final_eval, on the seven tasks: with its own pooling (its "
+                                   "sentence-transformers configuration) and the run's when they differ; the "
+                                   "summary says whether the prompt beats it")
+    eval_precision: str = option("fp32", "autocast dtype of the evaluations (STS-B dev selection, the final test "
+                                 "table, the frozen baseline): fp32, as the papers evaluate, whatever the training "
+                                 "precision", choices=PRECISIONS)
 
     def validate(self):
         if isinstance(self.eval_steps, int) and not isinstance(self.eval_steps, bool) and self.eval_steps <= 0:
@@ -334,7 +351,7 @@ class TrainConfig:
 
 def _unknown_key_message(key: str, source: str) -> str:
     hint = difflib.get_close_matches(key, KEYS, n=1)
-    return (f"unknown config key {key!r} in {source}"
+    return (f"unknown config key {shown(key)} in {source}"
             + (f" (did you mean {hint[0]!r}?)" if hint else "; see `fastprompt train --help-config`"))
 
 
@@ -345,13 +362,13 @@ def parse_overrides(items: list[str] | None) -> dict[str, Any]:
         key, sep, value = item.partition("=")
         key = key.strip()
         if not sep or not key:
-            raise ValueError(f"--set expects key=value, got {item!r}")
+            raise ValueError(f"--set expects key=value, got {shown(item)}")
         if key == BASE_KEY:
             raise ValueError("--set base=... is not supported: name the base inside the YAML recipe")
-        try:
-            out[key] = yaml.safe_load(value) if value.strip() else ""
-        except yaml.YAMLError as exc:
-            raise ValueError(f"--set {item!r}: value is not valid YAML: {exc}") from None
+        if len(value) > MAX_SCALAR_CHARS:
+            raise ValueError(f"--set {shown(key)}: a value of {len(value)} characters; a config value has at most "
+                             f"{MAX_SCALAR_CHARS}")
+        out[key] = load_yaml(value, f"--set {shown(item)}: the value") if value.strip() else ""
     return out
 
 
@@ -365,14 +382,9 @@ def _read_recipe(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     if resolved in chain:
         cycle = " -> ".join(str(p) for p in (*chain, resolved))
         raise ValueError(f"config base chain has a cycle: {cycle}")
-    if not path.is_file():
-        what = f"base config of {chain[-1]}" if chain else "config file"
-        raise FileNotFoundError(f"{what} not found: {path}")
-    text = read_utf8_text(path, "config file")
-    try:
-        loaded = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        raise ValueError(f"config {path} is not valid YAML: {exc}") from None
+    what = f"base config of {chain[-1]}" if chain else "config file"
+    text = read_utf8_text(path, what, max_bytes=MAX_RECIPE_BYTES)
+    loaded = load_yaml(text, f"config {path}")
     if loaded is None:
         loaded = {}
     if not isinstance(loaded, dict):
@@ -381,7 +393,7 @@ def _read_recipe(path: Path, chain: tuple[Path, ...]) -> dict[str, Any]:
     if base is None:
         return loaded
     if not isinstance(base, str) or not base:
-        raise ValueError(f"config {path}: base must be the path of another YAML recipe, got {base!r}")
+        raise ValueError(f"config {path}: base must be the path of another YAML recipe, got {shown(base)}")
     return {**_read_recipe(path.parent / base, (*chain, resolved)), **loaded}
 
 

@@ -33,11 +33,12 @@ def _rows(cls) -> list[tuple[str, str, str, str, str]]:
     rows = []
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        rows.append((flat_key(f), type_name(hints[f.name]), _yaml(default), describe_rule(f), f.metadata["help"]))
+        rows.append((flat_key(f), type_name(hints[f.name]), yaml_scalar(default), describe_rule(f), f.metadata["help"]))
     return rows
 
 
-def _yaml(value) -> str:
+def yaml_scalar(value) -> str:
+    """A config value as a YAML recipe writes it (``null``, ``true``, ``0.05``)."""
     if value is None:
         return "null"
     if isinstance(value, bool):

@@ -23,11 +23,13 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
+
+from fastprompt.model.device import GiB, available_bytes
+from fastprompt.model.device import size_text as _size
 
 logger = logging.getLogger(__name__)
 
-GiB = 1024 ** 3
+__all__ = ["GiB", "ModelShape", "activation_bytes", "available_bytes", "check_run_memory", "check_step_memory"]
 
 
 @dataclass(frozen=True)
@@ -65,32 +67,6 @@ def activation_bytes(shape: ModelShape, sequences: int, seq_len: int, *, element
     if gradient_checkpointing:  # each layer's input, plus one layer recomputed at a time
         return tokens * (shape.num_layers * element_size * h + per_token_layer)
     return tokens * shape.num_layers * per_token_layer
-
-
-def _size(n: int) -> str:
-    return f"{n / GiB:.1f} GiB" if n >= GiB // 10 else f"{n / 1024 ** 2:.1f} MiB"
-
-
-def available_bytes(device) -> int | None:
-    """Memory a step can still use: free CUDA memory, else available RAM (psutil, else /proc/meminfo);
-    None when unknown."""
-    if getattr(device, "type", str(device)) == "cuda":
-        import torch
-
-        return int(torch.cuda.mem_get_info(device)[0])
-    try:
-        import psutil
-    except ImportError:
-        psutil = None
-    if psutil is not None:
-        return int(psutil.virtual_memory().available)
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
 
 
 def check_step_memory(shape: ModelShape, *, rows: int, views: int, max_length: int, element_size: int,

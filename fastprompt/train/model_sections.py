@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fastprompt.choices import TEMPLATE_POOLERS
 from fastprompt.fields import option, validate_fields
+from fastprompt.messages import shown
 
 SENTENCE, MASK = "[X]", "[MASK]"
 
@@ -17,9 +19,9 @@ def _check_template(key: str, text: str | None) -> None:
     if text is None:
         return
     if text.count(SENTENCE) != 1:
-        raise ValueError(f"{key} must hold exactly one {SENTENCE} (where the sentence goes), got {text!r}")
+        raise ValueError(f"{key} must hold exactly one {SENTENCE} (where the sentence goes), got {shown(text)}")
     if text.count(MASK) > 1:
-        raise ValueError(f"{key} may hold at most one {MASK}, got {text!r}")
+        raise ValueError(f"{key} may hold at most one {MASK}, got {shown(text)}")
 
 
 @dataclass
@@ -33,11 +35,12 @@ class TemplateConfig:
                                          "positive; supervised: entailment and contradiction); null: the same "
                                          "template, so views differ by dropout only")
     denoise: bool = option(False, "subtract each training view's template bias, the template fed alone with the "
-                           "positions it has around the sentence (PromptBERT's template denoising; pooler mask)")
+                           "positions it has around the sentence (PromptBERT's template denoising; pooler mask, or "
+                           "topk: its Table 9)")
     eval_denoise: bool | None = option(None, "denoise in evaluation and in the saved checkpoint; null: as "
                                        "denoise (PromptBERT's unsupervised runs train denoised but evaluate "
                                        "without)")
-    topk: int = option(10, "k of the topk pooler (PromptBERT Eq. 3)", ge=1)
+    topk: int = option(200, "k of the topk pooler (PromptBERT Eq. 3; its Table 9 uses the top 200 tokens)", ge=1)
 
     def __post_init__(self):
         self.validate()
@@ -75,9 +78,9 @@ class BackboneConfig:
 def check_template_settings(config) -> None:
     """The rules between the template section and the others (``config``: a TrainConfig)."""
     tpl, pooler = config.templates, config.encoder.pooler
-    if (tpl.denoise or tpl.resolved_eval_denoise) and pooler != "mask":
-        raise ValueError(f"denoise/eval_denoise subtract the template's [MASK] state: they need pooler=mask, "
-                         f"got pooler={pooler}")
+    if (tpl.denoise or tpl.resolved_eval_denoise) and pooler not in TEMPLATE_POOLERS:
+        raise ValueError(f"denoise/eval_denoise subtract the template's [MASK] state: they need pooler=mask (or topk: "
+                         f"PromptBERT's Table 9), got pooler={pooler}")
     if tpl.second_template is not None and not config.uses_template:
         raise ValueError("second_template wraps the other views in a template: set template (or pooler=mask/topk)")
     if config.prompt.optiprompt and tpl.second_template not in (None, tpl.template):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
@@ -18,6 +18,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from fastprompt.io import read_json, write_json_atomic
+from fastprompt.messages import shown
+from fastprompt.schema import check_json
 
 TENSORS_FILE = "training_state.safetensors"
 META_FILE = "training_state.json"
@@ -29,16 +31,60 @@ class TrainerState:
     """The trainer's counters, saved with ``last`` (as ``trainer.state`` of the JSON file);
     ``(epoch, batch_in_epoch)`` is the data position of the next step."""
 
-    global_step: int = 0
-    epoch: int = 0
-    batch_in_epoch: int = 0
+    EXTRA: ClassVar[str] = "forbid"  # as a schema of training_state.json (fastprompt.schema): no unknown keys
+
+    global_step: int = field(default=0, metadata={"ge": 0})
+    epoch: int = field(default=0, metadata={"ge": 0})
+    batch_in_epoch: int = field(default=0, metadata={"ge": 0})
     best_score: float | None = None
     best_step: int | None = None
-    nonfinite_streak: int = 0
-    nonfinite_total: int = 0
+    nonfinite_streak: int = field(default=0, metadata={"ge": 0})
+    nonfinite_total: int = field(default=0, metadata={"ge": 0})
     train_seconds: float = 0.0
-    dev_history: list = field(default_factory=list)  # [[step, stsb_dev], ...]
+    dev_history: list[tuple[int, float]] = field(default_factory=list)  # [[step, stsb_dev], ...]
     probe_spread_start: float | None = None  # emb_spread of the collapse probe before the first step
+    frozen_dev: list | None = None  # the frozen model's STS-B dev scores (Evaluator.frozen_dev), taken before step 1
+
+
+# ---------------------------------------------------------------------- the schema of training_state.json
+@dataclass
+class _ParamGroup:
+    params: list[int]
+    lr: float
+
+
+@dataclass
+class _OptimizerMeta:
+    EXTRA: ClassVar[str] = "forbid"
+    param_groups: list[_ParamGroup]
+    scalars: dict[str, Any]
+
+
+@dataclass
+class _SchedulerMeta:
+    base_lrs: list[float]
+    last_epoch: int
+
+
+@dataclass
+class _RngMeta:
+    EXTRA: ClassVar[str] = "forbid"
+    numpy: tuple[str, int, int, float]  # kind, pos, has_gauss, cached gaussian
+    python: tuple[int, list[int], float | None]  # version, internal state, gauss_next
+
+
+@dataclass
+class TrainingStateFile:
+    """The schema of ``training_state.json`` (:mod:`fastprompt.schema`): what :func:`save_training_state`
+    writes, checked whole on resume so that an edited or damaged file is one line naming the key."""
+
+    EXTRA: ClassVar[str] = "forbid"
+    format_version: int
+    optimizer: _OptimizerMeta
+    scheduler: _SchedulerMeta
+    scaler: dict[str, Any]
+    rng: _RngMeta
+    trainer: dict[str, Any]  # the caller's: fastprompt.train.checkpoints checks the Trainer's
 
 
 # ---------------------------------------------------------------------- RNG
@@ -118,13 +164,21 @@ def save_training_state(directory: str | Path, *, optimizer, scheduler, scaler, 
     })
 
 
+def read_training_meta(directory: str | Path) -> dict[str, Any]:
+    """``training_state.json`` of a checkpoint, checked against :class:`TrainingStateFile` (the tensors are not
+    read)."""
+    directory = Path(directory)
+    meta = read_json(directory / META_FILE, "training state")
+    if meta.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{directory}: training state format {shown(meta.get('format_version'))} is not "
+                         f"{FORMAT_VERSION}; it was written by another fastprompt version")
+    return check_json(meta, TrainingStateFile, f"training state {directory / META_FILE}")
+
+
 def read_training_state(directory: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     directory = Path(directory)
     tensors_path = directory / TENSORS_FILE
-    meta = read_json(directory / META_FILE, "training state")
-    if meta.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{directory}: training state format {meta.get('format_version')!r} is not "
-                         f"{FORMAT_VERSION}; it was written by another fastprompt version")
+    meta = read_training_meta(directory)
     if not tensors_path.is_file():
         raise FileNotFoundError(f"training state tensors not found: {tensors_path}")
     try:

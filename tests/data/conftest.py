@@ -2,14 +2,16 @@
 
 It answers ``/v1/models``, ``/v1/chat/completions`` and ``/v1/completions`` deterministically from the
 sentence inside the prompt, so runs can be compared row for row. Knobs on the ``openai_server`` fixture:
-``fail_next`` (answer that many requests with 503 first), ``retry_after`` (the 503s' Retry-After header, "0";
+``fail_next`` (answer that many requests with 503 first), ``retry_after`` (the 503s' Retry-After header, "0.01";
 None: no header), ``reset_next`` (drop that many connections without
-an answer), ``delay`` (seconds per completion), ``list_models`` (False: /models is a 404), ``models``.
+an answer), ``delay`` (seconds per completion), ``list_models`` (False: /models is a 404), ``models``,
+``answer_with`` (a function answering completion requests instead, for hostile servers).
 Sentences starting with ECHO / EMPTY / LONG get an echo / empty / cut-off answer; FLAKY ones an echo the
 first time they are asked and a good answer after.
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import re
@@ -33,10 +35,15 @@ class FakeOpenAI:
         self.models = ["test-model"]
         self.list_models = True
         self.fail_next = 0
-        self.retry_after: str | None = "0"
+        self.retry_after: str | None = "0.01"
         self.reset_next = 0
         self.delay = 0.0
-        self.requests: list[dict] = []  # completion requests: {"path", "body", "headers"}
+        #: ``fn(handler, body)`` answering completion requests instead (writes to ``handler.wfile`` itself)
+        self.answer_with = None
+        self.answer_get_with = None  # the same for GET /models
+        self.stopping = threading.Event()  # set when the server stops
+        self.sent = 0  # bytes a hostile answer_with sent
+        self.requests: list[dict] = []  # completion requests: {"path", "body", "headers" (lower-case), "time"}
         self.asked: dict[str, int] = {}
         self.in_flight = self.max_in_flight = 0
         self.lock = threading.Lock()
@@ -64,6 +71,8 @@ class FakeOpenAI:
 
 def _handler(state: FakeOpenAI):
     class Handler(BaseHTTPRequestHandler):
+        server_state = state
+
         def log_message(self, *args):  # quiet
             pass
 
@@ -78,6 +87,8 @@ def _handler(state: FakeOpenAI):
             self.wfile.write(body)
 
         def do_GET(self):
+            if state.answer_get_with is not None:
+                return state.answer_get_with(self, None)
             if self.path == "/v1/models" and state.list_models:
                 self._send(200, {"object": "list", "data": [{"id": m, "object": "model"} for m in state.models]})
             else:
@@ -86,7 +97,11 @@ def _handler(state: FakeOpenAI):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
             with state.lock:
-                state.requests.append({"path": self.path, "body": body, "headers": dict(self.headers)})
+                headers = {k.lower(): v for k, v in self.headers.items()}
+                state.requests.append({"path": self.path, "body": body, "headers": headers, "time": time.monotonic()})
+            if state.answer_with is not None:  # a test's own answer (drip, endless, redirect, random bytes, ...)
+                return state.answer_with(self, body)
+            with state.lock:
                 if state.reset_next:
                     state.reset_next -= 1
                     self.close_connection = True
@@ -122,13 +137,9 @@ def _handler(state: FakeOpenAI):
     return Handler
 
 
-@pytest.fixture
-def openai_server(monkeypatch):
-    """A running :class:`FakeOpenAI` on 127.0.0.1 (``.url`` is its /v1 base); stopped after the test."""
-    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
-    state = FakeOpenAI()
+@contextlib.contextmanager
+def serve(state: FakeOpenAI):
+    """Run ``state``'s server on a free port of 127.0.0.1 (``state.url`` is its /v1 base) until the block ends."""
     server = ThreadingHTTPServer(("127.0.0.1", 0), _handler(state))
     server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
@@ -137,5 +148,23 @@ def openai_server(monkeypatch):
     try:
         yield state
     finally:
+        state.stopping.set()  # ends the loops of hostile answers (drip, endless)
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def openai_server(monkeypatch):
+    """A running :class:`FakeOpenAI` on 127.0.0.1 (``.url`` is its /v1 base); stopped after the test."""
+    for var in ("http_proxy", "HTTP_PROXY", "https_proxy", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("NO_PROXY", "127.0.0.1,localhost")
+    with serve(FakeOpenAI()) as state:
+        yield state
+
+
+@pytest.fixture
+def second_openai_server(openai_server):
+    """Another :class:`FakeOpenAI`, on another port: another origin (for redirects)."""
+    with serve(FakeOpenAI()) as state:
+        yield state

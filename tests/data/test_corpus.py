@@ -98,3 +98,40 @@ def test_csv_the_reader_rejects_is_a_clear_error(tmp_path):
     p.write_text('sent0,sent1\n"a,b\n' + "x" * 200_000 + "\n", encoding="utf-8")
     with pytest.raises(ValueError, match=r"pairs.csv: not a valid CSV file \(line [0-9]+: field larger than"):
         read_pair_csv(p)
+
+
+def test_tsv_pairs_are_read_as_pairs(tmp_path):
+    """A .tsv of pairs was read as a one-column corpus (each pair one "sentence" with a tab inside)."""
+    tsv = tmp_path / "pairs.tsv"
+    tsv.write_text("sent0\tsent1\nA man, smiling.\ta person\nthe dog\ta cat\n", encoding="utf-8")
+    ex = load_train_file(tsv)
+    assert ex.columns == ("sent0", "sent1") and ex.rows == [("A man, smiling.", "a person"), ("the dog", "a cat")]
+    txt = tmp_path / "pairs.txt"  # the same header in a .txt, or any other name: found by its header
+    txt.write_bytes(tsv.read_bytes())
+    assert load_train_file(txt).rows == ex.rows
+    assert load_train_file(tsv, fmt="tsv").rows == ex.rows
+
+
+def test_a_headerless_tab_table_is_refused_unless_text_is_asked_for(tmp_path):
+    path = tmp_path / "pairs.tsv.txt"
+    path.write_text("the dog\ta cat\ntwo men\tpeople\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"every line holds a tab, so it looks like tab-separated pairs, which a text "
+                                         r"corpus would read as one sentence per line; give it a header line "
+                                         r"sent0<TAB>sent1"):
+        load_train_file(path)
+    assert load_train_file(path, fmt="text").rows == [("the dog\ta cat",), ("two men\tpeople",)]
+    bare = tmp_path / "pairs.tsv"
+    bare.write_text("the dog\ta cat\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"tab-separated file .* must have a header with columns sent0,sent1"):
+        load_train_file(bare)
+
+
+@pytest.mark.parametrize("kind", ["directory", "fifo"])
+def test_a_train_file_that_is_no_file_says_what_it_is(tmp_path, kind):
+    import os
+
+    path = tmp_path / "corpus.txt"
+    path.mkdir() if kind == "directory" else os.mkfifo(path)
+    expected = "is a directory, not a file" if kind == "directory" else "is a pipe, not a regular file"
+    with pytest.raises((OSError, ValueError), match=f"training file {path} {expected}"):
+        load_train_file(path)

@@ -64,7 +64,7 @@ def test_rejected_answers_are_resampled_then_counted(openai_server, tmp_path):
     sentences = ["ECHO this is echoed.", "EMPTY gets nothing.", "LONG never stops.", "FLAKY echoes once.",
                  "A fine sentence about cats."]
     out = tmp_path / "ski.csv"
-    backend = ServerBackend(openai_server.url, "test-model", backoff=0)
+    backend = ServerBackend(openai_server.url, "test-model")
     report = generate_ski(sentences, backend, out, attempts=3, show_progress_bar=False)
     with open(out, newline="") as f:
         kept = {r["sent0"] for r in csv.DictReader(f)}
@@ -89,7 +89,7 @@ def test_rejected_answers_are_resampled_then_counted(openai_server, tmp_path):
 
 
 def test_greedy_decoding_makes_one_attempt(openai_server, tmp_path):
-    backend = ServerBackend(openai_server.url, "test-model", backoff=0)
+    backend = ServerBackend(openai_server.url, "test-model")
     report = generate_ski(["ECHO again."], backend, tmp_path / "o.csv", sampling=Sampling(temperature=0),
                           attempts=3, show_progress_bar=False)
     assert openai_server.asked == {"ECHO again.": 1} and report.rejected == {"echo": 1}

@@ -50,7 +50,7 @@ def test_join_ski_refuses_to_overwrite(files, capsys):
 def test_join_ski_errors_are_one_line(files, capsys):
     nli, ski, out = (str(files / n) for n in ("nli.csv", "ski.csv", "o.csv"))
     cases = [
-        ((nli, ski, nli, "--overwrite"), "is an input file"),
+        ((nli, ski, nli, "--overwrite"), "is the input file"),
         ((nli, nli, out), "header sent0,ski"),
         ((str(files / "missing.csv"), ski, out), "missing.csv"),
     ]

@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from fastprompt.cli import main
 from fastprompt.data.ski import Sampling, ServerBackend, generate_ski
 from fastprompt.data.ski.store import SkiStore
 
@@ -77,7 +78,7 @@ def test_kill_9_and_resume_loses_and_duplicates_nothing(openai_server, tmp_path)
 
 def test_a_torn_last_line_is_cut_and_redone(openai_server, tmp_path):
     sentences = ["First sentence is here.", "Second sentence is here.", "Third sentence is here."]
-    backend = ServerBackend(openai_server.url, "test-model", backoff=0)
+    backend = ServerBackend(openai_server.url, "test-model")
     out = tmp_path / "o.csv"
     generate_ski(sentences[:2], backend, out, show_progress_bar=False)
     with open(out, "ab") as f:  # what a process killed inside write() could leave
@@ -92,7 +93,7 @@ def test_a_torn_last_line_is_cut_and_redone(openai_server, tmp_path):
 
 def test_complete_output_is_not_regenerated_and_limit_extends_it(openai_server, tmp_path):
     sentences = [f"Sentence {i} is here." for i in range(6)]
-    backend = ServerBackend(openai_server.url, "test-model", backoff=0)
+    backend = ServerBackend(openai_server.url, "test-model")
     out = tmp_path / "o.csv"
     assert generate_ski(sentences, backend, out, limit=2, show_progress_bar=False).rows == 2
     assert generate_ski(sentences, backend, out, limit=2, show_progress_bar=False).answers == 0
@@ -103,7 +104,7 @@ def test_complete_output_is_not_regenerated_and_limit_extends_it(openai_server, 
 
 
 def test_other_settings_are_refused_unless_overwrite(openai_server, tmp_path):
-    backend = ServerBackend(openai_server.url, "test-model", backoff=0)
+    backend = ServerBackend(openai_server.url, "test-model")
     out = tmp_path / "o.csv"
     generate_ski(["One sentence here."], backend, out, show_progress_bar=False)
     with pytest.raises(ValueError, match=r"other settings \(sampling: .*'seed': 0.*'seed': 1"):
@@ -116,7 +117,7 @@ def test_other_settings_are_refused_unless_overwrite(openai_server, tmp_path):
 
 
 def test_foreign_or_unlabelled_output_is_refused(tmp_path, openai_server):
-    backend = ServerBackend(openai_server.url, "test-model", backoff=0)
+    backend = ServerBackend(openai_server.url, "test-model")
     out = tmp_path / "o.csv"
     out.write_text("sent0,ski\nA,B\n")  # no metadata: who wrote it, with what settings?
     with pytest.raises(ValueError, match="without its metadata"):
@@ -149,3 +150,29 @@ def test_cli_interrupt_keeps_rows_and_says_how_to_resume(openai_server, tmp_path
     meta = json.loads((tmp_path / "o.csv.meta.json").read_text())
     rows = _rows(out)
     assert meta["complete"] is False and meta["counts"]["rows"] == len(rows) >= 4
+
+
+@pytest.mark.parametrize("how", ["same", "relative", "symlink", "hardlink", "meta-file", "with-overwrite"])
+def test_an_output_that_is_the_input_is_refused_before_anything_is_written(tmp_path, monkeypatch, capsys, how):
+    """generate-ski --output naming the input (however spelt) fails at once: --overwrite would have deleted it."""
+    monkeypatch.chdir(tmp_path)
+    inp = tmp_path / "sents.csv"
+    inp.write_bytes(b"sent0\nA cat sat on the mat.\nTwo dogs ran.\n")
+    before = inp.read_bytes()
+    output = {"same": str(inp), "relative": "./sub/../sents.csv", "symlink": "link.csv", "hardlink": "hard.csv",
+              "meta-file": "sents", "with-overwrite": str(inp)}[how]
+    (tmp_path / "sub").mkdir()
+    if how == "symlink":
+        (tmp_path / "link.csv").symlink_to(inp)
+    if how == "hardlink":
+        os.link(inp, tmp_path / "hard.csv")
+    if how == "meta-file":  # the metadata generate-ski writes beside --output sents would be sents.meta.json
+        inp = inp.rename(tmp_path / "sents.meta.json")
+    made = set(os.listdir(tmp_path))
+    args = ["generate-ski", "--input", str(inp), "--output", output, "--llm", "server", "--url",
+            "http://127.0.0.1:9/v1", "--model", "m"]
+    args += ["--overwrite"] if how in ("with-overwrite", "hardlink") else []
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is the input file" in err, err
+    assert inp.read_bytes() == before and set(os.listdir(tmp_path)) == made

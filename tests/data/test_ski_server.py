@@ -2,13 +2,11 @@
 import csv
 import json
 import socket
-import threading
 
 import pytest
 
 from fastprompt.cli import main
 from fastprompt.data.ski import LLMServerError, Sampling, ServerBackend, generate_ski
-from fastprompt.data.ski import server as server_module
 from fastprompt.data.ski.prompt import SKI_PROMPT_TEMPLATE, format_prompt, sample_seed
 
 
@@ -18,7 +16,6 @@ def _rows(path):
 
 
 def _backend(server, **kw):
-    kw.setdefault("backoff", 0.0)
     return ServerBackend(server.url, kw.pop("model", "test-model"), **kw)
 
 
@@ -55,52 +52,17 @@ def test_retries_after_503_and_a_dropped_connection(openai_server, tmp_path):
     assert len(openai_server.requests) == 4  # reset, 503, 503, answer
 
 
-class _RecordedWaits(threading.Event):
-    """A ``stop`` event whose ``wait`` records the retry delay and returns at once (never set: no real sleeping)."""
-
-    def __init__(self):
-        super().__init__()
-        self.delays = []
-
-    def wait(self, timeout=None):
-        self.delays.append(timeout)
-        return False
-
-
-def _retried_delays(server, n_failures, **kw):
-    """The delays the backend waits before each retry of a request answered ``n_failures`` times with 503."""
-    backend = ServerBackend(server.url, "test-model", max_retries=n_failures, **kw)
-    server.fail_next, waits = n_failures, _RecordedWaits()
-    gen = backend.complete("One sentence here.", Sampling(), 0, waits)
-    assert " ".join(gen.text.split()) == server.expected("One sentence here.")
-    assert len(server.requests) == n_failures + 1
-    return waits.delays
-
-
-@pytest.mark.parametrize(("jitter", "want"), [(1.0, [1, 2, 3]), (0.5, [0.5, 1, 2]), (1.5, [1.5, 3, 3])])
-def test_exponential_backoff_with_jitter_is_capped(openai_server, monkeypatch, jitter, want):
-    """Without Retry-After, retry k waits backoff * 2**k * a jitter drawn from U(0.5, 1.5), at most max_backoff."""
-    openai_server.retry_after = None
-    drawn = []
-    monkeypatch.setattr(server_module.random, "uniform", lambda a, b: drawn.append((a, b)) or jitter)
-    assert _retried_delays(openai_server, 3, backoff=1.0, max_backoff=3.0) == pytest.approx(want)
-    assert drawn == [(0.5, 1.5)] * 3
-
-
-def test_backoff_jitter_is_random(openai_server):
-    """Unpatched, the jitter differs between retries (parallel requests do not retry in step) and keeps its bounds."""
-    openai_server.retry_after = None
-    delays = _retried_delays(openai_server, 3, backoff=1.0, max_backoff=100.0)
-    assert all(0.5 * 2**k <= d <= 1.5 * 2**k for k, d in enumerate(delays)), delays
-    assert len({d / 2**k for k, d in enumerate(delays)}) == 3  # three draws of a continuous U(0.5, 1.5)
-
-
-@pytest.mark.parametrize(("retry_after", "want"), [("2", 2.0), ("5", 3.0), ("0", 0.0)])
-def test_retry_after_replaces_the_backoff_and_is_capped(openai_server, monkeypatch, retry_after, want):
-    """A Retry-After header (in seconds) is the delay, without jitter; it too is capped at max_backoff."""
-    openai_server.retry_after = retry_after
-    monkeypatch.setattr(server_module.random, "uniform", lambda a, b: pytest.fail("no jitter with Retry-After"))
-    assert _retried_delays(openai_server, 2, backoff=1.0, max_backoff=3.0) == [want, want]
+def test_retry_after_is_honoured_and_backoff_waits_without_it(openai_server):
+    """The openai client waits what Retry-After says (here 0.3 s) between attempts, and without the header backs
+    off exponentially (0.5 s x 2**k, less up to 25% of jitter)."""
+    backend = _backend(openai_server, max_retries=1)
+    for retry_after, low, high in (("0.3", 0.3, 0.9), (None, 0.375, 1.0)):
+        openai_server.requests.clear()
+        openai_server.retry_after, openai_server.fail_next = retry_after, 1
+        gen = backend.complete("One sentence here.", Sampling(), 0)
+        assert " ".join(gen.text.split()) == openai_server.expected("One sentence here.")
+        first, second = (r["time"] for r in openai_server.requests)
+        assert low <= second - first <= high, (retry_after, second - first)
 
 
 def test_gives_up_after_max_retries(openai_server, tmp_path):
@@ -113,7 +75,7 @@ def test_gives_up_after_max_retries(openai_server, tmp_path):
 
 def test_wrong_url_is_a_clear_error(openai_server, tmp_path, capsys):
     root = openai_server.url[: -len("/v1")]  # the server's root, without /v1: every path is a 404
-    backend = ServerBackend(root, "test-model", backoff=0)  # /models is a 404 too: not every server has it
+    backend = ServerBackend(root, "test-model")  # /models is a 404 too: not every server has it
     with pytest.raises(LLMServerError, match=r"HTTP 404.*no such endpoint.*OpenAI base URL"):
         generate_ski(["One sentence here."], backend, tmp_path / "o.csv", show_progress_bar=False)
     inp = tmp_path / "in.txt"
@@ -162,8 +124,12 @@ def test_api_key_is_sent_and_never_recorded(openai_server, tmp_path, monkeypatch
     monkeypatch.setenv("MY_LLM_KEY", "sk-secret-123")
     generate_ski(["One sentence here."], _backend(openai_server, api_key_env="MY_LLM_KEY"), tmp_path / "o.csv",
                  show_progress_bar=False)
-    assert openai_server.requests[0]["headers"]["Authorization"] == "Bearer sk-secret-123"
+    assert openai_server.requests[0]["headers"]["authorization"] == "Bearer sk-secret-123"
     assert all("sk-secret" not in p.read_text() for p in tmp_path.iterdir())
+    monkeypatch.delenv("MY_LLM_KEY")  # no key: no Authorization header at all
+    generate_ski(["Two sentences here."], _backend(openai_server, api_key_env="MY_LLM_KEY"), tmp_path / "p.csv",
+                 show_progress_bar=False)
+    assert "authorization" not in openai_server.requests[-1]["headers"]
 
 
 def test_plain_completions_api_for_base_models(openai_server, tmp_path):

@@ -245,6 +245,25 @@ def test_bad_gold_score(tmp_path, gold):
         load_sts_year(tmp_path, "sts13")
 
 
+@pytest.mark.parametrize("gold", ["nan", "-inf", "inf", "NaN"])
+def test_a_gold_score_that_is_not_finite_is_refused(tmp_path, gold):
+    """-inf was scored (ranked first) and nan reported as "constant scores"."""
+    write_year(tmp_path, "sts13", {"OnWN": [("a", "b", "1"), ("c", "d", gold)]})
+    with pytest.raises(ValueError, match=rf"STS\.gs\.OnWN\.txt:2: gold score '{gold}' is not a finite number"):
+        load_sts_year(tmp_path, "sts13")
+
+
+def test_spearman_names_nan_scores_instead_of_calling_them_constant():
+    from fastprompt.eval.sts import spearman_x100
+
+    with pytest.raises(ValueError, match=r"undefined: 1 of the 3 gold scores are NaN or infinite"):
+        spearman_x100(np.array([0.1, 0.2, 0.3]), np.array([1.0, np.nan, 2.0]))
+    with pytest.raises(ValueError, match=r"undefined: 3 of the 3 predicted scores are NaN or infinite"):
+        spearman_x100(np.full(3, np.nan), np.array([1.0, 3.0, 2.0]))
+    with pytest.raises(ValueError, match="the predicted or gold scores are constant"):
+        spearman_x100(np.array([0.1, 0.2, 0.3]), np.ones(3))
+
+
 def test_input_line_without_tab(tmp_path):
     d = write_year(tmp_path, "sts13", {})
     (d / "STS.input.OnWN.txt").write_text("no tab here\n", encoding="utf-8")

@@ -118,12 +118,16 @@ def test_imported_prompt_matches_their_forward(tiny_bert_dir, tiny_roberta_dir, 
     state = theirs.state_dict()
     assert f"{arch}.embeddings.position_ids" in state and ("mlp.dense.weight" in state) == (pooler_type == "cls")
     ckpt = theirs.save(tmp_path / "their-checkpoint", base, fmt)
-    out = papers.import_promcse(ckpt, tmp_path / "prompt", pooler_type=pooler_type, mlp_only_train=mlp_only_train)
+    # a backbone held only as a pickle is never loaded as a model: such a folder needs the base model named
+    base_model = base if fmt == "bin" else None
+    out = papers.import_promcse(ckpt, tmp_path / "prompt", pooler_type=pooler_type, mlp_only_train=mlp_only_train,
+                                base_model=base_model)
     saved = json.loads((out / "fastprompt_config.json").read_text())
     assert saved["prompt_config"]["position_mode"] == "shifted"
     assert saved["prompt_config"]["prefix_projection"] is projection
     assert saved["prompt_config"]["prompt_dropout"] == 0.1  # their get_prompt's dropout (hidden_dropout_prob)
-    assert saved["base_model"] == str(ckpt.resolve())  # the frozen backbone inside their folder
+    # the frozen backbone inside their folder, unless it is a pickle
+    assert saved["base_model"] == str(base if base_model else ckpt.resolve())
     batch = dict(AutoTokenizer.from_pretrained(base)(SENTENCES, padding=True, return_tensors="pt"))
     expected = theirs.sentence_embedding(batch, pooler_type, mlp_only_train)
     for mode in ("attention", "cache"):  # the fused path and fastprompt's own DynamicCache reference path
@@ -151,6 +155,19 @@ def test_cli_import_with_their_arguments_file_and_a_base_model(tiny_bert_dir, tm
     with torch.no_grad():
         ours = encoder(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])
     torch.testing.assert_close(ours, theirs.sentence_embedding(batch, "cls", True), atol=ATOL, rtol=0)
+
+
+def test_a_pickled_backbone_needs_the_base_model_named(tiny_bert_dir, tmp_path, capsys):
+    """Their pytorch_model.bin gives the prompt (restricted unpickler), but is never loaded as the backbone model:
+    without --model the import says so, in one line."""
+    theirs = TheirModel(tiny_bert_dir, P=2, projection=False, pooler_type="cls_before_pooler")
+    ckpt = theirs.save(tmp_path / "ckpt", tiny_bert_dir, "bin")
+    assert cli.main(["import", "--from", "promcse", "--checkpoint", str(ckpt), "--pooler-type", "cls_before_pooler",
+                     "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "holds its backbone only as a PyTorch pickle (pytorch_model.bin), and fastprompt loads models from " \
+           "safetensors only; pass the base model" in err, err
+    assert not (tmp_path / "out").exists()
 
 
 def test_safetensors_is_preferred_over_the_pickle(tiny_bert_dir, tmp_path, caplog):

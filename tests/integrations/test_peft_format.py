@@ -321,5 +321,5 @@ def test_import_takes_the_base_model_from_the_adapter_config(tiny_bert_dir, tmp_
     assert PromptEncoder.load(import_peft(adapter, tmp_path / "a")).base_model == str(moved)
     config_file.write_text(json.dumps({**config, "base_model_name_or_path": None}))
     assert PromptEncoder.load(import_peft(adapter, tmp_path / "b")).base_model == str(tiny_bert_dir)
-    with pytest.raises(FileExistsError, match="holds other files"):
-        import_peft(adapter, adapter)
+    with pytest.raises(ValueError, match="is the input folder"):  # even with overwrite: it would be replaced
+        import_peft(adapter, adapter, overwrite=True)

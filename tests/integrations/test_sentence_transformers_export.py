@@ -276,3 +276,29 @@ def test_fine_tuned_backbone_is_stored_once(tiny_bert_dir, tmp_path):
     with pytest.raises(ValueError, match="backbone is fine-tuned"):
         export_sentence_transformers(ckpt, tmp_path / "nb", include_backbone=False)
     assert not (tmp_path / "nb").exists()
+
+
+@pytest.mark.parametrize("prompt_path", ["../victim", "/abs/victim", "prompt/../../victim", "link"])
+def test_a_prompt_path_outside_the_folder_is_refused_on_load_and_on_save(tiny_bert_dir, tmp_path, prompt_path):
+    """A module config whose prompt_path leaves the folder made loading read, and SentenceTransformer.save(out)
+    rewrite, a checkpoint outside ``out``: refused, and the checkpoint outside is byte-identical afterwards."""
+    from fastprompt.integrations.sentence_transformers import PromptEncoderModule, export_sentence_transformers
+
+    encoder = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(prompt_length=2))
+    victim = encoder.save(tmp_path / "victim")
+    before = {p.name: p.read_bytes() for p in victim.iterdir()}
+    folder = export_sentence_transformers(encoder, tmp_path / "st")
+    (folder / "link").symlink_to(victim)  # a relative name that resolves outside the folder
+    prompt_path = prompt_path.replace("/abs/victim", str(victim))
+    config = json.loads((folder / "fastprompt_module.json").read_text())
+    (folder / "fastprompt_module.json").write_text(json.dumps(dict(config, prompt_path=prompt_path)))
+    with pytest.raises(ValueError, match="prompt_path must be a folder inside the model folder"):
+        _load(folder)
+    if prompt_path != "link":  # a symlink only leads out of a folder that holds it: the loaded one
+        with pytest.raises(ValueError, match="prompt_path must be a folder inside the model folder"):
+            PromptEncoderModule(encoder, prompt_path=prompt_path)
+        module = PromptEncoderModule(encoder)
+        module.prompt_path = prompt_path  # set after construction: save checks again
+        with pytest.raises(ValueError, match="prompt_path must be a folder inside the model folder"):
+            module.save(str(tmp_path / "out"))
+    assert {p.name: p.read_bytes() for p in victim.iterdir()} == before

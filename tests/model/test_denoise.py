@@ -114,7 +114,7 @@ def test_sentence_lengths_and_template_inputs(tiny_bert_dir):
 
 
 def test_denoise_needs_the_mask_pooler(tiny_bert_dir):
-    with pytest.raises(ValueError, match="needs pooler='mask'"):
+    with pytest.raises(ValueError, match="needs pooler 'mask'"):
         PromptEncoder.from_pretrained(tiny_bert_dir, pooler="cls", denoise=True)
 
 

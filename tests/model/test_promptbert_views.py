@@ -62,5 +62,5 @@ def test_views_bad_input(tiny_bert_dir):
     with pytest.raises(ValueError, match="one template per view"):
         PromptBERTConfig(templates=("only one [X] [MASK]",))
     cls = PromptEncoder.from_pretrained(tiny_bert_dir, pooler="cls")
-    with pytest.raises(ValueError, match="needs pooler='mask'"):
+    with pytest.raises(ValueError, match="needs pooler 'mask'"):
         embed_views(cls, tokenize_views(cls, [SENTENCES] * 2, PROMPTBERT_TEMPLATES["bert"]))

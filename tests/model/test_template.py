@@ -121,4 +121,4 @@ def test_cli_encode_takes_template_and_denoise(tiny_bert_dir, tmp_path, capsys):
     assert not np.allclose(np.load(out), plain.encode(SENTENCES), atol=1e-3)
     rc = cli.main(["encode", "--no-progress", "--model", str(tiny_bert_dir), "--pooler", "mean", "--denoise",
                    "--input", str(src), "--output", str(out)])
-    assert rc == 2 and "needs pooler='mask'" in capsys.readouterr().err
+    assert rc == 2 and "needs pooler 'mask'" in capsys.readouterr().err

@@ -126,6 +126,21 @@ def test_term_equals_plain_reference_with_gradients(tiny_bert_dir, discriminator
         torch.testing.assert_close(a, r, atol=1e-5, rtol=1e-5)
 
 
+def test_positions_average_counts_every_position_of_the_padded_batch(tiny_bert_dir):
+    """average="positions": the trainer divides the same sum by rows x padded length (DiffCSE's
+    CrossEntropyLoss mean over e_labels.view(-1)), not by the real tokens but position 0."""
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(3))
+    b = _batch(enc)
+    terms = {avg: CRTDTerm(enc.hidden_size, RandomGenerator(enc.tokenizer, 0.3), average=avg)
+             for avg in ("tokens", "positions")}
+    ex = terms["tokens"].make_extras(b, torch.Generator().manual_seed(5))
+    assert int(terms["positions"].num_targets(ex)) == b.input_ids.numel() == b.rows * b.input_ids.shape[1]
+    assert int(terms["tokens"].num_targets(ex)) == int(b.attention_mask.sum() - b.rows)
+    assert b.input_ids.numel() > int(b.attention_mask.sum())  # the rows differ in length: padding counts
+    with pytest.raises(ValueError, match="average must be one of tokens, positions"):
+        CRTDTerm(enc.hidden_size, RandomGenerator(enc.tokenizer, 0.3), average="mean")
+
+
 def test_conditional_input_matters(tiny_bert_dir):
     enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(3)).eval()
     term = CRTDTerm(enc.hidden_size, RandomGenerator(enc.tokenizer, 0.3))

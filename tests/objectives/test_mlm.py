@@ -102,7 +102,7 @@ def test_mlm_term_with_prompt_equals_the_dynamic_cache_path_and_hf_head(mlm_dir)
 def test_vocabulary_logits_only_at_masked_positions(tiny_bert_dir, tmp_path):
     enc = PromptEncoder.from_pretrained(_save_mlm(tiny_bert_dir, tmp_path / "m", 3),
                                         prompt_config=PromptConfig(2)).train()
-    term = MLMTerm.for_encoder(enc)
+    term = MLMTerm.for_encoder(enc, train_head=False)
     batch = _batch_with_extras(enc, term)
     shapes = []
     for module in term.head.modules():
@@ -115,7 +115,36 @@ def test_vocabulary_logits_only_at_masked_positions(tiny_bert_dir, tmp_path):
     assert max(s[-1] for s in shapes) * n < rows * length * vocab / 4
     loss.backward()
     assert enc.prompt.prefix.grad.abs().sum() > 0  # the prompts get the term's gradient
-    assert all(p.grad is None for p in term.head.parameters())  # the checkpoint's head stays frozen
+    assert all(p.grad is None for p in term.head.parameters())  # train_head=False: the head stays frozen
+
+
+def test_the_checkpoints_head_trains_as_dcpcse_code_trains_it(mlm_dir):
+    """train_head (the default): every tensor of the checkpoint's head gets a gradient, the decoder's included, as
+    a copy of the word embeddings (untied: the frozen backbone's embeddings never move); at the start the loss is
+    the frozen head's; the resume state holds each tensor once (safetensors refuses shared storage)."""
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    enc = PromptEncoder.from_pretrained(mlm_dir, prompt_config=PromptConfig(3, init_std=0.3)).eval()
+    emb = enc.backbone.get_input_embeddings().weight
+    trained, frozen = MLMTerm.for_encoder(enc), MLMTerm.for_encoder(enc, train_head=False)
+    batch = _batch_with_extras(enc, trained)
+    loss = trained(enc, batch.model_inputs(), batch.extras, None)
+    torch.testing.assert_close(loss, frozen(enc, batch.model_inputs(), batch.extras, None), atol=1e-6, rtol=1e-6)
+    loss.backward()
+    decoder = getattr(trained.head, "predictions", trained.head).decoder
+    assert decoder.weight is not emb and torch.equal(decoder.weight, emb) and emb.grad is None
+    grads = {k: p.grad for k, p in trained.named_parameters()}
+    assert grads and all(g is not None and g.abs().sum() > 0 for g in grads.values()), list(grads)
+    assert any(k.endswith("decoder.weight") for k in grads) and any(k.endswith("decoder.bias") for k in grads)
+    assert not any(p.requires_grad for p in frozen.head.parameters())
+    state = Method(SimCSE(), [trained]).resume_state()
+    assert set(state) == {f"terms.0.{k}" for k in grads}
+    save_file({k: v.detach().contiguous() for k, v in state.items()}, str(mlm_dir.parent / "resume.safetensors"))
+    with pytest.raises(ValueError, match="tied_new is a new head: it must train"):
+        MLMTerm.for_encoder(enc, "tied_new", train_head=False)
+    with pytest.raises(ValueError, match="mlm_train_head: true"):
+        TrainConfig(do_mlm=True, mlm_head="tied_new", mlm_train_head=False)
 
 
 def test_masking_recipe_and_reproducibility(tiny_bert_dir):
@@ -204,14 +233,14 @@ def _reference(enc, method, batch, groups):
     return loss.detach()
 
 
-@pytest.mark.parametrize("head", ["checkpoint", "tied_new"])
-def test_gradient_cache_equals_reference_with_the_mlm_term(mlm_dir, head):
+@pytest.mark.parametrize("head,train_head", [("checkpoint", True), ("checkpoint", False), ("tied_new", True)])
+def test_gradient_cache_equals_reference_with_the_mlm_term(mlm_dir, head, train_head):
     """Dropout on (hidden, attention and prompt dropout 0.1). Same fp32 kernels, same rows, same RNG streams on
     both sides; only the order of gradient accumulation differs: a few ulps, 1e-5 leaves two orders of margin."""
     torch.manual_seed(0)
     enc = PromptEncoder.from_pretrained(mlm_dir, prompt_config=PromptConfig(3, prompt_dropout=0.1, init_std=0.3),
                                         pooler="cls", mlp="train").train()
-    term = MLMTerm.for_encoder(enc, head, weight=WeightSchedule(0.1, 0.95, 100))
+    term = MLMTerm.for_encoder(enc, head, train_head, weight=WeightSchedule(0.1, 0.95, 100))
     method = Method(SimCSE(temperature=0.05, backend="reference"), [term]).train()
     batch = Collator(enc.tokenize, 32, views=("sent0", "sent0"))(ROWS)
     method.add_extras(batch, extras_generators(method, SEED))
@@ -228,9 +257,14 @@ def test_gradient_cache_equals_reference_with_the_mlm_term(mlm_dir, head):
     got = {k: p.grad for k, p in params.items() if p.grad is not None}
     torch.testing.assert_close(torch.tensor(out.loss), ref_loss, atol=1e-5, rtol=1e-5)
     assert "prompt.prefix" in got and set(got) == set(ref)
+    head_grads = [k for k in got if k.startswith("method.terms.0.head.")]
     if head == "tied_new":
         assert "method.terms.0.head.predictions.transform.dense.weight" in got or \
             "method.terms.0.head.dense.weight" in got
+    elif train_head:
+        assert any(k.endswith("decoder.weight") for k in head_grads), head_grads
+    else:
+        assert not head_grads
     for k in ref:
         assert ref[k].abs().sum() > 0, k
         torch.testing.assert_close(got[k], ref[k], atol=1e-5, rtol=1e-5, msg=lambda m, k=k: f"{k}: {m}")
@@ -250,7 +284,7 @@ def test_a_pretraining_checkpoint_loads_its_mlm_head_and_skips_the_next_sentence
     with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
         assert any(k.startswith("cls.seq_relationship.") for k in f.keys())
     enc = PromptEncoder.from_pretrained(tmp_path).eval()
-    term = MLMTerm.for_encoder(enc)
+    term = MLMTerm.for_encoder(enc, train_head=False)  # the head as loaded (a trained one holds its bias once)
     hf = BertForPreTraining.from_pretrained(tmp_path).eval()
     ours = term.head.state_dict()
     theirs = hf.cls.state_dict()

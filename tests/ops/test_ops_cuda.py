@@ -21,7 +21,10 @@ import torch
 
 from fastprompt.backends import resolve_backend
 from fastprompt.ops import contrastive_loss, prefix_attention
+from fastprompt.ops.attention import _triton_attention
 from fastprompt.ops.reference import prefix_attention_reference
+
+from .prefix_cases import make_inputs, pack, packed_inputs
 
 pytestmark = pytest.mark.cuda
 
@@ -194,6 +197,96 @@ def test_encoder_attention_path_matches_the_cache_path(tiny_bert_dir):
         grads[mode] = torch.autograd.grad(outs[mode].square().sum(), e.prompt.prefix)[0]
     close("embeddings", outs["attention"], outs["cache"], 1e-5)
     close("prefix gradient", grads["attention"], grads["cache"], 1e-4)
+
+
+# ------------------------------------------------------------------------ attention: heads, masks, bias, packed
+# Grouped-query heads, causal and sliding-window token blocks, an attention bias and packed rows, through the
+# "triton" branch of prefix_attention (_triton_attention), on 64-row tiles: several row and key tiles, tiles the
+# window skips, partial ones.
+
+# (B, H, Hkv, S, P, D, T, pad, causal, window, bias shape or None)
+SWITCH_CASES = {
+    "llama-gqa4-causal-leftpad": (2, 8, 2, 129, 16, 64, None, "left", True, (-1, -1), None),
+    "mqa-sliding-prompts": (3, 4, 1, 70, 5, 48, 2, "right", True, (16, -1), None),
+    "mpnet-bias-D128": (2, 4, 4, 100, 3, 128, None, "right", False, (-1, -1), (2, 4, 100, 100)),
+    "window-bias-broadcast": (2, 6, 3, 37, 1, 32, None, "right", False, (7, 9), (1, 6, 37, 37)),
+    "P0-causal-bias": (1, 2, 2, 200, 0, 64, None, None, True, (-1, -1), (1, 1, 200, 200)),
+}
+SWITCH_GRADS = GRAD_NAMES + ("dattn_bias",)
+
+
+def switch_run(q, k, v, pk, pv, mask, pidx, bias, dout=None, dropout_p=0.0, seed=0, **kw):
+    out = _triton_attention(q, k, v, pk, pv, mask, pidx, q.shape[-1] ** -0.5, dropout_p, seed, attn_bias=bias, **kw)
+    if dout is None:
+        dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to("cuda", q.dtype)
+    leaves = [q, k, v, pk, pv] + ([bias] if bias is not None else [])
+    return out, torch.autograd.grad(out, leaves, dout), dout
+
+
+def switch_reference(q, k, v, pk, pv, mask, pidx, bias, dout, **kw):
+    leaves = [x.detach().float().requires_grad_() for x in (q, k, v, pk, pv) + ((bias,) if bias is not None else ())]
+    out = prefix_attention_reference(*leaves[:5], mask, prompt_index=pidx, attn_bias=leaves[5] if bias is not None
+                                     else None, **kw)
+    return out, torch.autograd.grad(out, leaves, dout.float())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", SWITCH_CASES, ids=str)
+def test_prefix_attention_heads_masks_bias_match_reference(case, dtype):
+    B, H, Hkv, S, P, D, T, pad, causal, window, bias = SWITCH_CASES[case]
+    inputs = make_inputs(B, H, Hkv, S, P, D, T, dtype, pad=pad, bias=bias, device="cuda")
+    out, grads, dout = switch_run(*inputs, causal=causal, window=window)
+    r_out, r_grads = switch_reference(*inputs, dout, causal=causal, window=window)
+    close("out", out, r_out, ATTN_TOL[dtype])
+    for name, g, r, x in zip(SWITCH_GRADS, grads, r_grads, inputs[:5] + inputs[7:]):
+        assert g.dtype == x.dtype and g.shape == x.shape, name
+        close(name, g, r, ATTN_TOL[dtype])
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_prefix_attention_packed_matches_reference(dtype):
+    """Variable-length rows: one long and many short sequences, length 1 included, grouped-query heads, mixed
+    prompts, causal, a bias over in-sequence positions."""
+    lengths = [1, 128, 37, 64, 200, 5, 1]
+    inputs, cu, L, _ = packed_inputs(lengths, 8, 2, 16, 64, T=2, dtype=dtype, bias=(1, 8, 200, 200), device="cuda")
+    kw = dict(causal=True, cu_seqlens=cu, max_seqlen=L)
+    out, grads, dout = switch_run(*inputs, **kw)
+    r_out, r_grads = switch_reference(*inputs, dout, **kw)
+    close("out", out, r_out, ATTN_TOL[dtype])
+    for name, g, r in zip(SWITCH_GRADS, grads, r_grads):
+        close(name, g, r, ATTN_TOL[dtype])
+
+
+def test_prefix_attention_packed_equals_padded_with_dropout():
+    """The same sequences packed and right-padded drop the same probabilities (the dropout counter counts rows
+    from each sequence's start and columns of [prefix ; L tokens]) and give the same output and gradients."""
+    lengths, H = [3, 70, 1, 64, 129], 4
+    packed, cu, L, padded = packed_inputs(lengths, H, 2, 5, 32, T=2, bias=(len(lengths), H, 129, 129),
+                                          device="cuda")
+    kw = dict(causal=True, window=(40, -1), dropout_p=0.2, seed=99)
+    out, grads, dout = switch_run(*packed, cu_seqlens=cu, max_seqlen=L, **kw)
+    pad_dout = torch.zeros(len(lengths), H, L, 32, device="cuda")
+    for b, (start, n) in enumerate(zip(cu.tolist(), lengths)):
+        pad_dout[b, :, :n] = dout[0, :, start:start + n]
+    p_out, p_grads, _ = switch_run(*padded, dout=pad_dout, **kw)
+    close("out", out, pack(p_out, lengths), 1e-5)
+    for name, g, r in zip(SWITCH_GRADS, grads, p_grads):
+        close(name, g, pack(r, lengths) if name in ("dq", "dk", "dv") else r, 1e-5)
+
+
+def test_prefix_attention_dropout_with_every_switch_replays_the_forward_mask():
+    """Grouped-query heads, a sliding causal window, a bias and mixed prompts with dropout: forward and every
+    gradient against the reference given the kernels' own mask (it depends on (b, query head, row, column) only,
+    so the plain layout reads it back)."""
+    B, H, S, P, p, seed = 2, 4, 70, 6, 0.25, 4321
+    keep = keep_mask(B, H, S, P, seed, p)
+    inputs = make_inputs(B, H, 2, S, P, 32, T=2, pad="right", bias=(1, H, S, S), device="cuda")
+    kw = dict(causal=True, window=(20, -1))
+    out, grads, dout = switch_run(*inputs, dropout_p=p, seed=seed, **kw)
+    r_out, r_grads = switch_reference(*inputs, dout, dropout_p=p, dropout_mask=keep, **kw)
+    close("out", out, r_out, 1e-5)
+    for name, g, r in zip(SWITCH_GRADS, grads, r_grads):
+        close(name, g, r, 1e-5)
 
 
 # ------------------------------------------------------------------------------------------------ loss

@@ -3,7 +3,8 @@ register spills, shared memory within the device limit. Also checks ``kernels/ao
 kernels (a spill must be detected) and that the specialisation list covers every launch configuration.
 
 CI compiles the representative subset of ``aot_specs()`` (see its docstring: the heaviest tiles per dtype
-and head dim, plus the benchmark's shape); the whole list is
+and head dim, with every feature switch on and off, plus the benchmark's shape); the whole list (972
+specialisations per compute capability) is the slow test below, or
 ``python -m fastprompt.kernels.aot fastprompt.kernels.prefix_attention --cc 80 90 --full``.
 """
 import itertools
@@ -29,24 +30,58 @@ def test_ci_specialisations_fit_sm80_and_sm90():
     assert all(r.n_regs > 0 and r.shared > 0 for r in rows)
 
 
+@pytest.mark.slow
+def test_every_specialisation_fits_sm80_and_sm90():
+    """The exhaustive list: every kernel the launchers can compile, on both devices (about 2 CPU-seconds each:
+    over an hour on 2 cores)."""
+    rows = aot.check_module("fastprompt.kernels.prefix_attention", ccs=(80, 90), full=True, timeout=6 * 3600)
+    assert len(rows) == 2 * len(kernels.aot_specs(full=True))
+    bad = [r for r in rows if not r.fits]
+    assert not bad, "kernels that spill or exceed shared memory:\n" + aot.format_table(bad)
+
+
 def test_spec_list_covers_every_launch_configuration():
-    """Every (kernel, dtype, constexprs, warps, stages) the launchers can produce is in aot_specs(full=True),
-    and the CI subset is part of it."""
+    """Every (kernel, dtype, bias dtype, constexprs, warps, stages) the launchers can produce is in
+    aot_specs(full=True), and the CI subset is part of it: each feature switch (token window, attention bias in the
+    input dtype or float32, its gradient) over every shape. Packed rows, the group size of grouped-query heads and
+    the window's width are runtime values the kernels do not specialise on."""
     kernel_of = {id(fn): name for name, fn in kernels._KERNEL_FNS.items()}
-    full = {(kernel_of[id(s.fn)], s.signature["Q"], tuple(sorted(s.constexprs.items())), s.num_warps, s.num_stages,
-             s.maxnreg) for s in kernels.aot_specs(full=True)}
+
+    def key(kernel, q_ty, bias_ty, consts, opts):
+        return (kernel, q_ty, bias_ty if kernel != "bwd_prefix" else None, tuple(sorted(consts.items())),
+                opts["num_warps"], opts["num_stages"], opts["maxnreg"])
+
+    full = {key(kernel_of[id(s.fn)], s.signature["Q"], s.signature.get("BIAS"), s.constexprs,
+                dict(num_warps=s.num_warps, num_stages=s.num_stages, maxnreg=s.maxnreg))
+            for s in kernels.aot_specs(full=True)}
     launched = set()
+    switches = [(False, False, False), (True, False, False), (False, True, False), (True, True, False),
+                (False, True, True), (True, True, True)]
     for dtype, ty, precs in ((torch.float16, "*fp16", ["ieee"]), (torch.bfloat16, "*bf16", ["ieee"]),
                              (torch.float32, "*fp32", ["ieee", "tf32"])):  # tf32: torch allows TF32 matmuls
-        for S, P, D, dropout, prec in itertools.product((1, 17, 32, 33, 128, 512), (0, 1, 16, 17, 64),
-                                                        (8, 32, 48, 64, 100, 128), (False, True), precs):
+        for S, P, D, dropout, prec, (masked, bias, grad), bias_ty in itertools.product(
+                (1, 17, 32, 33, 128, 512), (0, 1, 16, 17, 64), (8, 32, 48, 64, 100, 128), (False, True), precs,
+                switches, (ty, "*fp32")):
             for kernel in kernels.KERNELS:
-                consts, opts = kernels._constexprs(kernel, S, P, D, dtype, dropout, upcast=False, dot_prec=prec)
-                launched.add((kernel, ty, tuple(sorted(consts.items())), opts["num_warps"], opts["num_stages"],
-                              opts["maxnreg"]))
+                consts, opts = kernels._constexprs(kernel, S, P, D, dtype, dropout, upcast=False, dot_prec=prec,
+                                                   masked=masked, bias=bias, bias_grad=grad)
+                # the BIAS pointer is q itself when there is no bias
+                launched.add(key(kernel, ty, bias_ty if consts.get("HAS_BIAS") else ty, consts, opts))
     assert launched == full
     names = {s.name for s in kernels.aot_specs(full=True)}
     assert {s.name for s in kernels.aot_specs()} <= names
+    assert len(names) == len(kernels.aot_specs(full=True))
+
+
+def test_no_specialisation_on_packing_group_size_or_window_width():
+    """Packed or padded rows (stride_cu 0 or 1), the query heads per key/value head and the window bounds are
+    runtime integers: Triton would otherwise compile another kernel for each value equal to 1."""
+    runtime_values = {"seed_lo", "seed_hi", "stride_cu", "group", "win_left", "win_right"}
+    for name, fn in kernels._KERNEL_FNS.items():
+        runtime = runtime_values & set(kernels._signature(name, "fp16"))
+        # a JITFunction, or the interpreter's stand-in (which keeps the decorator's arguments)
+        listed = fn.kwargs["do_not_specialize"] if hasattr(fn, "kwargs") else fn.do_not_specialize
+        assert runtime and runtime <= set(listed), name
 
 
 TOY = textwrap.dedent('''

@@ -66,6 +66,20 @@ def tiny_sts_dir(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def tiny_bert_masked_lm(tiny_bert_dir, tmp_path_factory) -> Path:
+    """The tiny BERT's tokenizer and config saved as a BertForMaskedLM: a checkpoint with a ``cls.predictions``
+    head (its transform included), as bert-base-uncased has one."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, BertForMaskedLM
+
+    path = tmp_path_factory.mktemp("tiny-bert-masked-lm")
+    AutoTokenizer.from_pretrained(tiny_bert_dir).save_pretrained(path)
+    torch.manual_seed(4)
+    BertForMaskedLM(AutoConfig.from_pretrained(tiny_bert_dir)).save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def base_config(tiny_bert_dir, tiny_corpus, tmp_path):
     """Config keys of a fast run on the tiny BERT: 1 thread (bit-reproducible), no STS unless a test adds it."""

@@ -43,6 +43,18 @@ def test_bad_rtd_keys_fail_clearly():
         TrainConfig(rtd_weight=0.005, rtd_discriminator="shared")
     with pytest.raises(ValueError, match="rtd_masking_ratio"):
         TrainConfig(rtd_masking_ratio=1.5)
+    with pytest.raises(ValueError, match="rtd_average must be one of tokens, positions"):
+        TrainConfig(rtd_average="all")
+
+
+def test_config_keys_reach_the_term(tiny_bert_dir):
+    from fastprompt.model import PromptEncoder
+    from fastprompt.objectives.crtd import build_crtd_term
+
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir)
+    cfg = TrainConfig(rtd_weight=0.005, rtd_average="positions", rtd_sampling="argmax", rtd_generator="random")
+    term = build_crtd_term(cfg.rtd, enc)
+    assert term.average == "positions" and term.weight.initial == 0.005
 
 
 def test_make_replacements_then_train_from_the_file(base_config, tmp_path, capsys):

@@ -96,3 +96,12 @@ def test_one_repeated_sentence_names_the_duplicates(base_config, tmp_path):
 def test_eval_steps_zero_says_how_to_turn_evaluation_off():
     with pytest.raises(ValueError, match=r"eval_steps must be > 0, got 0; to turn evaluation off, leave sts_dir"):
         TrainConfig(eval_steps=0)
+
+
+def test_warmup_longer_than_the_run_is_refused(base_config):
+    """The learning rate stayed near 0 for the whole run, with no warning."""
+    with pytest.raises(ValueError, match=r"warmup_steps=100 is not shorter than the run \(8 steps\): the learning rate "
+                                         r"would still be warming up when training ends \(at 8% of learning_rate at "
+                                         r"the last step\)"):
+        Trainer(base_config(warmup_steps=100)).train()
+    assert Trainer(base_config(warmup_steps=7, max_steps=8)).train()["global_step"] == 8

@@ -168,3 +168,74 @@ def test_frozen_baseline_of_a_promptbert_run_uses_its_template(base_config, tiny
     assert frozen["test"] == pytest.approx(own, abs=1e-9)
     default = scores()  # what the baseline computed before it read the run's template
     assert any(abs(own[k] - default[k]) > 1e-6 for k in own)
+
+
+def test_cached_step_equals_reference_with_the_mlm_transform_head(tiny_bert_masked_lm):
+    """Supervised PromptBERT's BERT head (pooler_head mlm_transform): T(h) - T(bias) inside the embed call, so the
+    gradient cache replays it with the rest of each micro-batch; the transform's gradients equal one graph's."""
+    torch.manual_seed(0)
+    enc = PromptEncoder.from_pretrained(tiny_bert_masked_lm, prompt_config=PromptConfig(3, prompt_dropout=0.1,
+                                                                                  init_std=0.3),
+                                        pooler="mask", mlp="always", template=T1, denoise=True,
+                                        pooler_head="mlm_transform").train()
+    views = ("sent0", "sent1", "hard_neg")
+    collate = TemplateCollator(enc, (T1,), (0, 0, 0), 32, columns=views, views=views,
+                               pad_token_id=enc.tokenizer.pad_token_id)
+    batch = collate([(SENTS[i], SENTS[(i + 1) % 6], SENTS[(i + 2) % 6]) for i in range(6)])
+    embed = TemplateViewEmbedder(enc, (T1,), denoise=True)
+    method = Method(SimCSE(temperature=0.05, backend="reference"))
+    groups = plan_micro_batches(batch.attention_mask, 4, None)
+    torch.manual_seed(SEED)
+    reps = torch.empty(batch.rows, enc.hidden_size)
+    for mb in make_micro_batches(batch.model_inputs(), groups):
+        reps = reps.index_put((mb.rows,), embed(**mb.inputs))
+    ref_loss = method.sentence(enc.pooler.apply_head(reps).view(3, 6, -1)).loss
+    ref_loss.backward()
+    ref = _grads(enc)
+    assert {"prompt.prefix", "pooler.head.dense.weight", "pooler.head.LayerNorm.weight"} <= set(ref)
+    enc.zero_grad(set_to_none=True)
+    torch.manual_seed(SEED)
+    out = CachedStep(LossSide(method, enc, DistributedContext(), embed=embed), micro_batch_size=4,
+                     max_tokens=None)(batch, 0, SEED)
+    torch.testing.assert_close(torch.tensor(out.loss), ref_loss.detach(), atol=1e-5, rtol=1e-5)
+    got = _grads(enc)
+    assert set(got) == set(ref)
+    for name in ref:
+        # the LayerNorm's bias cancels in T(h) - T(bias): its gradient is exactly zero (in the authors' code too)
+        assert (ref[name].abs().sum() > 0) != (name == "pooler.head.LayerNorm.bias"), name
+        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("recipe", ["promptbert-sup-bert-base.yaml", "optiprompt-bert-base.yaml"])
+def test_the_bert_recipes_train_their_transform_head(recipe, tiny_bert_masked_lm, tiny_triplets, tiny_corpus,
+                                                     tmp_path):
+    """The two recipes with BERT's pretrained MLM transform as the head, scaled down to the tiny BERT: supervised
+    PromptBERT (the backbone trains too; the head in training and evaluation, after denoising) and OptiPrompt
+    (the template's vectors and the head train, the backbone is frozen; the head in training only): the head
+    moves, and best/ holds it and evaluates as the trained encoder does."""
+    from pathlib import Path
+
+    from fastprompt.train import Trainer
+    from fastprompt.train.config import load_config
+
+    sup = recipe.startswith("promptbert")
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / recipe, dict(
+        model=str(tiny_bert_masked_lm), train_file=str(tiny_triplets if sup else tiny_corpus), batch_size=8,
+        micro_batch_size=5, max_steps=2, sts_dir=None, output_dir=str(tmp_path / "run"), precision="fp32",
+        num_threads=1, progress_bar=False, tensorboard=False))
+    assert cfg.pooler_head == "mlm_transform" and cfg.train_backbone == sup
+    assert cfg.mlp == ("always" if sup else "train")
+    trainer = Trainer(cfg)
+    trainer.setup()
+    before = trainer.encoder.pooler.head.dense.weight.detach().clone()
+    assert trainer.train()["status"] == "completed"
+    after = trainer.encoder.pooler.head.dense.weight.detach()
+    assert not torch.equal(before, after)
+    if not sup:
+        assert trainer.encoder.template_words is not None and not trainer.encoder.backbone_trained
+    saved = PromptEncoder.load(trainer.best_dir).eval()
+    assert saved.pooler.head_kind == "mlm_transform" and saved.denoise == sup
+    torch.testing.assert_close(saved.pooler.head.dense.weight, after, atol=0, rtol=0)
+    trainer.encoder.eval()
+    torch.testing.assert_close(torch.as_tensor(saved.encode(SENTS)), torch.as_tensor(trainer.encoder.encode(SENTS)),
+                               atol=1e-6, rtol=0)

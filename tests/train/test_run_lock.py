@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from fastprompt.train import Trainer, run_lock
+from fastprompt.train import Trainer
 from fastprompt.train.run_lock import LOCK_NAME, OutputDirLocked, RunLock
 
 REPO = Path(__file__).resolve().parents[2]
@@ -18,12 +18,6 @@ _HOLD = textwrap.dedent("""
     print("locked", flush=True)
     time.sleep(600)
 """)
-
-
-def _dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
 
 
 def test_second_trainer_on_the_same_output_dir_is_refused_with_the_first_pid(base_config):
@@ -66,14 +60,45 @@ def test_cli_refuses_a_live_run_and_takes_over_a_killed_ones_lock(base_config, t
     assert res.returncode == 0, res.stderr[-2000:]
 
 
-def test_exclusive_create_fallback_detects_stale_locks(tmp_path, monkeypatch):
-    monkeypatch.setattr(run_lock, "fcntl", None)
-    (tmp_path / LOCK_NAME).write_text(f"{_dead_pid()}\n")
-    lock = RunLock(tmp_path).acquire()  # the stale file is taken over
-    assert (tmp_path / LOCK_NAME).read_text().strip() == str(os.getpid())
-    with pytest.raises(OutputDirLocked, match=f"process {os.getpid()}"):
-        RunLock(tmp_path).acquire()
-    lock.release()
-    assert not (tmp_path / LOCK_NAME).exists()
-    with RunLock(tmp_path):
-        pass
+_NO_FLOCK = textwrap.dedent("""
+    import errno
+    import filelock._unix
+    def no_flock(fd):
+        raise OSError(errno.ENOSYS, "flock not supported")
+    filelock._unix.lock_fd_nonblocking = no_flock
+""")
+
+
+def test_without_flock_a_killed_runs_marker_is_stale(tmp_path, monkeypatch):
+    """On a file system without flock (ENOSYS), filelock falls back to a marker file naming its holder: a marker
+    left by a run killed with SIGKILL is taken over, a live holder is named in the refusal."""
+    import errno
+    import warnings
+
+    import filelock._unix
+
+    def no_flock(fd):
+        raise OSError(errno.ENOSYS, "flock not supported")
+
+    monkeypatch.setattr(filelock._unix, "lock_fd_nonblocking", no_flock)  # the same patch in this process
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    holder = subprocess.Popen([sys.executable, "-W", "ignore", "-c", _NO_FLOCK + _HOLD, str(tmp_path)], env=env,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # "flock not supported on this filesystem, falling back"
+            with pytest.raises(OutputDirLocked, match=f"process {holder.pid}"):
+                RunLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait(30)
+    assert (tmp_path / LOCK_NAME).exists()  # the dead run's marker
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        lock = RunLock(tmp_path).acquire()  # the stale marker is taken over
+        with pytest.raises(OutputDirLocked, match=f"process {os.getpid()}"):
+            RunLock(tmp_path).acquire()
+        lock.release()
+        with RunLock(tmp_path):
+            pass

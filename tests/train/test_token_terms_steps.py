@@ -3,10 +3,10 @@ cache gives the gradients of one full-batch graph.
 
 Setup: tiny BERT and tiny RoBERTa, hidden/attention/prompt dropout 0.1, the ``bn_mlp`` head (BatchNorm over the
 whole batch), the supervised triple (the CRTD term over all three views), the MLM term with the checkpoint's
-frozen head or the trainable ``tied_new`` head, the CRTD term in the paper's design (d) (shared prompts,
-conditioned on the post-head embedding). Both terms at λ = 5: on these random tiny weights each term at
-λ = 0.5 moves the prompt gradient by only ~6e-5..8e-5, too close to the tolerance for the comparison to
-prove much; at λ = 5 ``test_each_term_moves_the_prompt_gradient`` checks each moves it by > 1e-4. The
+head (trained, as DCPCSE's code, or frozen) or the trainable ``tied_new`` head, the CRTD term in the paper's
+design (d) (shared prompts, conditioned on the post-head embedding). Both terms at λ = 5: on these random tiny
+weights each term at λ = 0.5 moves the prompt gradient by only ~6e-5..8e-5, too close to the tolerance for the
+comparison to prove much; at λ = 5 ``test_each_term_moves_the_prompt_gradient`` checks each moves it by > 1e-4. The
 reference (``_reference`` of tests/train/test_steps.py) embeds the same micro-batches with a graph, applies
 the head to all rows at once, adds each term on each micro-batch on the contract's RNG stream
 (``term_seed``) and backpropagates one loss.
@@ -56,12 +56,12 @@ def masked_lm_dir(request, tiny_bert_dir, tiny_roberta_dir, tmp_path_factory):
     return _save_masked_lm(src, tmp_path_factory.mktemp(f"masked-lm-{request.param}"))
 
 
-def _setup(model_dir, head):
+def _setup(model_dir, head, train_head=True):
     torch.manual_seed(0)
     enc = PromptEncoder.from_pretrained(model_dir, prompt_config=PromptConfig(3, prompt_dropout=0.1, init_std=0.3),
                                         pooler="bn_mlp", mlp="train").train()
     assert enc.backbone.config.hidden_dropout_prob == 0.1 and enc.backbone.config.attention_probs_dropout_prob == 0.1
-    terms = [MLMTerm.for_encoder(enc, head, weight=WeightSchedule(5.0)),
+    terms = [MLMTerm.for_encoder(enc, head, train_head, weight=WeightSchedule(5.0)),
              CRTDTerm(enc.hidden_size, RandomGenerator(enc.tokenizer, 0.3), WeightSchedule(5.0),
                       discriminator="prompted", condition="after_head")]
     method = Method(SimCSE(temperature=0.05, backend="reference"), terms).train()
@@ -87,9 +87,9 @@ def _step(step_cls, enc, method, batch, **kw):
     return step_cls(LossSide(method, enc, DistributedContext()), **kw)(batch, STEP, SEED)
 
 
-@pytest.mark.parametrize("head", ["checkpoint", "tied_new"])
-def test_cached_step_equals_reference_with_mlm_and_crtd(masked_lm_dir, head):
-    enc, method, batch = _setup(masked_lm_dir, head)
+@pytest.mark.parametrize("head,train_head", [("checkpoint", True), ("checkpoint", False), ("tied_new", True)])
+def test_cached_step_equals_reference_with_mlm_and_crtd(masked_lm_dir, head, train_head):
+    enc, method, batch = _setup(masked_lm_dir, head, train_head)
     assert batch.view_names == ("sent0", "sent1", "hard_neg")
     assert method.terms[0].num_targets(batch.extras) > 0 and method.terms[1].num_targets(batch.extras) > 0
     groups = plan_micro_batches(batch.attention_mask, 2, None)
@@ -109,8 +109,11 @@ def test_cached_step_equals_reference_with_mlm_and_crtd(masked_lm_dir, head):
     if head == "tied_new":
         expected |= {n for n in ref if n.startswith("method.terms.0.head.") and n.endswith("dense.weight")}
         assert any(n.startswith("method.terms.0.head.") for n in expected)
+    elif train_head:  # DCPCSE's code: every tensor of the checkpoint's head trains, its untied decoder too
+        expected |= {n for n in ref if n.startswith("method.terms.0.head.") and n.endswith("decoder.weight")}
+        assert any(n.startswith("method.terms.0.head.") for n in expected)
     else:
-        assert not any(n.startswith("method.terms.0.") for n in ref)  # the checkpoint's head stays frozen
+        assert not any(n.startswith("method.terms.0.") for n in ref)  # the frozen head gets no gradient
     assert expected <= set(ref) and set(got) == set(ref)
     for name in ref:
         assert ref[name].abs().sum() > 0, f"{name}: zero gradient, the comparison would be vacuous"

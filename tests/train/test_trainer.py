@@ -104,6 +104,28 @@ def test_mixed_precision_runs(base_config, precision, monkeypatch, caplog):
     assert len(warnings) == (1 if precision == "fp16" else 0)
 
 
+@pytest.mark.parametrize("eval_precision", ["fp32", "bf16"])
+def test_evaluations_run_in_fp32_whatever_the_training_precision(base_config, tiny_sts_dir, eval_precision,
+                                                                  monkeypatch):
+    """STS-B dev selection and the final table run without autocast by default (the papers evaluate in fp32),
+    while the training forwards run under bf16; eval_precision=bf16 evaluates under that autocast instead."""
+    import fastprompt.eval.sts as sts
+
+    seen = []
+    original = sts.encode_pairs  # every evaluation encodes through it
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(sts, "encode_pairs", recording)
+    summary = Trainer(base_config(precision="bf16", max_steps=2, eval_steps=1, sts_dir=str(tiny_sts_dir),
+                                  eval_precision=eval_precision)).train()
+    assert summary["status"] == "completed" and summary["test"] is not None
+    assert len(seen) == 3  # dev at steps 1 and 2, then the test table
+    assert set(seen) == {None if eval_precision == "fp32" else torch.bfloat16}
+
+
 # --------------------------------------------------------------------------- resume
 
 

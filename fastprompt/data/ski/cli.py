@@ -6,7 +6,7 @@ import signal
 import sys
 
 from fastprompt.choices import DTYPES, LLM_BACKENDS, SERVER_APIS
-from fastprompt.cli import _positive_int
+from fastprompt.cli import _positive_int, add_trust_remote_code_arg
 
 EPILOG = """\
 examples:
@@ -49,6 +49,7 @@ def add_generate_ski_parser(subparsers) -> argparse.ArgumentParser:
                         "model folder or a hub id; server: the served model name (default: the only one it lists)")
     m.add_argument("--no-chat-template", action="store_true",
                    help="local: send the prompt raw even if the tokenizer has a chat template")
+    add_trust_remote_code_arg(m, "local: ")
     loc = p.add_argument_group("local backend")
     loc.add_argument("--batch-size", type=_positive_int, default=8, metavar="B", help="prompts per batch (8)")
     loc.add_argument("--device", help="torch device (default: cuda when available)")
@@ -59,9 +60,10 @@ def add_generate_ski_parser(subparsers) -> argparse.ArgumentParser:
     srv.add_argument("--api", choices=SERVER_APIS, default="chat",
                      help="chat: /chat/completions (instruction models); completions: raw prompt (base models)")
     srv.add_argument("--concurrency", type=_positive_int, default=8, metavar="C", help="requests in flight (8)")
-    srv.add_argument("--timeout", type=float, default=300.0, metavar="S", help="seconds per request (300)")
+    srv.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                     help="wall-clock seconds each attempt of a request may take, the whole answer included (300)")
     srv.add_argument("--max-retries", type=int, default=6, metavar="N",
-                     help="retries of a request on transient errors, with exponential backoff (6)")
+                     help="retries of a request on transient errors, with exponential backoff (6; the openai client's)")
     srv.add_argument("--api-key-env", default=DEFAULT_API_KEY_ENV, metavar="VAR",
                      help=f"environment variable holding the API key, if any ({DEFAULT_API_KEY_ENV})")
     s = p.add_argument_group("prompt and sampling")
@@ -85,6 +87,8 @@ def make_backend(args: argparse.Namespace):
     from fastprompt.data.ski import LocalBackend, ServerBackend
 
     if args.llm == "server":
+        if args.trust_remote_code:
+            raise ValueError("--trust-remote-code is for --llm local (a server runs its model itself)")
         if not args.url:
             raise ValueError("--llm server needs --url (the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1)")
         return ServerBackend(args.url, args.model, api=args.api, concurrency=args.concurrency, timeout=args.timeout,
@@ -96,15 +100,21 @@ def make_backend(args: argparse.Namespace):
 
         torch.set_num_threads(args.threads)
     return LocalBackend(args.model, batch_size=args.batch_size, device=args.device, dtype=args.dtype,
-                        chat_template=not args.no_chat_template)
+                        chat_template=not args.no_chat_template, trust_remote_code=args.trust_remote_code)
 
 
 def run_generate_ski(args: argparse.Namespace) -> int:
     from fastprompt.data.ski import SKI_PROMPT_TEMPLATE, AnswerFilter, LLMServerError, Sampling, generate_ski
     from fastprompt.data.ski.files import read_input_sentences
     from fastprompt.data.ski.prompt import check_template
+    from fastprompt.data.ski.store import SkiStore
+    from fastprompt.io import check_apart, check_output_file
 
-    # Everything that can be checked cheaply fails before the model loads.
+    # Everything that can be checked cheaply fails before the model loads, and before anything is written: none
+    # of the files generate-ski writes (--overwrite deletes them first) may be the input.
+    store = SkiStore(check_output_file(args.output, "--output"))
+    for path in (store.path, store.rejected_path, store.meta_path, store.lock_path):
+        check_apart(path, (args.input,))
     template = check_template(args.prompt_template or SKI_PROMPT_TEMPLATE)
     sampling = Sampling(args.max_new_tokens, args.temperature, args.top_p, args.seed)
     answer_filter = AnswerFilter(args.echo_threshold)

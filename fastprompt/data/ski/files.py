@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from pathlib import Path
 
-from fastprompt.data.corpus import TrainExamples, read_pair_csv
+from fastprompt.data.corpus import TrainExamples, parse_csv, read_pair_csv
 from fastprompt.data.ski.store import OUTPUT_COLUMNS, meta_path
 from fastprompt.io import read_utf8_lines, read_utf8_text, write_text_atomic
 
@@ -31,7 +31,7 @@ def _csv_reader(path: Path, what: str):
     if torn:  # generate-ski ends every row with a line break: an unterminated last line is a torn write
         text = text[: text.rfind("\n") + 1]
         logger.warning("%s: ignoring an incomplete last line (an interrupted generate-ski run)", path)
-    reader = csv.reader(io.StringIO(text, newline=""))
+    reader = iter(parse_csv(text, path))
     header = [h.strip() for h in next(reader, [])]
     return reader, header, torn
 

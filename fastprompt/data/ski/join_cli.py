@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
 
 EPILOG = """\
 examples:
@@ -33,11 +32,10 @@ def add_join_ski_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_join_ski(args: argparse.Namespace) -> int:
     from fastprompt.data.ski.files import join_ski, write_examples_csv
-    from fastprompt.io import check_output_file
+    from fastprompt.io import check_apart, check_output_file
 
     out = check_output_file(args.output, "--output")
-    if any(out.resolve() == Path(src).resolve() for src in (args.nli, args.ski)):
-        raise ValueError(f"--output {args.output} is an input file; choose another --output")
+    check_apart(out, (args.nli, args.ski))
     if out.exists() and not args.overwrite:
         raise ValueError(f"--output {args.output} exists; pass --overwrite to replace it")
     joined = join_ski(args.nli, args.ski)

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import struct
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from fastprompt.choices import DTYPES, check_choice
 from fastprompt.data.ski.filters import Generation
 from fastprompt.data.ski.prompt import Sampling
+from fastprompt.messages import shown
+from fastprompt.remote_code import refusing_remote_code
 
 logger = logging.getLogger(__name__)
 
@@ -111,13 +114,14 @@ class LocalBackend:
     Prompts are wrapped in the tokenizer's chat template when it has one (``chat_template=False`` sends them
     raw), left-padded, and sorted by length (within windows of 32 batches) so a batch wastes little padding.
     Sampling draws each sentence's tokens from its own seeded generator (:func:`per_sentence_sampler`), so a
-    sentence gets the same answer in any batch, order or resumed run with the same settings.
+    sentence gets the same answer in any batch, order or resumed run with the same settings. Code that a model
+    folder names (``auto_map``) runs only with ``trust_remote_code`` (:mod:`fastprompt.remote_code`).
     """
 
     name = "local"
 
     def __init__(self, model: str | None = None, *, batch_size: int = 8, device: str | None = None,
-                 dtype: str = "float32", chat_template: bool = True):
+                 dtype: str = "float32", chat_template: bool = True, trust_remote_code: bool = False):
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -127,10 +131,20 @@ class LocalBackend:
         source, gguf_file, self.model_id = resolve_local_model(model)
         kwargs = {"gguf_file": gguf_file} if gguf_file else {}
         try:
-            self.tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-            self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype), **kwargs)
+            # a GGUF file, or safetensors: never a pickled pytorch_model.bin
+            with refusing_remote_code(source, trust_remote_code):
+                self.tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
+                self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype),
+                                                                  trust_remote_code=trust_remote_code,
+                                                                  **(kwargs or {"use_safetensors": True}))
         except OSError as exc:  # transformers' "not a folder, not on the hub" error
             raise ValueError(f"cannot load the local LLM {model!r}: {exc}") from exc
+        except (ValueError, struct.error) as exc:
+            if not gguf_file:
+                raise
+            # the gguf reader fails on a truncated or foreign file with struct.error or a numpy reshape error
+            raise ValueError(f"cannot load the local LLM {model!r}: {Path(source) / gguf_file} is truncated or not "
+                             f"a GGUF file ({shown(str(exc))[1:-1]})") from None
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model.to(self.device).eval()
         self.batch_size, self.dtype, self.gguf_file = batch_size, dtype, gguf_file

@@ -1,25 +1,25 @@
-"""The server backend: any OpenAI-compatible endpoint (vLLM, llama.cpp's server, TGI, a hosted API).
+"""The server backend: any OpenAI-compatible endpoint (vLLM, llama.cpp's server, TGI, a hosted API), through the
+``openai`` package's client.
 
-Standard library only (urllib + a thread pool): ``concurrency`` requests in flight, each retried with
-exponential backoff on transient failures (HTTP 408/429/5xx, connection reset or refused after the server
-was reached once, timeouts), honouring ``Retry-After``. A wrong URL (connection refused at the first
-contact, unknown host, HTTP 404), an unknown model, a refused API key or a malformed answer stops the run
-with a one-line :class:`LLMServerError`; rows already written stay.
+The client retries transient failures (HTTP 408/409/429/5xx, timeouts, dropped connections) with exponential
+backoff and jitter, honouring ``Retry-After`` (up to 2 minutes), and raises typed errors, which become one-line
+:class:`LLMServerError` messages: a wrong URL (refused at the first contact, unknown host, HTTP 404), an unknown
+model, a refused API key, retries exhausted or a malformed answer stops the run; rows already written stay.
+Under it, :mod:`fastprompt.data.ski.transport` bounds what the client does not: each attempt's wall-clock
+deadline (``timeout``), the bytes an answer may take (what ``max_new_tokens`` allows, plus room for the JSON
+around it), compressed answers, and requests in flight when the run stops. Requests run on ``concurrency``
+daemon threads, so an interrupted run exits at once instead of joining a thread stuck in an endless request.
 """
 from __future__ import annotations
 
-import http.client
 import json
 import logging
 import os
-import random
-import socket
+import queue
+import re
 import threading
-import urllib.error
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator, Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
 from fastprompt.choices import SERVER_APIS, check_choice
 from fastprompt.data.ski.filters import Generation
@@ -27,41 +27,31 @@ from fastprompt.data.ski.prompt import Sampling
 
 logger = logging.getLogger(__name__)
 
-#: HTTP statuses worth retrying: timeout, conflict/too early, rate limit, server errors and overload.
-TRANSIENT_STATUS = frozenset({408, 409, 425, 429, 500, 502, 503, 504})
 DEFAULT_API_KEY_ENV = "OPENAI_API_KEY"
+#: The most characters one token of any common vocabulary decodes to; an answer longer than max_new_tokens times
+#: this cannot be what the server was asked for (it ignored max_tokens), and is cut and rejected as too_long.
+MAX_CHARS_PER_TOKEN = 32
+#: Bytes an answer may take per token of its budget: 32 characters, each up to 12 bytes once JSON-escaped (an
+#: astral character is a \\uXXXX\\uXXXX surrogate pair), so no answer within the budget comes near it ...
+MAX_BYTES_PER_TOKEN = 32 * 12
+#: ... plus the headers and the JSON around the text (ids, usage, a chat message's other fields).
+ANSWER_HEADROOM_BYTES = 64 * 1024
+#: The most a /models listing may take.
+MAX_LISTING_BYTES = 4 * 1024 * 1024
 
 
 class LLMServerError(RuntimeError):
     """The server cannot answer (wrong URL or model, refused key, retries exhausted, malformed answer)."""
 
 
-class _Transient(Exception):
-    def __init__(self, message: str, retry_after: float | None = None):
-        super().__init__(message)
-        self.retry_after = retry_after
+def _shown(value, limit: int = 300) -> str:
+    """Server-supplied text for a one-line message: control characters (line breaks too) as spaces, cut at ``limit``."""
+    return " ".join(re.sub(r"[\x00-\x1f\x7f-\x9f]", " ", str(value)).split())[:limit]
 
 
-def _error_message(body: bytes) -> str:
-    """The ``error.message`` of an OpenAI-style error body (or ``message``/``detail``), else the body's start."""
-    text = body.decode("utf-8", errors="replace").strip()
-    try:
-        data = json.loads(text)
-    except ValueError:
-        return text[:200]
-    if isinstance(data, dict):
-        err = data.get("error", data)
-        if isinstance(err, dict):
-            return str(err.get("message") or err.get("detail") or err)[:300]
-        return str(err)[:300]
-    return text[:200]
-
-
-def _retry_after(headers) -> float | None:
-    try:
-        return max(0.0, float(headers.get("Retry-After")))
-    except (TypeError, ValueError):
-        return None
+def answer_byte_cap(max_new_tokens: int) -> int:
+    """The most bytes an answer of ``max_new_tokens`` tokens may take on the wire (headers included)."""
+    return ANSWER_HEADROOM_BYTES + max_new_tokens * MAX_BYTES_PER_TOKEN
 
 
 class ServerBackend:
@@ -70,33 +60,37 @@ class ServerBackend:
     ``api="chat"`` posts to ``/chat/completions`` (the server applies the model's chat template);
     ``"completions"`` posts the raw prompt to ``/completions`` (base models). ``model=None`` takes the only
     model the server lists at ``/models``. The API key, if any, is read from the environment variable
-    ``api_key_env`` and never recorded. The server is contacted when the backend is created, so a wrong
-    URL or model fails before any output is written.
+    ``api_key_env`` and never recorded. ``timeout``: seconds each attempt of a request may take in all (not per
+    socket read); ``max_retries``: the client's retries of a transient failure. The server is contacted when the
+    backend is created, so a wrong URL or model fails before any output is written.
     """
 
     name = "server"
 
     def __init__(self, url: str, model: str | None = None, *, api: str = "chat", concurrency: int = 8,
-                 timeout: float = 300.0, max_retries: int = 6, backoff: float = 1.0, max_backoff: float = 60.0,
-                 api_key_env: str = DEFAULT_API_KEY_ENV):
+                 timeout: float = 300.0, max_retries: int = 6, api_key_env: str = DEFAULT_API_KEY_ENV):
+        import openai
+
+        from fastprompt.data.ski.transport import Guard, GuardedClient
+
         check_choice("api", api, SERVER_APIS)
         parsed = urllib.parse.urlparse(url)
         if parsed.scheme not in ("http", "https") or not parsed.netloc:
             raise ValueError(f"--url must be an http(s) URL such as http://127.0.0.1:8000/v1, got {url!r}")
-        if concurrency < 1 or max_retries < 0 or timeout <= 0 or backoff < 0:
-            raise ValueError("concurrency must be >= 1, max_retries >= 0, timeout > 0 and backoff >= 0")
+        if concurrency < 1 or max_retries < 0 or not timeout > 0:
+            raise ValueError("concurrency must be >= 1, max_retries >= 0 and timeout > 0")
         self.url = url.rstrip("/")
         for suffix in ("/chat/completions", "/completions"):  # a pasted endpoint instead of the base
             if self.url.endswith(suffix):
                 self.url = self.url[: -len(suffix)]
-        self.api, self.concurrency, self.timeout = api, concurrency, timeout
-        self.max_retries, self.backoff, self.max_backoff = max_retries, backoff, max_backoff
-        self._headers = {"Content-Type": "application/json", "Accept": "application/json"}
-        key = os.environ.get(api_key_env) if api_key_env else None
-        if key:
-            self._headers["Authorization"] = f"Bearer {key}"
+        self.api, self.concurrency, self.timeout, self.max_retries = api, concurrency, timeout, max_retries
         self.api_key_env = api_key_env
-        self._reached = False  # after one answer, a refused connection is a restart, not a wrong URL
+        key = os.environ.get(api_key_env) if api_key_env else None
+        # No key: no Authorization header at all (the client would otherwise insist on one)
+        self._headers = {} if key else {"Authorization": openai.Omit()}
+        self.guard = Guard(timeout, MAX_LISTING_BYTES)
+        self.client = openai.OpenAI(base_url=self.url, api_key=key or "unused", max_retries=max_retries,
+                                    timeout=timeout, http_client=GuardedClient(self.url, self.guard))
         self.model = model
         self.model = self._check_model(model)
 
@@ -114,119 +108,143 @@ class ServerBackend:
 
     def generate(self, prompts: Sequence[str], sampling: Sampling,
                  seeds: Sequence[int]) -> Iterator[tuple[int, Generation]]:
-        stop = threading.Event()
-        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="ski-server")
-        pending = iter(range(len(prompts)))
-        in_flight = {}
+        """Answers as they complete, from ``concurrency`` daemon threads. When the caller stops early (an error,
+        Ctrl-C, SIGTERM, closing the generator), the requests in flight are cut and nothing waits for them."""
+        results: queue.SimpleQueue = queue.SimpleQueue()
+        todo = iter(range(len(prompts)))
+        lock, cancel = threading.Lock(), threading.Event()
 
-        def submit_next():
-            i = next(pending, None)
-            if i is not None:
-                in_flight[pool.submit(self.complete, prompts[i], sampling, seeds[i], stop)] = i
+        def work():
+            while not cancel.is_set():
+                with lock:
+                    i = next(todo, None)
+                if i is None:
+                    return
+                try:
+                    results.put((i, self.complete(prompts[i], sampling, seeds[i], cancel), None))
+                except BaseException as exc:  # handed to the caller's thread, which raises it
+                    results.put((i, None, exc))
+                    return
 
+        for _ in range(min(self.concurrency, len(prompts))):
+            threading.Thread(target=work, name="ski-server", daemon=True).start()
         try:
-            for _ in range(2 * self.concurrency):  # a small queue keeps every worker busy
-                submit_next()
-            while in_flight:
-                done, _ = wait(in_flight, return_when=FIRST_COMPLETED)
-                for future in done:
-                    i = in_flight.pop(future)
-                    yield i, future.result()
-                    submit_next()
+            for _ in range(len(prompts)):
+                i, generation, error = results.get()
+                if error is not None:
+                    raise error
+                yield i, generation
         finally:
-            stop.set()  # wakes retry sleeps; requests on the wire finish or time out on their own
-            pool.shutdown(wait=False, cancel_futures=True)
+            cancel.set()
+            self.guard.cut()
 
     # ------------------------------------------------------------------------------------ requests
-    def complete(self, prompt: str, sampling: Sampling, seed: int, stop: threading.Event | None = None) -> Generation:
-        """One answer to ``prompt`` (retried on transient failures)."""
-        payload = {"model": self.model, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
-                   "top_p": sampling.top_p, "seed": seed, "n": 1}
-        if self.api == "chat":
-            payload["messages"] = [{"role": "user", "content": prompt}]
-        else:
-            payload["prompt"] = prompt
-        data = self._request("POST", f"/{'chat/completions' if self.api == 'chat' else 'completions'}", payload, stop)
+    def complete(self, prompt: str, sampling: Sampling, seed: int,
+                 cancel: threading.Event | None = None) -> Generation:
+        """One answer to ``prompt`` (retried on transient failures), checked against ``sampling.max_new_tokens``."""
+        kwargs = {"model": self.model, "max_tokens": sampling.max_new_tokens, "temperature": sampling.temperature,
+                  "top_p": sampling.top_p, "seed": seed, "n": 1, "extra_headers": self._headers}
+        path = "/chat/completions" if self.api == "chat" else "/completions"
+        with self.guard.limits(max_bytes=answer_byte_cap(sampling.max_new_tokens), cancel=cancel):
+            if self.api == "chat":
+                answer = self._call(path, self.client.chat.completions.create,
+                                    messages=[{"role": "user", "content": prompt}], **kwargs)
+            else:
+                answer = self._call(path, self.client.completions.create, prompt=prompt, **kwargs)
         try:
-            choice = data["choices"][0]
-            text = choice["message"]["content"] if self.api == "chat" else choice["text"]
-            usage = data.get("usage") or {}
-            tokens = usage.get("completion_tokens")
-            return Generation(text or "", choice.get("finish_reason") != "length",
-                              int(tokens) if tokens is not None else None)
-        except (KeyError, IndexError, TypeError, ValueError) as exc:
-            raise LLMServerError(f"{self.url}: the answer is not an OpenAI {self.api} completion "
-                                 f"({type(exc).__name__}: {exc}): {json.dumps(data)[:200]}") from None
+            choice = answer.choices[0]
+            text = choice.message.content if self.api == "chat" else choice.text
+            usage = getattr(answer, "usage", None)
+            tokens = getattr(usage, "completion_tokens", None) if usage is not None else None
+            if text is None:
+                text = ""
+            if not isinstance(text, str) or not isinstance(choice.finish_reason, (str, type(None))):
+                raise TypeError(f"{'message.content' if self.api == 'chat' else 'text'} is "
+                                f"{type(text).__name__}, finish_reason {type(choice.finish_reason).__name__}")
+            if tokens is not None and (isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 0):
+                raise TypeError(f"usage.completion_tokens is {tokens!r}")
+        except (AttributeError, IndexError, KeyError, TypeError, ValueError) as exc:
+            raise LLMServerError(f"{self.url}{path}: the answer is not an OpenAI {self.api} completion "
+                                 f"({type(exc).__name__}: {_shown(exc, 200)})") from None
+        finished = choice.finish_reason != "length"
+        limit = sampling.max_new_tokens * MAX_CHARS_PER_TOKEN
+        if len(text) > limit or (tokens is not None and tokens > sampling.max_new_tokens):
+            # more than max_new_tokens tokens can hold: the server ignored max_tokens; cut, and rejected as too_long
+            logger.warning("%s%s: an answer of %d characters (%s tokens) for a budget of %d tokens: rejected as "
+                           "too_long", self.url, path, len(text), tokens, sampling.max_new_tokens)
+            text, finished = text[:limit], False
+        return Generation(text, finished, tokens)
 
     def _check_model(self, model: str | None) -> str:
-        """The model to use, checked against ``/models`` when the server lists them (not every server does)."""
+        """The model to use, checked against ``/models`` when the server lists them (not every server does). This
+        first contact is not retried: a wrong URL fails at once."""
+        import openai
+
         try:
-            listed = self._request("GET", "/models")
+            with self.guard.limits(max_bytes=MAX_LISTING_BYTES):
+                listed = self._call("/models", self.client.with_options(max_retries=0).get, "/models",
+                                    cast_to=object, options={"headers": self._headers}, first=True)
         except LLMServerError as exc:
-            if "HTTP 404" not in str(exc):
+            if not isinstance(exc.__cause__, openai.NotFoundError):
                 raise
             if model is None:
                 raise LLMServerError(f"{self.url}/models is not available, so the model cannot be chosen "
                                      "automatically: give --model") from None
             return model
-        ids = [m.get("id") for m in listed.get("data", []) if isinstance(m, dict)] if isinstance(listed, dict) else []
+        data = listed.get("data") if isinstance(listed, dict) else None
+        ids = [m.get("id") for m in data if isinstance(m, dict)] if isinstance(data, list) else []
         if model is None:
-            if len(ids) != 1:
-                raise LLMServerError(f"{self.url} serves {len(ids)} models ({', '.join(map(str, ids)) or 'none'}): "
-                                     "choose one with --model")
+            if len(ids) != 1 or not isinstance(ids[0], str):
+                shown = _shown(", ".join(map(str, ids))) or "none"
+                raise LLMServerError(f"{self.url} serves {len(ids)} models ({shown}): choose one with --model")
             return ids[0]
         if ids and model not in ids:
-            raise LLMServerError(f"model {model!r} is not served at {self.url}; it serves: {', '.join(map(str, ids))}")
+            raise LLMServerError(f"model {model!r} is not served at {self.url}; it serves: "
+                                 f"{_shown(', '.join(map(str, ids)))}")
         return model
 
-    def _request(self, method: str, path: str, payload: dict | None = None,
-                 stop: threading.Event | None = None) -> dict:
-        stop = stop or threading.Event()
-        for attempt in range(self.max_retries + 1):
-            try:
-                return self._request_once(method, path, payload)
-            except _Transient as exc:
-                if attempt == self.max_retries:
-                    raise LLMServerError(f"{self.url}{path}: {exc} (gave up after {attempt + 1} attempts)") from None
-                delay = exc.retry_after
-                if delay is None:  # exponential backoff with jitter, so parallel requests do not retry in step
-                    delay = self.backoff * 2 ** attempt * random.uniform(0.5, 1.5)
-                delay = min(delay, self.max_backoff)
-                logger.info("%s%s: %s; retry %d/%d in %.2f s", self.url, path, exc, attempt + 1, self.max_retries,
-                            delay)
-                if stop.wait(delay):
-                    raise LLMServerError(f"{self.url}{path}: cancelled") from None
-        raise AssertionError("unreachable")
+    def _call(self, path: str, method, *args, first: bool = False, **kwargs):
+        """``method(*args, **kwargs)`` of the client, its errors as one-line :class:`LLMServerError` (the client's
+        exception is the cause)."""
+        import openai
 
-    def _request_once(self, method: str, path: str, payload: dict | None) -> dict:
-        url = self.url + path
-        data = json.dumps(payload).encode() if payload is not None else None
-        request = urllib.request.Request(url, data=data, headers=self._headers, method=method)
+        from fastprompt.data.ski.transport import AnswerRefused, Cancelled
+
+        where = f"{self.url}{path}"
+        retried = "" if first else f" (gave up after {self.max_retries + 1} attempts)"
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                body = response.read()
-        except urllib.error.HTTPError as exc:
-            body = exc.read()
-            if exc.code in TRANSIENT_STATUS:
-                raise _Transient(f"HTTP {exc.code}: {_error_message(body)}", _retry_after(exc.headers)) from None
-            raise LLMServerError(self._http_error(exc.code, path, _error_message(body))) from None
-        except urllib.error.URLError as exc:
-            reason = exc.reason
-            if isinstance(reason, socket.gaierror):
-                raise LLMServerError(f"cannot resolve the host of {self.url} ({reason}): check --url") from None
-            if isinstance(reason, ConnectionRefusedError) and not self._reached:
-                raise LLMServerError(f"cannot connect to {self.url}: connection refused (is the server running, "
-                                     "and is --url its OpenAI base URL, e.g. http://127.0.0.1:8000/v1?)") from None
-            if isinstance(reason, (OSError, TimeoutError)):
-                raise _Transient(f"{type(reason).__name__}: {reason}") from None
-            raise LLMServerError(f"{url}: {reason}") from None
-        except (TimeoutError, ConnectionError, http.client.HTTPException) as exc:  # reset, cut, timed out mid-answer
-            raise _Transient(f"{type(exc).__name__}: {exc}") from None
-        self._reached = True
-        try:
-            return json.loads(body)
-        except ValueError:
-            raise LLMServerError(f"{url}: the answer is not JSON: {body[:200]!r}") from None
+            return method(*args, **kwargs)
+        except (Cancelled, AnswerRefused) as exc:
+            raise LLMServerError(f"{where}: {exc}") from exc
+        except openai.APITimeoutError as exc:
+            raise LLMServerError(f"{where}: no complete answer within the {self.timeout:g} s deadline (--timeout)"
+                                 f"{retried}") from exc
+        except openai.APIConnectionError as exc:
+            raise LLMServerError(self._connection_error(exc, where, first) + retried) from exc
+        except openai.APIStatusError as exc:
+            message = _error_message(exc)
+            transient = exc.status_code in (408, 409, 429) or exc.status_code >= 500
+            raise LLMServerError(self._http_error(exc.status_code, path, message)
+                                 + (retried if transient else "")) from exc
+        except openai.OpenAIError as exc:  # e.g. a redirect loop, a malformed header
+            raise LLMServerError(f"{where}: {type(exc).__name__}: {_shown(exc, 200)}") from exc
+        except ValueError as exc:  # a body that is not JSON (json.JSONDecodeError), or not the expected shape
+            raise LLMServerError(f"{where}: the answer is not JSON of an OpenAI API ({_shown(exc, 200)})") from exc
+
+    def _connection_error(self, exc, where: str, first: bool) -> str:
+        import socket
+
+        cause = exc.__cause__
+        while cause is not None and cause.__cause__ is not None and not isinstance(cause, OSError):
+            cause = cause.__cause__
+        text = _shown(f"{type(cause).__name__}: {cause}" if cause is not None else exc)
+        if "Name or service not known" in text or "nodename nor servname" in text or isinstance(cause,
+                                                                                              socket.gaierror):
+            return f"cannot resolve the host of {self.url} ({text[:200]}): check --url"
+        if first and ("refused" in text.lower() or isinstance(cause, ConnectionRefusedError)):
+            return (f"cannot connect to {self.url}: connection refused (is the server running, and is --url its "
+                    "OpenAI base URL, e.g. http://127.0.0.1:8000/v1?)")
+        return f"{where}: {text[:300]}"
 
     def _http_error(self, code: int, path: str, message: str) -> str:
         if code in (401, 403):
@@ -239,3 +257,19 @@ class ServerBackend:
                     f"URL (e.g. http://127.0.0.1:8000/v1), and does it serve {'chat ' if self.api == 'chat' else ''}"
                     "completions?")
         return f"{self.url}{path}: HTTP {code}: {message}"
+
+
+def _error_message(exc) -> str:
+    """The ``error.message`` of an OpenAI-style error body (or ``message``/``detail``), else the body's start."""
+    body = getattr(exc, "body", None)
+    if isinstance(body, dict):
+        err = body.get("error", body)
+        if isinstance(err, dict):
+            return _shown(err.get("message") or err.get("detail") or err)
+        return _shown(err)
+    if body is not None:
+        return _shown(body, 200)
+    try:
+        return _shown(exc.response.text, 200)
+    except Exception:  # noqa: BLE001 - an unreadable body has nothing more to say
+        return ""

@@ -20,9 +20,13 @@ import logging
 import os
 import time
 from collections import Counter
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from fastprompt.io import read_json, write_json_atomic
+from fastprompt.messages import shown
+from fastprompt.schema import check_json
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +35,18 @@ REJECTED_COLUMNS = ("sent0", "answer", "reason")
 META_FORMAT = "fastprompt-ski-generation"
 META_VERSION = 1
 _SYNC_INTERVAL_S = 1.0
+
+
+@dataclass
+class SkiMeta:
+    """The schema of ``FILE.csv.meta.json`` (:mod:`fastprompt.schema`): the keys a resumed run reads and extends."""
+
+    format: str
+    settings: dict[str, Any]
+    format_version: int = META_VERSION
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    counts: dict[str, Any] = field(default_factory=dict)
+    complete: bool = False
 
 
 def rejected_path(path: str | os.PathLike) -> Path:
@@ -77,19 +93,21 @@ def drop_torn_tail(path: Path) -> int:
 
 def read_records(path: Path, columns: tuple[str, ...]) -> list[list[str]]:
     """The records of a file this module wrote, after its header (ValueError naming the line if it is not one)."""
+    from fastprompt.data.corpus import parse_csv
+
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(f"{path}: not valid UTF-8 (byte {e.start}); not a file written by generate-ski") from None
-    reader = csv.reader(io.StringIO(text, newline=""))
-    header = next(reader, None)
+    lines = iter(parse_csv(text, path, hint="; not a file written by generate-ski"))
+    header = next(lines, None)
     if header != list(columns):
-        raise ValueError(f"{path}: expected the header {','.join(columns)}, found {header}; not a file written by "
-                         "generate-ski (use --overwrite to replace it, or another --output)")
+        raise ValueError(f"{path}: expected the header {','.join(columns)}, found {shown(header)}; not a file written "
+                         "by generate-ski (use --overwrite to replace it, or another --output)")
     records = []
-    for record in reader:
+    for n, record in enumerate(lines, start=2):  # every record is one physical line (encode_row)
         if len(record) != len(columns):
-            raise ValueError(f"{path}:{reader.line_num}: expected {len(columns)} fields, found {len(record)}")
+            raise ValueError(f"{path}:{n}: expected {len(columns)} fields, found {len(record)}")
         records.append(record)
     return records
 
@@ -151,7 +169,7 @@ class SkiStore:
         self.path = Path(path)
         self.rejected_path = rejected_path(path)
         self.meta_path = meta_path(path)
-        self._lock_path = self.path.parent / f".{self.path.name}.lock"
+        self.lock_path = self.path.parent / f".{self.path.name}.lock"
         self._accepted = _AppendLog(self.path, OUTPUT_COLUMNS)
         self._rejected = _AppendLog(self.rejected_path, REJECTED_COLUMNS)
         self._lock_fd: int | None = None
@@ -191,7 +209,7 @@ class SkiStore:
         return self
 
     def _lock(self) -> None:
-        self._lock_fd = os.open(self._lock_path, os.O_WRONLY | os.O_CREAT, 0o644)
+        self._lock_fd = os.open(self.lock_path, os.O_WRONLY | os.O_CREAT, 0o644)
         try:
             import fcntl
         except ImportError:  # not POSIX: no lock, as for any tool writing a file
@@ -201,7 +219,7 @@ class SkiStore:
         except OSError:
             os.close(self._lock_fd)
             self._lock_fd = None
-            raise ValueError(f"another generate-ski run is writing {self.path} (lock {self._lock_path})") from None
+            raise ValueError(f"another generate-ski run is writing {self.path} (lock {self.lock_path})") from None
 
     def _check_settings(self, settings: dict) -> dict:
         if not self.meta_path.exists():
@@ -209,7 +227,8 @@ class SkiStore:
                              "safely: use --overwrite to replace it, or another --output")
         meta = read_json(self.meta_path, what="SKI generation metadata")
         if meta.get("format") != META_FORMAT:
-            raise ValueError(f"{self.meta_path} is not generate-ski metadata (format {meta.get('format')!r})")
+            raise ValueError(f"{self.meta_path} is not generate-ski metadata (format {shown(meta.get('format'))})")
+        check_json(meta, SkiMeta, f"SKI generation metadata {self.meta_path}")
         old = meta.get("settings", {})
         diff = [f"{k}: {old.get(k)!r} before, {settings.get(k)!r} now"
                 for k in sorted(set(old) | set(settings)) if old.get(k) != settings.get(k)]
@@ -242,7 +261,7 @@ class SkiStore:
         self._rejected.sync()
         self.meta["counts"] = self.counts()
         self.meta["complete"] = complete
-        self.meta["runs"].append(_normalise(run))
+        self.meta.setdefault("runs", []).append(_normalise(run))
         self.write_meta()
 
     def close(self) -> None:
@@ -250,7 +269,7 @@ class SkiStore:
         self._rejected.close()
         if self._lock_fd is not None:
             with contextlib.suppress(OSError):
-                self._lock_path.unlink()
+                self.lock_path.unlink()
             os.close(self._lock_fd)
             self._lock_fd = None
 
