@@ -1,0 +1,250 @@
+"""Every architecture fastprompt supports, on tiny random configs built here (no downloads), against references
+written apart from the code under test; and the guard that stops a model whose attention bypasses the prefix.
+
+The reference (:func:`_concat_attention`) is a second transformers attention function, registered under its own
+name: it concatenates the layer's prefix in front of the keys/values the model hands over (repeating them over the
+query heads of each group, as transformers' ``repeat_kv``), takes the token block's mask from the mask transformers
+itself built for the model (causal, sliding window, padding: ``sdpa_mask``), adds P always-visible prefix columns,
+and runs an explicit softmax. Nothing of ``fastprompt.ops`` runs in it. Everything is float64, so the only
+differences are summation order: ~1e-15 relative per op, carried through 2 layers (LayerNorm/RMSNorm-normalised);
+1e-10 leaves five orders of magnitude, while a prefix in the wrong slot, a missing causal mask or a prefix hidden
+from some tokens changes outputs by ~1e-1.
+
+The no-prompt comparison is against ``AutoModel`` with its stock SDPA attention and the same pooling written here.
+"""
+import copy
+
+import pytest
+import torch
+from transformers import AttentionInterface, AutoConfig, AutoModel, BertTokenizerFast
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+from fastprompt.model import PromptConfig, PromptEncoder
+from fastprompt.model.attention import register_attention
+
+TOL = dict(rtol=1e-10, atol=1e-10)
+REF = "fastprompt_test_concat"
+WORDS = "the a man dog plays runs guitar park sits table big small red it is and two people".split()
+SENTENCES = ["a man plays the guitar", "the dog", "two people sit at a big table in the park", "it"]
+COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+              max_position_embeddings=64)
+#: model_type -> config keywords beyond COMMON. Decoders: grouped-query (2 key/value heads for 4 query heads) or
+#: multi-query (1), sliding windows shorter than the batch's rows.
+ENCODERS = {
+    "distilbert": dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64),
+}
+DECODERS = {
+    "llama": dict(num_key_value_heads=2),
+    "mistral": dict(num_key_value_heads=2, sliding_window=3),
+    "qwen2": dict(num_key_value_heads=2),
+    "qwen3": dict(num_key_value_heads=2, head_dim=8),
+    "gemma": dict(num_key_value_heads=1, head_dim=8),
+    "gemma2": dict(num_key_value_heads=2, head_dim=8, sliding_window=3, attn_logit_softcapping=None,
+                   final_logit_softcapping=None),
+    "gemma3_text": dict(num_key_value_heads=2, head_dim=8, sliding_window=3,
+                        layer_types=["sliding_attention", "full_attention"]),
+}
+#: the architectures whose attention does not go through transformers' attention functions
+BYPASSING = {"mpnet": dict(), "deberta-v2": dict()}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny models: one thread avoids OpenMP contention on a loaded 2-core machine."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tokenizer(padding_side="right"):
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+    tok = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
+    tok.padding_side = padding_side
+    return tok
+
+
+def _backbone(model_type, extra, seed=0):
+    tok = _tokenizer()
+    config = AutoConfig.for_model(model_type, **COMMON, **extra, vocab_size=len(tok), pad_token_id=0)
+    torch.manual_seed(seed)
+    return AutoModel.from_config(config, attn_implementation=register_attention(), dtype=torch.float64).eval()
+
+
+def _encoder(model_type, extra, prompt_config=None, padding_side="right", pooler=None, **kwargs):
+    backbone = _backbone(model_type, extra)
+    causal = model_type in DECODERS
+    pooler = pooler or ("last" if causal else "mean")
+    torch.manual_seed(1)
+    enc = PromptEncoder(backbone, _tokenizer(padding_side), prompt_config, pooler=pooler, **kwargs).double()
+    return enc.eval()
+
+
+# ------------------------------------------------------------------ the explicit-concatenation reference
+
+def _layer_modules(backbone):
+    layers = next(m for m in backbone.modules() if isinstance(m, torch.nn.ModuleList))
+    return {id(m): i for i, block in enumerate(layers) for m in block.modules()}
+
+
+def _concat_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, fastprompt_state=None,
+                      **kwargs):
+    state = fastprompt_state
+    layer = _REF_LAYERS[id(module)]
+    state.served.add(layer)
+    B, H, S, D = query.shape
+    if attention_mask is None:  # transformers leaves a plain causal (or no) mask to SDPA's is_causal
+        visible = torch.ones(S, S, dtype=torch.bool)
+        if getattr(module, "is_causal", False):
+            visible = visible.tril()
+        visible = visible.expand(B, 1, S, S)
+    elif attention_mask.dtype == torch.bool:
+        visible = attention_mask.expand(B, 1, S, S)
+    else:
+        visible = (attention_mask == 0).expand(B, 1, S, S)
+    keys, values = key, value
+    entry = state.layers[layer]
+    if entry is not None:
+        pk, pv = (t if t.dim() == 4 else t.expand(B, -1, -1, -1) for t in entry)
+        keys, values = torch.cat([pk, key], 2), torch.cat([pv, value], 2)
+        visible = torch.cat([visible.new_ones(B, 1, S, pk.shape[2]), visible], -1)
+    group = H // key.shape[1]
+    keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
+    scores = (query @ keys.transpose(-1, -2)) * (D ** -0.5 if scaling is None else scaling)
+    probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    return (probs @ values).transpose(1, 2), None
+
+
+_REF_LAYERS: dict = {}
+AttentionInterface.register(REF, _concat_attention)
+AttentionMaskInterface.register(REF, sdpa_mask)
+
+
+def _run(encoder, batch, weights, attn=None):
+    """Last hidden states (real tokens only) and prompt gradients of a random read-out; with ``attn``, the backbone
+    runs that attention implementation instead of fastprompt's."""
+    backbone = encoder.backbone
+    saved = backbone.config._attn_implementation
+    if attn is not None:
+        _REF_LAYERS.clear()
+        _REF_LAYERS.update(_layer_modules(backbone))
+        backbone.config._attn_implementation = attn
+    try:
+        encoder.zero_grad(set_to_none=True)
+        hidden = encoder.hidden_states(batch["input_ids"], batch["attention_mask"])
+        hidden = hidden * batch["attention_mask"][..., None]
+        if hidden.requires_grad:
+            (hidden * weights).sum().backward()
+    finally:
+        backbone.config._attn_implementation = saved
+    return hidden.detach(), {n: p.grad.clone() for n, p in encoder.named_parameters() if p.grad is not None}
+
+
+def _check_against_concatenation(encoder, backend):
+    encoder.attn_backend = backend
+    batch = {k: v for k, v in encoder.tokenize(SENTENCES).items() if k != "token_type_ids"}
+    assert (batch["attention_mask"] == 0).any(), "the batch must contain padding"
+    weights = torch.randn(*batch["input_ids"].shape, encoder.hidden_size, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(3))
+    out, grads = _run(encoder, batch, weights)
+    ref_out, ref_grads = _run(encoder, batch, weights, attn=REF)
+    torch.testing.assert_close(out, ref_out, **TOL)
+    assert grads.keys() == ref_grads.keys() and any("prompt" in k for k in grads)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **TOL, msg=name)
+    # the prefix matters: without it the outputs move by far more than the tolerance
+    saved, encoder.prompt = encoder.prompt, None
+    try:
+        plain, _ = _run(encoder, batch, weights, attn=REF)
+    finally:
+        encoder.prompt = saved
+    assert (plain - ref_out).abs().max() > 1e-3
+
+
+ARCHS = {**ENCODERS, **DECODERS}
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+@pytest.mark.parametrize("model_type", list(ENCODERS))
+def test_prefix_matches_explicit_concatenation(model_type, backend):
+    config = PromptConfig(prompt_length=3, init_std=0.5)
+    _check_against_concatenation(_encoder(model_type, ARCHS[model_type], config), backend)
+
+
+def _pool(hidden, mask, pooler):
+    if pooler == "mean":
+        m = mask[..., None].to(hidden.dtype)
+        return (hidden * m).sum(1) / m.sum(1)
+    if pooler == "last":  # written for each padding side apart
+        if bool(mask[:, -1].all()):  # left padding (or none): the last column
+            return hidden[:, -1]
+        return hidden[torch.arange(len(hidden)), mask.sum(1) - 1]
+    return hidden[:, 0]
+
+
+@pytest.mark.parametrize("model_type,padding_side", [(m, "right") for m in [*ENCODERS, *BYPASSING]]
+                         + [(m, side) for m in DECODERS for side in ("right", "left")])
+def test_no_prompt_encoding_equals_automodel_and_pooling(model_type, padding_side):
+    """The frozen model as AutoModel runs it (its default attention: SDPA, or eager for MPNet and DeBERTa-v2)."""
+    encoder = _encoder(model_type, {**ARCHS, **BYPASSING}[model_type], padding_side=padding_side)
+    # a copy: from_config writes the attention implementation into the config it is given
+    stock = AutoModel.from_config(copy.deepcopy(encoder.backbone.config), dtype=torch.float64).eval()
+    stock.load_state_dict(encoder.backbone.state_dict())
+    batch = {k: v for k, v in encoder.tokenize(SENTENCES).items() if k != "token_type_ids"}
+    pooler = encoder.pooler.pooler
+    with torch.no_grad():
+        ours = encoder(batch["input_ids"], batch["attention_mask"])
+        theirs = _pool(stock(**batch).last_hidden_state, batch["attention_mask"], pooler)
+    torch.testing.assert_close(ours, theirs, **TOL)
+
+
+# ------------------------------------------------------------------ the guard
+
+
+@pytest.mark.parametrize("model_type", list(BYPASSING))
+def test_a_prefix_the_attention_bypasses_is_an_error(model_type):
+    """MPNet and DeBERTa-v2 compute attention in their own modules: the prefix would change nothing."""
+    encoder = _encoder(model_type, BYPASSING[model_type], PromptConfig(prompt_length=2))
+    batch = encoder.tokenize(SENTENCES)
+    with pytest.raises(RuntimeError, match=r"never reached the attention of .*layers 0-1 hold a prefix.*not supported"):
+        encoder.hidden_states(batch["input_ids"], batch["attention_mask"])
+    with pytest.raises(RuntimeError, match="never reached the attention"):
+        _encoder(model_type, BYPASSING[model_type], PromptConfig(prompt_length=2, init="vocab"))
+
+
+def test_a_layer_the_function_skips_is_an_error():
+    """A model whose attention runs the function on some layers only: layer 1 gets its own config copy that asks
+    for stock SDPA."""
+    encoder = _encoder("distilbert", ENCODERS["distilbert"], PromptConfig(prompt_length=2))
+    attn = encoder.backbone.transformer.layer[1].attention
+    attn.config = copy.copy(attn.config)
+    attn.config._attn_implementation = "sdpa"
+    batch = encoder.tokenize(SENTENCES)
+    with pytest.raises(RuntimeError, match="DistilBertModel .*layers 1 hold a prefix"):
+        encoder.hidden_states(batch["input_ids"], batch["attention_mask"])
+
+
+def test_input_prompts_still_reach_a_bypassing_model():
+    """Soft input tokens go through the embeddings, which every model reads: they work on MPNet."""
+    encoder = _encoder("mpnet", {}, PromptConfig(prompt_type="input", input_prompt_length=2, init_std=0.5))
+    batch = encoder.tokenize(SENTENCES)
+    before = encoder(batch["input_ids"], batch["attention_mask"])
+    with torch.no_grad():
+        encoder.input_prompt.embedding.mul_(3)
+    # a tiny random model mixes tokens weakly (~1e-4 here); bypassed, the change would be exactly 0
+    assert (encoder(batch["input_ids"], batch["attention_mask"]) - before).abs().max() > 1e-6
+
+
+def test_decoder_refuses_first_token_pooling_and_a_cls_prompt_it_cannot_place():
+    with pytest.raises(ValueError, match="pooler 'cls' reads the first token.*use pooler 'last'"):
+        _encoder("llama", DECODERS["llama"], pooler="cls")
+    with pytest.raises(ValueError, match="under left padding is a padding token"):
+        _encoder("llama", DECODERS["llama"], PromptConfig(prompt_length=2, cls_prompt=True), padding_side="left")
+
+
+def test_softcapped_attention_is_refused():
+    extra = {**DECODERS["gemma2"], "attn_logit_softcapping": 50.0}
+    encoder = _encoder("gemma2", extra, PromptConfig(prompt_length=2))
+    batch = encoder.tokenize(SENTENCES)
+    with pytest.raises(NotImplementedError, match="attn_logit_softcapping"):
+        encoder.hidden_states(batch["input_ids"], batch["attention_mask"])
