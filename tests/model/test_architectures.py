@@ -64,19 +64,20 @@ def _tokenizer(padding_side="right"):
     return tok
 
 
-def _backbone(model_type, extra, seed=0):
+def _backbone(model_type, extra, seed=0, dtype=torch.float64):
     tok = _tokenizer()
     config = AutoConfig.for_model(model_type, **COMMON, **extra, vocab_size=len(tok), pad_token_id=0)
     torch.manual_seed(seed)
-    return AutoModel.from_config(config, attn_implementation=register_attention(), dtype=torch.float64).eval()
+    return AutoModel.from_config(config, attn_implementation=register_attention(), dtype=dtype).eval()
 
 
-def _encoder(model_type, extra, prompt_config=None, padding_side="right", pooler=None, **kwargs):
-    backbone = _backbone(model_type, extra)
+def _encoder(model_type, extra, prompt_config=None, padding_side="right", pooler=None, dtype=torch.float64,
+             **kwargs):
+    backbone = _backbone(model_type, extra, dtype=dtype)
     causal = model_type in DECODERS
     pooler = pooler or ("last" if causal else "mean")
     torch.manual_seed(1)
-    enc = PromptEncoder(backbone, _tokenizer(padding_side), prompt_config, pooler=pooler, **kwargs).double()
+    enc = PromptEncoder(backbone, _tokenizer(padding_side), prompt_config, pooler=pooler, **kwargs).to(dtype)
     return enc.eval()
 
 
@@ -112,6 +113,8 @@ def _concat_attention(module, query, key, value, attention_mask, scaling=None, d
     keys, values = keys.repeat_interleave(group, 1), values.repeat_interleave(group, 1)
     scores = (query @ keys.transpose(-1, -2)) * (D ** -0.5 if scaling is None else scaling)
     probs = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    # a row that sees nothing (a padding row of a model run without its prefix) outputs zeros, not NaN
+    probs = torch.where(visible.any(-1, keepdim=True), probs, 0.0)
     return (probs @ values).transpose(1, 2), None
 
 
@@ -165,10 +168,56 @@ ARCHS = {**ENCODERS, **DECODERS}
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
-@pytest.mark.parametrize("model_type", list(ENCODERS))
+@pytest.mark.parametrize("model_type", list(ARCHS))
 def test_prefix_matches_explicit_concatenation(model_type, backend):
     config = PromptConfig(prompt_length=3, init_std=0.5)
     _check_against_concatenation(_encoder(model_type, ARCHS[model_type], config), backend)
+
+
+@pytest.mark.parametrize("model_type", list(DECODERS))
+def test_decoder_left_padding_matches_explicit_concatenation(model_type):
+    config = PromptConfig(prompt_length=2, init_std=0.5, prefix_projection=True, projection_hidden_size=8)
+    _check_against_concatenation(_encoder(model_type, DECODERS[model_type], config, padding_side="left"), "cpu")
+
+
+#: PEFT's prefix tuning runs on these (DistilBERT: it fails with a size mismatch, DistilBERT takes no cache). Not
+#: on the sliding-window configs: PEFT's cache puts the prefix at positions 0..P-1, so a sliding window hides it
+#: from every token more than a window past it; fastprompt keeps it visible to every token (P-tuning v2).
+PEFT_DECODERS = ["llama", "qwen2", "qwen3", "gemma"]
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("model_type", PEFT_DECODERS)
+def test_decoder_prefix_matches_peft_prefix_tuning(model_type, padding_side):
+    """float32, fused C++ kernel against PEFT's DynamicCache of the batch-expanded prefix and stock SDPA. PEFT runs
+    the tokens after a cache of P positions, at positions P..P+S-1: position_mode "shifted" does the same (RoPE
+    rotates the queries by their position, and the prefix keys are used unrotated, so the shift matters between
+    a query and the prefix). Agreement up to float32 rounding: a few ulps of values of order 1 through 2 layers,
+    and summation order in the prefix gradients; 1e-5 as in tests/integrations/test_peft_attention.py."""
+    peft = pytest.importorskip("peft")
+    config = PromptConfig(prompt_length=3, position_mode="shifted")
+    encoder = _encoder(model_type, DECODERS[model_type], config, padding_side=padding_side, dtype=torch.float32)
+    stock = copy.deepcopy(encoder.backbone)
+    stock.config._attn_implementation = "sdpa"
+    config = peft.PrefixTuningConfig(task_type=peft.TaskType.FEATURE_EXTRACTION, num_virtual_tokens=3)
+    torch.manual_seed(0)
+    theirs = peft.get_peft_model(stock, config).eval()
+    rows = theirs.prompt_encoder["default"].embedding.weight  # (P, layers * 2 * kv_heads * head_dim)
+    L, H, D = encoder.num_layers, encoder.num_heads, encoder.head_dim
+    with torch.no_grad():
+        rows.mul_(0.5)
+        encoder.prompt.load_prefix_(rows.view(3, L, 2, H, D).permute(1, 2, 3, 0, 4))
+    batch = {k: v for k, v in encoder.tokenize(SENTENCES).items() if k != "token_type_ids"}
+    mask = batch["attention_mask"][..., None]
+    weights = torch.randn(*batch["input_ids"].shape, encoder.hidden_size, generator=torch.Generator().manual_seed(3))
+    encoder.attn_backend = "cpu"
+    ours = encoder.hidden_states(batch["input_ids"], batch["attention_mask"]) * mask
+    (ours * weights).sum().backward()
+    peft_out = theirs(**batch).last_hidden_state * mask
+    (peft_out * weights).sum().backward()
+    torch.testing.assert_close(ours, peft_out, rtol=1e-5, atol=1e-5)
+    grad = rows.grad.view(3, L, 2, H, D).permute(1, 2, 3, 0, 4)
+    torch.testing.assert_close(encoder.prompt.prefix.grad, grad, rtol=1e-5, atol=1e-5)
 
 
 def _pool(hidden, mask, pooler):
