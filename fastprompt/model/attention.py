@@ -21,6 +21,7 @@ exactly what PEFT's prefix cache holds.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 
@@ -98,6 +99,67 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
     out = prefix_attention(query, key, value, pk, pv, state.key_padding_mask, scale=scaling,
                            dropout_p=dropout, prompt_index=state.prompt_index, backend=state.backend, **options)
     return out.transpose(1, 2), None
+
+
+class OwnAttention:
+    """The prefix for models whose attention modules compute attention themselves instead of calling
+    transformers' attention functions, and whose forward does not pass extra keywords down (MPNet).
+
+    :func:`adapt_own_attention` replaces the ``forward`` of each such module instance (not the class: other
+    models in the process are untouched) by an adapter that reads the current :class:`PrefixState` from
+    :attr:`state`, which the encoder sets for the duration of each forward (MPNet supports no gradient checkpointing,
+    so no recomputation in the backward runs outside it)."""
+
+    def __init__(self):
+        self.state: PrefixState | None = None
+
+
+def _mpnet_self_attention(module, slot: OwnAttention, hidden_states, attention_mask=None, position_bias=None,
+                          output_attentions=False, **kwargs):
+    """MPNetSelfAttention.forward with the prefix: MPNet's relative position bias is the additive ``attn_bias`` of
+    the token block; the prefix columns get none (the prefix has no position, so no relative distance to bucket,
+    as in P-tuning v2 where the prefix only enters attention). ``attention_mask`` (eager's additive mask) is
+    replaced by the state's (B, S) padding mask."""
+    state = slot.state
+    layer = layer_index(module, state)
+    entry = None
+    if state is not None and layer is not None:
+        state.served.add(layer)
+        entry = state.layers[layer] if layer < len(state.layers) else None
+        if state.capture is not None:
+            shape = (*hidden_states.shape[:-1], -1, module.attention_head_size)
+            k, v = (lin(hidden_states[:1]).view(1, *shape[1:]).transpose(1, 2)[0] for lin in (module.k, module.v))
+            state.capture[layer] = (k.detach(), v.detach())
+    if entry is None or output_attentions:
+        if entry is not None:
+            raise ValueError("output_attentions is not available with a prefix (the fused op keeps no probabilities)")
+        return type(module).forward(module, hidden_states, attention_mask, position_bias, output_attentions, **kwargs)
+    from fastprompt.ops import prefix_attention
+
+    B, S = hidden_states.shape[:2]
+    q, k, v = (lin(hidden_states).view(B, S, -1, module.attention_head_size).transpose(1, 2)
+               for lin in (module.q, module.k, module.v))
+    pk, pv = (t.to(q.dtype) for t in entry)
+    out = prefix_attention(q, k, v, pk, pv, state.key_padding_mask, scale=module.attention_head_size ** -0.5,
+                           dropout_p=module.dropout.p if module.training else 0.0, prompt_index=state.prompt_index,
+                           backend=state.backend, attn_bias=position_bias)
+    return (module.o(out.transpose(1, 2).reshape(B, S, -1)),)
+
+
+#: attention module class name -> the adapter that computes it with the prefix
+OWN_ATTENTION = {"MPNetSelfAttention": _mpnet_self_attention}
+
+
+def adapt_own_attention(backbone) -> OwnAttention | None:
+    """Give the attention modules of ``backbone`` listed in :data:`OWN_ATTENTION` the prefix (see
+    :class:`OwnAttention`); None when it has none."""
+    modules = [m for m in backbone.modules() if type(m).__name__ in OWN_ATTENTION]
+    if not modules:
+        return None
+    slot = OwnAttention()
+    for m in modules:
+        m.forward = functools.partial(OWN_ATTENTION[type(m).__name__], m, slot)
+    return slot
 
 
 def attention_layer_map(backbone, num_layers: int) -> dict[int, int]:

@@ -28,6 +28,7 @@ from fastprompt.messages import shown
 
 from .attention import (
     PrefixState,
+    adapt_own_attention,
     attention_layer_map,
     build_prefix_cache,
     cache_keyword,
@@ -96,6 +97,7 @@ class PromptEncoder(nn.Module):
         #: the token block is causal (a decoder): every token sees the tokens before it and the whole prefix
         self.causal = any(getattr(m, "is_causal", False) is True for m in backbone.modules())
         self._layer_of = attention_layer_map(backbone, self.num_layers)
+        self._own_attention = adapt_own_attention(backbone)  # MPNet: attention computed in its own modules
         self.prompt_config = prompt_config
         kind = prompt_config.prompt_type if prompt_config is not None else None
         self.prompt = (PrefixPrompt(prompt_config, self.num_layers, self.num_heads, self.head_dim)
@@ -489,7 +491,14 @@ class PromptEncoder(nn.Module):
         layers = self._layer_prefixes(attention_mask.shape[0])
         if self.prefix_mode == "attention":
             state = PrefixState(layers, attention_mask.bool(), self.attn_backend, _capture, self._layer_of)
-            out = self.backbone(attention_mask=attention_mask, fastprompt_state=state, **kwargs)
+            if self._own_attention is None:
+                out = self.backbone(attention_mask=attention_mask, fastprompt_state=state, **kwargs)
+            else:
+                self._own_attention.state = state
+                try:
+                    out = self.backbone(attention_mask=attention_mask, **kwargs)
+                finally:  # the backbone called on its own runs without the prefix
+                    self._own_attention.state = None
             check_prefix_consumed([i for i, e in enumerate(layers) if e is not None], state.served,
                                   self._model_name())
         elif self.prompt is None:

@@ -44,7 +44,8 @@ DECODERS = {
     "gemma3_text": dict(num_key_value_heads=2, head_dim=8, sliding_window=3,
                         layer_types=["sliding_attention", "full_attention"]),
 }
-#: the architectures whose attention does not go through transformers' attention functions
+#: the architectures whose attention does not go through transformers' attention functions: MPNet's gets the
+#: prefix through fastprompt's adapter of its attention module; DeBERTa-v2's is refused
 BYPASSING = {"mpnet": dict(), "deberta-v2": dict()}
 
 
@@ -247,12 +248,59 @@ def test_no_prompt_encoding_equals_automodel_and_pooling(model_type, padding_sid
     torch.testing.assert_close(ours, theirs, **TOL)
 
 
+def _mpnet_concat_forward(encoder, layer_of, module, hidden_states, attention_mask=None, position_bias=None,
+                          output_attentions=False, **kwargs):
+    """MPNet's eager self-attention (transformers' code) over the explicit concatenation [prefix ; tokens]: the
+    relative position bias and the additive padding mask on the token columns, nothing on the prefix columns."""
+    layer = layer_of[id(module)]
+    encoder._own_attention.state.served.add(layer)  # the guard counts the layers served
+    pk, pv = encoder.prompt.layer_prefixes()[layer]
+    B, S, _ = hidden_states.shape
+    q, k, v = (lin(hidden_states).view(B, S, -1, module.attention_head_size).transpose(1, 2)
+               for lin in (module.q, module.k, module.v))
+    P = pk.shape[1]
+    k, v = torch.cat([pk.expand(B, -1, -1, -1), k], 2), torch.cat([pv.expand(B, -1, -1, -1), v], 2)
+    scores = q @ k.transpose(-1, -2) / module.attention_head_size ** 0.5
+    token_bias = position_bias.expand(B, -1, -1, -1) + (0 if attention_mask is None else attention_mask)
+    scores = scores + torch.cat([token_bias.new_zeros(B, token_bias.shape[1], S, P), token_bias], -1)
+    out = scores.softmax(-1) @ v
+    return (module.o(out.transpose(1, 2).reshape(B, S, -1)),)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_mpnet_prefix_matches_explicit_concatenation(backend):
+    import functools
+
+    encoder = _encoder("mpnet", {}, PromptConfig(prompt_length=3, init_std=0.5), attn_backend=backend)
+    batch = encoder.tokenize(SENTENCES)
+    weights = torch.randn(*batch["input_ids"].shape, encoder.hidden_size, dtype=torch.float64,
+                          generator=torch.Generator().manual_seed(3))
+    out, grads = _run(encoder, batch, weights)
+    modules = [m for m in encoder.backbone.modules() if type(m).__name__ == "MPNetSelfAttention"]
+    adapters = [m.forward for m in modules]
+    layer_of = {id(m): i for i, m in enumerate(modules)}
+    for m in modules:
+        m.forward = functools.partial(_mpnet_concat_forward, encoder, layer_of, m)
+    try:
+        ref_out, ref_grads = _run(encoder, batch, weights)
+    finally:
+        for m, f in zip(modules, adapters):
+            m.forward = f
+    torch.testing.assert_close(out, ref_out, **TOL)
+    assert grads.keys() == ref_grads.keys() and "prompt.prefix" in grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **TOL, msg=name)
+    # the backbone called on its own runs without the prefix (the adapter holds no state between forwards)
+    plain = encoder.backbone(**batch).last_hidden_state * batch["attention_mask"][..., None]
+    assert (plain - out).abs().max() > 1e-3
+
+
 # ------------------------------------------------------------------ the guard
 
 
-@pytest.mark.parametrize("model_type", list(BYPASSING))
+@pytest.mark.parametrize("model_type", ["deberta-v2"])
 def test_a_prefix_the_attention_bypasses_is_an_error(model_type):
-    """MPNet and DeBERTa-v2 compute attention in their own modules: the prefix would change nothing."""
+    """DeBERTa-v2 computes attention in its own modules: the prefix would change nothing."""
     encoder = _encoder(model_type, BYPASSING[model_type], PromptConfig(prompt_length=2))
     batch = encoder.tokenize(SENTENCES)
     with pytest.raises(RuntimeError, match=r"never reached the attention of .*layers 0-1 hold a prefix.*not supported"):
