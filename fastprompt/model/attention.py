@@ -90,14 +90,13 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
     from fastprompt.ops import prefix_attention  # local import: ops must not be needed to build a model
 
     pk, pv = (t.to(query.dtype) for t in entry)
-    options = {}
-    causal = bool(getattr(module, "is_causal", False))
-    if causal:
-        options["causal"] = True
-    if sliding_window is not None:  # transformers: token j visible to i when i - sliding_window < j
-        options["window"] = (int(sliding_window) - 1, 0 if causal else int(sliding_window) - 1)
-    out = prefix_attention(query, key, value, pk, pv, state.key_padding_mask, scale=scaling,
-                           dropout_p=dropout, prompt_index=state.prompt_index, backend=state.backend, **options)
+    causal = getattr(module, "is_causal", False) is True
+    window = (-1, -1)
+    if sliding_window is not None:  # transformers' masks: causal i - W < j <= i; bidirectional |i - j| <= W
+        W = int(sliding_window)
+        window = (W - 1, 0) if causal else (W, W)
+    out = prefix_attention(query, key, value, pk, pv, state.key_padding_mask, scale=scaling, dropout_p=dropout,
+                           prompt_index=state.prompt_index, backend=state.backend, causal=causal, window=window)
     return out.transpose(1, 2), None
 
 

@@ -31,6 +31,10 @@ COMMON = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, interm
 #: model_type -> config keywords beyond COMMON. Decoders: grouped-query (2 key/value heads for 4 query heads) or
 #: multi-query (1), sliding windows shorter than the batch's rows.
 ENCODERS = {
+    "bert": dict(),
+    "roberta": dict(),
+    "xlm-roberta": dict(),
+    "electra": dict(embedding_size=16),
     "distilbert": dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64),
 }
 DECODERS = {
@@ -298,7 +302,10 @@ def test_mpnet_prefix_matches_explicit_concatenation(backend):
 # ------------------------------------------------------------------ the guard
 
 
-@pytest.mark.parametrize("model_type", ["deberta-v2"])
+REFUSED = ["deberta-v2"]
+
+
+@pytest.mark.parametrize("model_type", REFUSED)
 def test_a_prefix_the_attention_bypasses_is_an_error(model_type):
     """DeBERTa-v2 computes attention in its own modules: the prefix would change nothing."""
     encoder = _encoder(model_type, BYPASSING[model_type], PromptConfig(prompt_length=2))
@@ -345,3 +352,34 @@ def test_softcapped_attention_is_refused():
     batch = encoder.tokenize(SENTENCES)
     with pytest.raises(NotImplementedError, match="attn_logit_softcapping"):
         encoder.hidden_states(batch["input_ids"], batch["attention_mask"])
+
+
+# ------------------------------------------------------------------ the docs' table
+
+
+def _table_rows() -> list[str]:
+    """The rows docs/architectures.md must have: what this module tests, and against what."""
+    rows = []
+    for model_type in [*ENCODERS, "mpnet", *DECODERS, *REFUSED]:
+        status = "refused" if model_type in REFUSED else "supported"
+        if model_type == "gemma2":  # test_softcapped_attention_is_refused
+            status += " without score soft-capping"
+        pooling = "last, mean" if model_type in DECODERS else "cls, mean, mask, ..."
+        compared = [] if model_type in REFUSED else ["explicit concatenation"]
+        compared.append("AutoModel")
+        if model_type == "mpnet":
+            compared.append("sentence-transformers (real weights)")  # tests/model/test_mpnet_real.py
+        if model_type in PEFT_DECODERS:
+            compared.append("PEFT")
+        rows.append(f"| {model_type} | {status} | {pooling} | {', '.join(compared)} |")
+    return rows
+
+
+def test_docs_table_lists_what_the_tests_cover():
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[2] / "docs" / "architectures.md").read_text(encoding="utf-8")
+    table = text.split("<!-- architectures-table")[1].split("<!-- /architectures-table -->")[0]
+    documented = [line for line in table.splitlines() if line.startswith("| ") and "model_type" not in line]
+    expected = _table_rows()
+    assert documented == expected, "docs/architectures.md's table should read:\n" + "\n".join(expected)
