@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import sys
@@ -86,6 +87,11 @@ class PromptEncoder(nn.Module):
             # an encoder keeps no key/value cache (the "cache" prefix mode asks for one explicitly); with
             # the config's default True, transformers warns under gradient checkpointing
             cfg.use_cache = False
+        if getattr(tokenizer, "pad_token_id", 0) is None and getattr(tokenizer, "eos_token", None) is not None:
+            # decoder tokenizers (Llama, Mistral) often have no padding token; the padded positions are masked, so
+            # any id serves: EOS, as sentence-transformers and transformers' examples do
+            logger.info("the tokenizer has no padding token: padding with its EOS token %r", tokenizer.eos_token)
+            tokenizer.pad_token = tokenizer.eos_token
         self.tokenizer = tokenizer
         self.base_model = base_model or getattr(cfg, "_name_or_path", None)
         self.num_layers = cfg.num_hidden_layers
@@ -505,12 +511,31 @@ class PromptEncoder(nn.Module):
             out = self.backbone(attention_mask=attention_mask, **kwargs)
         else:
             B, P = attention_mask.shape[0], self.prompt_length
+            self._check_cache_path(P + attention_mask.shape[1])
             cache = build_prefix_cache(layers, B)
             mask = torch.cat([attention_mask.new_ones(B, P), attention_mask], dim=1)
             kwargs[cache_keyword(self.backbone)] = cache
             out = self.backbone(attention_mask=mask, use_cache=True, **kwargs)
         hidden = out.last_hidden_state
         return self.input_prompt.remove(hidden) if self.input_prompt is not None else hidden
+
+    def _check_cache_path(self, length: int) -> None:
+        """The DynamicCache reference path needs a model that takes a cache, and differs from the attention path
+        where a sliding window is shorter than prefix + tokens: the cache holds the prefix at positions 0..P-1, so
+        the window hides it from distant tokens (PEFT's semantics), while the attention path keeps it visible."""
+        if "past_key_values" not in inspect.signature(type(self.backbone).forward).parameters and \
+                cache_keyword(self.backbone) != "cache":
+            raise ValueError(f"prefix_mode='cache' passes the prefix as a key/value cache, which {self._model_name()} "
+                             "does not take; use prefix_mode='attention'")
+        cfg = self.backbone.config
+        window = getattr(cfg, "sliding_window", None)
+        sliding = getattr(cfg, "use_sliding_window", True) and "sliding_attention" in (
+            getattr(cfg, "layer_types", None) or ["sliding_attention"])
+        if isinstance(window, int) and sliding and length > window:
+            raise ValueError(f"prefix_mode='cache' would hide the prefix from tokens more than the sliding window "
+                             f"({window}) past it (PEFT's semantics), here {length} prefix + token positions; "
+                             "prefix_mode='attention' "
+                             "keeps it visible to every token")
 
     def _model_name(self) -> str:
         return f"{type(self.backbone).__name__} (model_type {getattr(self.backbone.config, 'model_type', '?')!r})"

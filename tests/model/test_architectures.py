@@ -383,3 +383,31 @@ def test_docs_table_lists_what_the_tests_cover():
     documented = [line for line in table.splitlines() if line.startswith("| ") and "model_type" not in line]
     expected = _table_rows()
     assert documented == expected, "docs/architectures.md's table should read:\n" + "\n".join(expected)
+
+
+def test_cache_reference_path_refuses_what_it_cannot_compute():
+    """prefix_mode='cache' (PEFT's DynamicCache): DistilBERT takes no cache; under a sliding window shorter than
+    prefix + tokens the cache would hide the prefix from distant tokens, unlike the attention path. Where neither
+    applies it equals the attention path."""
+    config = PromptConfig(prompt_length=3, init_std=0.5)
+    batch = _encoder("llama", DECODERS["llama"]).tokenize(SENTENCES)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    with pytest.raises(ValueError, match="DistilBertModel .*does not take"):
+        _encoder("distilbert", ENCODERS["distilbert"], config, prefix_mode="cache").hidden_states(ids, mask)
+    with pytest.raises(ValueError, match=r"sliding window \(3\)"):
+        _encoder("mistral", DECODERS["mistral"], config, prefix_mode="cache").hidden_states(ids, mask)
+    fast = _encoder("llama", DECODERS["llama"], config)
+    ref = _encoder("llama", DECODERS["llama"], config, prefix_mode="cache")
+    ref.load_state_dict(fast.state_dict())
+    m = mask[..., None]
+    torch.testing.assert_close(fast.hidden_states(ids, mask) * m, ref.hidden_states(ids, mask) * m, **TOL)
+
+
+def test_a_tokenizer_without_padding_token_pads_with_eos():
+    """Llama/Mistral tokenizers have no padding token: the encoder pads with EOS (masked either way)."""
+    tok = _tokenizer("left")
+    tok.eos_token, tok.pad_token = "[SEP]", None
+    backbone = _backbone("llama", DECODERS["llama"])
+    encoder = PromptEncoder(backbone, tok, PromptConfig(prompt_length=2), pooler="last").double().eval()
+    assert tok.pad_token == "[SEP]"
+    assert encoder.encode(SENTENCES).shape == (len(SENTENCES), 32)
