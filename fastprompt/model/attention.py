@@ -8,8 +8,9 @@ DistilBERT, by the map :func:`attention_layer_map` builds once). The prefix is n
 
 Every call records the layer it served in ``PrefixState.served``; the encoder compares that with the layers that
 hold a prefix after each forward (:func:`check_prefix_consumed`), so a model whose attention does not go
-through the registered function (MPNet and DeBERTa-v2 compute attention in their own modules) can never run with
-its prompt silently ignored.
+through the registered function (DeBERTa-v2 computes attention in its own modules) can never run with its prompt
+silently ignored. MPNet, which does the same, gets the prefix through an adapter of its attention modules
+(:class:`OwnAttention`).
 
 Decoders (Llama, Mistral, Qwen2/3, Gemma): key/value heads may be fewer than query heads (grouped-query and
 multi-query attention): the prefix then has one key/value per key/value head, shared by the query heads of

@@ -534,8 +534,7 @@ class PromptEncoder(nn.Module):
         if isinstance(window, int) and sliding and length > window:
             raise ValueError(f"prefix_mode='cache' would hide the prefix from tokens more than the sliding window "
                              f"({window}) past it (PEFT's semantics), here {length} prefix + token positions; "
-                             "prefix_mode='attention' "
-                             "keeps it visible to every token")
+                             "prefix_mode='attention' keeps it visible to every token")
 
     def _model_name(self) -> str:
         return f"{type(self.backbone).__name__} (model_type {getattr(self.backbone.config, 'model_type', '?')!r})"

@@ -144,7 +144,7 @@ def topk_token_representation(mask_hidden: torch.Tensor, mlm_head: nn.Module, wo
 
 # ------------------------------------------------------------------ the model's own pooling
 #: sentence-transformers' pooling modes that a fastprompt pooler computes the same way
-ST_POOLING_MODES = {"cls": "cls", "mean": "mean"}
+ST_POOLING_MODES = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
 #: the boolean keys older sentence-transformers versions write into the Pooling module's config.json
 _ST_LEGACY_MODE_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
                         "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",

@@ -411,3 +411,13 @@ def test_a_tokenizer_without_padding_token_pads_with_eos():
     encoder = PromptEncoder(backbone, tok, PromptConfig(prompt_length=2), pooler="last").double().eval()
     assert tok.pad_token == "[SEP]"
     assert encoder.encode(SENTENCES).shape == (len(SENTENCES), 32)
+
+
+def test_vocab_init_on_mpnet_reads_its_own_keys_and_values():
+    """init='vocab' reads the keys/values the attention sees: the MPNet adapter captures them on every layer (the
+    encoder raises the guard's error for a layer it did not capture)."""
+    encoder = _encoder("mpnet", {}, PromptConfig(prompt_length=2, init="vocab"))
+    assert encoder.prompt.prefix.abs().sum() > 0
+    batch = encoder.tokenize(SENTENCES)
+    assert torch.isfinite(encoder(batch["input_ids"], batch["attention_mask"])).all()
+
