@@ -93,9 +93,9 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
     pk, pv = (t.to(query.dtype) for t in entry)
     causal = getattr(module, "is_causal", False) is True
     window = (-1, -1)
-    if sliding_window is not None:  # transformers' masks: causal i - W < j <= i; bidirectional |i - j| <= W
+    if sliding_window is not None:  # as transformers' flash attention: (W - 1, W - 1), the causal mask cuts the right
         W = int(sliding_window)
-        window = (W - 1, 0) if causal else (W, W)
+        window = (W - 1, 0) if causal else (W - 1, W - 1)
     out = prefix_attention(query, key, value, pk, pv, state.key_padding_mask, scale=scaling, dropout_p=dropout,
                            prompt_index=state.prompt_index, backend=state.backend, causal=causal, window=window)
     return out.transpose(1, 2), None

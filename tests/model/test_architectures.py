@@ -36,6 +36,9 @@ ENCODERS = {
     "xlm-roberta": dict(),
     "electra": dict(embedding_size=16),
     "distilbert": dict(dim=32, n_layers=2, n_heads=4, hidden_dim=64),
+    # RoPE; layer 0 global, layer 1 local (a bidirectional sliding window of 2 + 1 + 2 tokens)
+    "modernbert": dict(bos_token_id=2, eos_token_id=3, cls_token_id=2, sep_token_id=3, global_attn_every_n_layers=2,
+                       local_attention=4),
 }
 DECODERS = {
     "llama": dict(num_key_value_heads=2),
