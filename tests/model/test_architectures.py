@@ -424,3 +424,26 @@ def test_vocab_init_on_mpnet_reads_its_own_keys_and_values():
     batch = encoder.tokenize(SENTENCES)
     assert torch.isfinite(encoder(batch["input_ids"], batch["attention_mask"])).all()
 
+
+
+@pytest.mark.parametrize("model_type", ["mistral", "modernbert"])
+def test_triton_backend_matches_the_cpu_kernel(model_type):
+    """The GPU path's kernels (here in the Triton interpreter) through the model: grouped-query heads, causal and
+    sliding-window blocks (Mistral), a bidirectional window (ModernBERT). float32: both online-softmax kernels
+    round differently by a few ulps per output (values of order 1) through 2 layers, and the prefix gradients sum
+    B * S such terms in different orders: 1e-5, as tests/integrations/test_peft_attention.py."""
+    pytest.importorskip("triton")
+    extra = {**ENCODERS, **DECODERS}[model_type]
+    config = PromptConfig(prompt_length=3, init_std=0.5)
+    encoder = _encoder(model_type, extra, config, dtype=torch.float32)
+    batch = {k: v for k, v in encoder.tokenize(SENTENCES).items() if k != "token_type_ids"}
+    weights = torch.randn(*batch["input_ids"].shape, encoder.hidden_size, generator=torch.Generator().manual_seed(3))
+    results = []
+    for backend in ("cpu", "triton"):
+        encoder.attn_backend = backend
+        results.append(_run(encoder, batch, weights))
+    (out, grads), (tri_out, tri_grads) = results
+    torch.testing.assert_close(tri_out, out, rtol=1e-5, atol=1e-5)
+    assert grads.keys() == tri_grads.keys() and "prompt.prefix" in grads
+    for name in grads:
+        torch.testing.assert_close(tri_grads[name], grads[name], rtol=1e-5, atol=1e-5, msg=name)
