@@ -449,3 +449,18 @@ def test_triton_backend_matches_the_cpu_kernel(model_type):
     assert grads.keys() == tri_grads.keys() and "prompt.prefix" in grads
     for name in grads:
         torch.testing.assert_close(tri_grads[name], grads[name], rtol=1e-5, atol=1e-5, msg=name)
+
+
+def test_decoder_from_a_model_folder_trains_saves_and_loads(tiny_llama_dir, tmp_path):
+    """A saved Llama (a causal-LM checkpoint, grouped-query) through from_pretrained, a prompt step, save and load:
+    the checkpoint's prefix has the key/value heads, and the loaded prompt encodes the same."""
+    config = PromptConfig(prompt_length=2, init_std=0.5)
+    encoder = PromptEncoder.from_pretrained(tiny_llama_dir, pooler="last", prompt_config=config)
+    assert encoder.prompt.prefix.shape[2] == encoder.backbone.config.num_key_value_heads
+    batch = encoder.tokenize(["the cat sat on the mat", "a dog ran"])
+    encoder.train()
+    encoder(batch["input_ids"], batch["attention_mask"]).sum().backward()
+    assert encoder.prompt.prefix.grad.abs().sum() > 0
+    encoder.save(tmp_path / "ckpt")
+    loaded = PromptEncoder.load(tmp_path / "ckpt", base_model=tiny_llama_dir)
+    torch.testing.assert_close(loaded.encode(["the cat sat"]), encoder.encode(["the cat sat"]), rtol=0, atol=0)
