@@ -16,8 +16,10 @@ from fastprompt.messages import shown
 
 #: Implementations of the fused ops (``contrastive_loss``, ``prefix_attention``); see :func:`resolve_backend`.
 BACKENDS = ("auto", "triton", "cpu", "reference")
-#: How the last hidden states become one sentence vector.
-POOLERS = ("cls", "cls_before_pooler", "mean", "mask", "topk", "bn_mlp")
+#: How the last hidden states become one sentence vector ("last": the last real token, decoder embedders' pooling).
+POOLERS = ("cls", "cls_before_pooler", "mean", "mask", "topk", "bn_mlp", "last")
+#: The poolers that read the first token ([CLS]): meaningless on a causal (decoder) model.
+FIRST_TOKEN_POOLERS = ("cls", "cls_before_pooler", "bn_mlp")
 #: The poolers that read a template's [MASK] position: with them a sentence is always wrapped in a template
 #: (PromptBERT's by default).
 TEMPLATE_POOLERS = ("mask", "topk")

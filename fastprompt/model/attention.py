@@ -3,17 +3,33 @@ AttentionInterface, plus the DynamicCache path (what PEFT users run today) kept 
 
 The prompted encoder passes a :class:`PrefixState` as the ``fastprompt_state`` keyword of the backbone's
 forward; transformers threads extra keywords down to the attention function of every layer, which looks up
-its own layer's prefix by ``module.layer_idx``. The prefix is never expanded over the batch.
+its own layer's prefix by ``module.layer_idx`` (or, for models whose attention modules carry none, such as
+DistilBERT, by the map :func:`attention_layer_map` builds once). The prefix is never expanded over the batch.
+
+Every call records the layer it served in ``PrefixState.served``; the encoder compares that with the layers that
+hold a prefix after each forward (:func:`check_prefix_consumed`), so a model whose attention does not go
+through the registered function (DeBERTa-v2 computes attention in its own modules) can never run with its prompt
+silently ignored. MPNet, which does the same, gets the prefix through an adapter of its attention modules
+(:class:`OwnAttention`).
+
+Decoders (Llama, Mistral, Qwen2/3, Gemma): key/value heads may be fewer than query heads (grouped-query and
+multi-query attention): the prefix then has one key/value per key/value head, shared by the query heads of
+its group, as the model's own keys are. The token block is causal when the attention module says so
+(``module.is_causal``) and limited to ``sliding_window`` tokens where the layer has one; the prefix stays
+visible to every token (P-tuning v2 / PEFT semantics). The keys transformers hands over are already rotated
+by RoPE; the prefix keys are used as they are: free vectors with no position, i.e. keys "already rotated",
+exactly what PEFT's prefix cache holds.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 ATTN_IMPLEMENTATION = "fastprompt"
 _CACHE_KEYWORDS: dict[type, str] = {}
@@ -27,6 +43,8 @@ class PrefixState:
     key_padding_mask: torch.Tensor  # (B, S) bool, True = real token
     backend: str = "auto"
     capture: dict | None = field(default=None)  # layer -> (k, v) of the first example; used by "vocab" init
+    layer_of: dict | None = None  # id(attention module) -> layer, for modules without a layer_idx
+    served: set = field(default_factory=set)  # the layers the attention function ran for in this forward
 
     @property
     def prompt_index(self) -> torch.Tensor | None:
@@ -37,31 +55,149 @@ class PrefixState:
         return torch.arange(self.key_padding_mask.shape[0], device=self.key_padding_mask.device)
 
 
-def prefix_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                             fastprompt_state: PrefixState | None = None, **kwargs):
-    """transformers attention function: (B, H, S, D) q/k/v -> ((B, S, H, D) output, None)."""
-    state = fastprompt_state
+def layer_index(module, state: PrefixState | None) -> int | None:
+    """The backbone layer an attention module belongs to: its ``layer_idx``, else the encoder's map."""
     layer = getattr(module, "layer_idx", None)
-    if state is not None and state.capture is not None:
-        state.capture[layer] = (key[0].detach(), value[0].detach())
-    entry = state.layers[layer] if state is not None and layer < len(state.layers) else None
+    if isinstance(layer, int):
+        return layer
+    return None if state is None or state.layer_of is None else state.layer_of.get(id(module))
+
+
+def prefix_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                             fastprompt_state: PrefixState | None = None, sliding_window: int | None = None,
+                             softcap: float | None = None, **kwargs):
+    """transformers attention function: (B, H, S, D) queries, (B, Hkv, S, D) keys/values -> ((B, S, H, D)
+    output, None)."""
+    state = fastprompt_state
+    layer = layer_index(module, state)
+    entry = None
+    if state is not None:
+        if layer is None:
+            raise RuntimeError(f"fastprompt cannot tell which layer the attention module {type(module).__name__} "
+                               "belongs to (it has no layer_idx and is not inside the backbone's layer list)")
+        state.served.add(layer)
+        if state.capture is not None:
+            state.capture[layer] = (key[0].detach(), value[0].detach())
+        entry = state.layers[layer] if layer < len(state.layers) else None
     if entry is None:  # no prefix on this layer (or the backbone used on its own): stock SDPA
+        if softcap is not None:
+            kwargs["softcap"] = softcap
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
+                                      dropout=dropout, sliding_window=sliding_window, **kwargs)
+    if softcap is not None:
+        raise NotImplementedError(f"{type(module).__name__} caps its attention scores (attn_logit_softcapping = "
+                                  f"{softcap}), which prefix attention does not compute; set "
+                                  "attn_logit_softcapping to None in the model config to train a prefix on it")
     from fastprompt.ops import prefix_attention  # local import: ops must not be needed to build a model
 
     pk, pv = (t.to(query.dtype) for t in entry)
-    out = prefix_attention(query, key, value, pk, pv, state.key_padding_mask, scale=scaling,
-                           dropout_p=dropout, prompt_index=state.prompt_index, backend=state.backend)
+    causal = getattr(module, "is_causal", False) is True
+    window = (-1, -1)
+    if sliding_window is not None:  # as transformers' flash attention: (W - 1, W - 1), the causal mask cuts the right
+        W = int(sliding_window)
+        window = (W - 1, 0) if causal else (W - 1, W - 1)
+    out = prefix_attention(query, key, value, pk, pv, state.key_padding_mask, scale=scaling, dropout_p=dropout,
+                           prompt_index=state.prompt_index, backend=state.backend, causal=causal, window=window)
     return out.transpose(1, 2), None
+
+
+class OwnAttention:
+    """The prefix for models whose attention modules compute attention themselves instead of calling
+    transformers' attention functions, and whose forward does not pass extra keywords down (MPNet).
+
+    :func:`adapt_own_attention` replaces the ``forward`` of each such module instance (not the class: other
+    models in the process are untouched) by an adapter that reads the current :class:`PrefixState` from
+    :attr:`state`, which the encoder sets for the duration of each forward (MPNet supports no gradient checkpointing,
+    so no recomputation in the backward runs outside it)."""
+
+    def __init__(self):
+        self.state: PrefixState | None = None
+
+
+def _mpnet_self_attention(module, slot: OwnAttention, hidden_states, attention_mask=None, position_bias=None,
+                          output_attentions=False, **kwargs):
+    """MPNetSelfAttention.forward with the prefix: MPNet's relative position bias is the additive ``attn_bias`` of
+    the token block; the prefix columns get none (the prefix has no position, so no relative distance to bucket,
+    as in P-tuning v2 where the prefix only enters attention). ``attention_mask`` (eager's additive mask) is
+    replaced by the state's (B, S) padding mask."""
+    state = slot.state
+    layer = layer_index(module, state)
+    entry = None
+    if state is not None and layer is not None:
+        state.served.add(layer)
+        entry = state.layers[layer] if layer < len(state.layers) else None
+        if state.capture is not None:
+            shape = (*hidden_states.shape[:-1], -1, module.attention_head_size)
+            k, v = (lin(hidden_states[:1]).view(1, *shape[1:]).transpose(1, 2)[0] for lin in (module.k, module.v))
+            state.capture[layer] = (k.detach(), v.detach())
+    if entry is None or output_attentions:
+        if entry is not None:
+            raise ValueError("output_attentions is not available with a prefix (the fused op keeps no probabilities)")
+        return type(module).forward(module, hidden_states, attention_mask, position_bias, output_attentions, **kwargs)
+    from fastprompt.ops import prefix_attention
+
+    B, S = hidden_states.shape[:2]
+    q, k, v = (lin(hidden_states).view(B, S, -1, module.attention_head_size).transpose(1, 2)
+               for lin in (module.q, module.k, module.v))
+    pk, pv = (t.to(q.dtype) for t in entry)
+    out = prefix_attention(q, k, v, pk, pv, state.key_padding_mask, scale=module.attention_head_size ** -0.5,
+                           dropout_p=module.dropout.p if module.training else 0.0, prompt_index=state.prompt_index,
+                           backend=state.backend, attn_bias=position_bias)
+    return (module.o(out.transpose(1, 2).reshape(B, S, -1)),)
+
+
+#: attention module class name -> the adapter that computes it with the prefix
+OWN_ATTENTION = {"MPNetSelfAttention": _mpnet_self_attention}
+
+
+def adapt_own_attention(backbone) -> OwnAttention | None:
+    """Give the attention modules of ``backbone`` listed in :data:`OWN_ATTENTION` the prefix (see
+    :class:`OwnAttention`); None when it has none."""
+    modules = [m for m in backbone.modules() if type(m).__name__ in OWN_ATTENTION]
+    if not modules:
+        return None
+    slot = OwnAttention()
+    for m in modules:
+        m.forward = functools.partial(OWN_ATTENTION[type(m).__name__], m, slot)
+    return slot
+
+
+def attention_layer_map(backbone, num_layers: int) -> dict[int, int]:
+    """id(module) -> layer index for every module inside the backbone's list of ``num_layers`` layers (the first
+    ``nn.ModuleList`` of that length, in module order): how the attention function finds the layer of a module
+    that carries no ``layer_idx`` (DistilBERT's). Empty when the backbone has no such list."""
+    for _, modules in backbone.named_modules():
+        if isinstance(modules, torch.nn.ModuleList) and len(modules) == num_layers:
+            return {id(m): i for i, block in enumerate(modules) for m in block.modules()}
+    return {}
+
+
+def check_prefix_consumed(prefixed, served, model_name: str) -> None:
+    """RuntimeError when a layer in ``prefixed`` (the layers that hold a prefix) is not in ``served`` (those the
+    prefix attention function ran for in the forward just run): its attention bypassed the function, so the prompt
+    would change nothing."""
+    missing = [i for i in prefixed if i not in served]
+    if missing:
+        raise RuntimeError(
+            f"the prompt never reached the attention of {model_name}: layers {_ranges(missing)} hold a prefix, but "
+            "their attention does not go through transformers' attention functions, where fastprompt adds it, so "
+            "training would change nothing. Prefix (deep) prompts are not supported on this architecture; see "
+            "docs/architectures.md for those that are (prompt_type='input' soft tokens do work here)")
+
+
+def _ranges(layers: list[int]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 and layers == list(range(layers[0], layers[-1] + 1)) \
+        else ", ".join(map(str, layers))
 
 
 def register_attention() -> str:
     """Register the prefix attention function (and its mask builder) with transformers; idempotent."""
     AttentionInterface.register(ATTN_IMPLEMENTATION, prefix_attention_forward)
     # The function takes the (B, S) padding mask from PrefixState; transformers still builds a 4D mask for the
-    # fallback path, which SDPA's builder does (it returns None when there is no padding).
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+    # layers without a prefix (stock SDPA, which takes an additive float mask too) and for models that compute
+    # attention in their own modules: MPNet adds the mask to its scores, so it must be the additive float mask of
+    # eager attention (0 / dtype min); SDPA's boolean one would add 1 and 0 and leave padding visible.
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
     return ATTN_IMPLEMENTATION
 
 

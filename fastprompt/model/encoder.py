@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import os
 import sys
@@ -14,10 +15,27 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from fastprompt.choices import BACKENDS, MLP_MODES, POOLER_HEADS, POOLERS, PREFIX_MODES, TEMPLATE_POOLERS, check_choice
+from fastprompt.choices import (
+    BACKENDS,
+    FIRST_TOKEN_POOLERS,
+    MLP_MODES,
+    POOLER_HEADS,
+    POOLERS,
+    PREFIX_MODES,
+    TEMPLATE_POOLERS,
+    check_choice,
+)
 from fastprompt.messages import shown
 
-from .attention import PrefixState, build_prefix_cache, cache_keyword, register_attention
+from .attention import (
+    PrefixState,
+    adapt_own_attention,
+    attention_layer_map,
+    build_prefix_cache,
+    cache_keyword,
+    check_prefix_consumed,
+    register_attention,
+)
 from .backbone import load_backbone, max_input_length
 from .config import PromptConfig
 from .device import resolve_device, warn_if_slow
@@ -69,12 +87,23 @@ class PromptEncoder(nn.Module):
             # an encoder keeps no key/value cache (the "cache" prefix mode asks for one explicitly); with
             # the config's default True, transformers warns under gradient checkpointing
             cfg.use_cache = False
+        if getattr(tokenizer, "pad_token_id", 0) is None and getattr(tokenizer, "eos_token", None) is not None:
+            # decoder tokenizers (Llama, Mistral) often have no padding token; the padded positions are masked, so
+            # any id serves: EOS, as sentence-transformers and transformers' examples do
+            logger.info("the tokenizer has no padding token: padding with its EOS token %r", tokenizer.eos_token)
+            tokenizer.pad_token = tokenizer.eos_token
         self.tokenizer = tokenizer
         self.base_model = base_model or getattr(cfg, "_name_or_path", None)
         self.num_layers = cfg.num_hidden_layers
-        self.num_heads = cfg.num_attention_heads
         self.hidden_size = cfg.hidden_size
-        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden_size // self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden_size // cfg.num_attention_heads
+        #: heads of the prefix: the backbone's key/value heads (fewer than its query heads under grouped-query
+        #: or multi-query attention, where each prefix key/value serves the query heads of its group)
+        self.num_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        #: the token block is causal (a decoder): every token sees the tokens before it and the whole prefix
+        self.causal = any(getattr(m, "is_causal", False) is True for m in backbone.modules())
+        self._layer_of = attention_layer_map(backbone, self.num_layers)
+        self._own_attention = adapt_own_attention(backbone)  # MPNet: attention computed in its own modules
         self.prompt_config = prompt_config
         kind = prompt_config.prompt_type if prompt_config is not None else None
         self.prompt = (PrefixPrompt(prompt_config, self.num_layers, self.num_heads, self.head_dim)
@@ -86,9 +115,10 @@ class PromptEncoder(nn.Module):
                                                self.backbone.get_input_embeddings().weight, tokenizer)
         self.cls_prompt = None
         if prompt_config is not None and prompt_config.cls_prompt:
-            cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
+            cls_id = _check_first_token(tokenizer)
             init = self.backbone.get_input_embeddings().weight[cls_id].detach().clone()
             self.cls_prompt = nn.Parameter(init)
+        _check_pooler_fits(pooler, self.causal, type(backbone).__name__)
         self.pooler = Pooler(pooler, self.hidden_size, mlp, init_std=getattr(cfg, "initializer_range", 0.02),
                              mlm_transform=mlm_transform)
         if pooler in TEMPLATE_POOLERS and template is None:
@@ -408,7 +438,7 @@ class PromptEncoder(nn.Module):
                      or self.input_prompt is not None)
         if not needs_ids:
             return None
-        emb = self.backbone.embeddings
+        emb = getattr(self.backbone, "embeddings", None)
         if positions is None and self.input_prompt is None:
             if hasattr(emb, "create_position_ids_from_input_ids"):  # RoBERTa family: offsets by padding_idx
                 return emb.create_position_ids_from_input_ids(input_ids, emb.padding_idx, shift)
@@ -466,18 +496,48 @@ class PromptEncoder(nn.Module):
         kwargs["token_type_ids"] = token_type_ids
         layers = self._layer_prefixes(attention_mask.shape[0])
         if self.prefix_mode == "attention":
-            state = PrefixState(layers, attention_mask.bool(), self.attn_backend, _capture)
-            out = self.backbone(attention_mask=attention_mask, fastprompt_state=state, **kwargs)
+            state = PrefixState(layers, attention_mask.bool(), self.attn_backend, _capture, self._layer_of)
+            if self._own_attention is None:
+                out = self.backbone(attention_mask=attention_mask, fastprompt_state=state, **kwargs)
+            else:
+                self._own_attention.state = state
+                try:
+                    out = self.backbone(attention_mask=attention_mask, **kwargs)
+                finally:  # the backbone called on its own runs without the prefix
+                    self._own_attention.state = None
+            check_prefix_consumed([i for i, e in enumerate(layers) if e is not None], state.served,
+                                  self._model_name())
         elif self.prompt is None:
             out = self.backbone(attention_mask=attention_mask, **kwargs)
         else:
             B, P = attention_mask.shape[0], self.prompt_length
+            self._check_cache_path(P + attention_mask.shape[1])
             cache = build_prefix_cache(layers, B)
             mask = torch.cat([attention_mask.new_ones(B, P), attention_mask], dim=1)
             kwargs[cache_keyword(self.backbone)] = cache
             out = self.backbone(attention_mask=mask, use_cache=True, **kwargs)
         hidden = out.last_hidden_state
         return self.input_prompt.remove(hidden) if self.input_prompt is not None else hidden
+
+    def _check_cache_path(self, length: int) -> None:
+        """The DynamicCache reference path needs a model that takes a cache, and differs from the attention path
+        where a sliding window is shorter than prefix + tokens: the cache holds the prefix at positions 0..P-1, so
+        the window hides it from distant tokens (PEFT's semantics), while the attention path keeps it visible."""
+        if "past_key_values" not in inspect.signature(type(self.backbone).forward).parameters and \
+                cache_keyword(self.backbone) != "cache":
+            raise ValueError(f"prefix_mode='cache' passes the prefix as a key/value cache, which {self._model_name()} "
+                             "does not take; use prefix_mode='attention'")
+        cfg = self.backbone.config
+        window = getattr(cfg, "sliding_window", None)
+        sliding = getattr(cfg, "use_sliding_window", True) and "sliding_attention" in (
+            getattr(cfg, "layer_types", None) or ["sliding_attention"])
+        if isinstance(window, int) and sliding and length > window:
+            raise ValueError(f"prefix_mode='cache' would hide the prefix from tokens more than the sliding window "
+                             f"({window}) past it (PEFT's semantics), here {length} prefix + token positions; "
+                             "prefix_mode='attention' keeps it visible to every token")
+
+    def _model_name(self) -> str:
+        return f"{type(self.backbone).__name__} (model_type {getattr(self.backbone.config, 'model_type', '?')!r})"
 
     def _insert_mask(self, mask: torch.Tensor, fill: int = 1) -> torch.Tensor:
         """(B, S) -> (B, S + n): a column per soft input token, right after the first one."""
@@ -610,6 +670,7 @@ class PromptEncoder(nn.Module):
         finally:
             self.prompt, self.input_prompt, self.template_words = saved
         prompt = self.prompt
+        check_prefix_consumed(range(prompt.stored_layers), capture, self._model_name())
         per_layer = [torch.stack(capture[i]) for i in range(prompt.stored_layers)]  # (2, H, P, D) each
         prompt.load_prefix_(torch.stack(per_layer).to(prompt.prefix.dtype))
 
@@ -673,6 +734,30 @@ def _check_sentences(sentences):
     for i, s in enumerate(sentences):
         if not isinstance(s, str):
             raise TypeError(f"sentence {i} is a {type(s).__name__}, not a str: {s!r:.80}")
+
+
+def _check_pooler_fits(pooler: str, causal: bool, model: str) -> None:
+    """A causal backbone's first token sees only itself: its state says nothing about the sentence."""
+    if causal and pooler in FIRST_TOKEN_POOLERS:
+        raise ValueError(f"pooler {pooler!r} reads the first token, which in the causal (decoder) model {model} sees "
+                         "no other token: use pooler 'last' (the last real token, what decoder embedders use) or "
+                         "'mean'")
+
+
+def _check_first_token(tokenizer) -> int:
+    """The id of the token the [CLS] prompt replaces: the tokenizer must put its [CLS] (or BOS) token first in every
+    row; otherwise the prompt would replace a word, or a padding token that attention never reads."""
+    cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
+    first = tokenizer("a")["input_ids"][:1]
+    if cls_id is None or first != [cls_id]:
+        raise ValueError("cls_prompt replaces the [CLS] token at the start of every input, but "
+                         f"{type(tokenizer).__name__} does not start its inputs with a [CLS] or BOS token: there is "
+                         "no such token to replace")
+    if getattr(tokenizer, "padding_side", "right") == "left":
+        raise ValueError("cls_prompt replaces the first token of every row, which under left padding is a padding "
+                         "token that attention never reads; use a right-padding tokenizer (tokenizer.padding_side "
+                         "= 'right')")
+    return cls_id
 
 
 def _check_options(pooler: str, mlp: str, attn_backend: str, prefix_mode: str) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path, PurePosixPath
 import torch
 from torch import nn
 
-from fastprompt.choices import MLP_MODES, POOLERS, check_choice
+from fastprompt.choices import FIRST_TOKEN_POOLERS, MLP_MODES, POOLERS, check_choice
 
 __all__ = ["Pooler", "POOLERS", "MLP_MODES", "NativePooling", "bn_mlp_head", "init_linear_layers", "native_pooling",
            "topk_token_representation"]
@@ -22,7 +22,8 @@ class Pooler(nn.Module):
     tokens), "mask" (state of the template's [MASK] token: PromptBERT's template representation), "topk"
     (PromptBERT's Eq. 3: the static embeddings of the k tokens the MLM head ranks highest at the [MASK],
     weighted by their normalised probabilities; see :func:`topk_token_representation`), "bn_mlp"
-    ([CLS] state with D2CSE's BatchNorm MLP head).
+    ([CLS] state with D2CSE's BatchNorm MLP head), "last" (the state of each row's last real token, left or
+    right padding alike: a causal decoder's only token that has seen the whole input, as decoder embedders pool).
     mlp: when the head is applied: "none", "train" (SimCSE's ``mlp_only_train``: training only) or "always".
     The head is SimCSE's Linear + Tanh for cls/mean/mask and DiffCSE's projection MLP for bn_mlp
     (:func:`bn_mlp_head`), its Linear weights drawn from N(0, ``init_std``) with zero biases: what
@@ -67,8 +68,12 @@ class Pooler(nn.Module):
         ``mask_positions`` ((B,) indices, optional) locates the template's [MASK] directly; without it the
         first mask token of each row is taken.
         """
-        if self.pooler in ("cls", "cls_before_pooler", "bn_mlp"):
+        if self.pooler in FIRST_TOKEN_POOLERS:
             return hidden[:, 0]
+        if self.pooler == "last":  # the highest real position: the row's last token, whichever side it is padded on
+            positions = torch.arange(1, hidden.shape[1] + 1, device=hidden.device)
+            last = (attention_mask.to(torch.long) * positions).argmax(1)
+            return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
         if self.pooler == "mean":
             m = attention_mask.to(hidden.dtype).unsqueeze(-1)
             return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
@@ -139,7 +144,7 @@ def topk_token_representation(mask_hidden: torch.Tensor, mlm_head: nn.Module, wo
 
 # ------------------------------------------------------------------ the model's own pooling
 #: sentence-transformers' pooling modes that a fastprompt pooler computes the same way
-ST_POOLING_MODES = {"cls": "cls", "mean": "mean"}
+ST_POOLING_MODES = {"cls": "cls", "mean": "mean", "lasttoken": "last"}
 #: the boolean keys older sentence-transformers versions write into the Pooling module's config.json
 _ST_LEGACY_MODE_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
                         "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",

@@ -59,3 +59,16 @@ def tiny_roberta_bpe_dir(tmp_path_factory) -> Path:
     config = _config(RobertaConfig, len(tok), pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1)
     RobertaForMaskedLM(config).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def mpnet_dir() -> Path:
+    """The real all-mpnet-base-v2, assembled offline by ``bash ../shared/models/fetch-mpnet.sh`` (into
+    $FASTPROMPT_MODELS or ~/.cache/fastprompt-models)."""
+    import os
+
+    root = Path(os.environ.get("FASTPROMPT_MODELS") or Path.home() / ".cache" / "fastprompt-models")
+    path = root / "all-mpnet-base-v2"
+    if not (path / ".complete").is_file():
+        pytest.skip(f"all-mpnet-base-v2 is not at {path}: assemble it with bash ../shared/models/fetch-mpnet.sh")
+    return path

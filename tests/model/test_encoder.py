@@ -157,7 +157,7 @@ def test_missing_model_path_is_a_clear_error(tmp_path):
 
 @pytest.mark.parametrize("option,value,allowed", [
     ("attn_backend", "bogus", "auto, triton, cpu, reference"),
-    ("pooler", "max", "cls, cls_before_pooler, mean, mask, topk, bn_mlp"),
+    ("pooler", "max", "cls, cls_before_pooler, mean, mask, topk, bn_mlp, last"),
     ("mlp", "sometimes", "none, train, always"),
     ("prefix_mode", "kv", "attention, cache"),
 ])

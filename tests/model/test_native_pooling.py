@@ -34,6 +34,8 @@ def test_the_installed_minilm_pools_by_mean(minilm_dir):
     ({"pooling_mode_mean_tokens": True}, "mean"),
     ({"pooling_mode": "cls", "include_prompt": True}, "cls"),  # sentence-transformers 6
     ({"pooling_mode": ["mean"]}, "mean"),
+    ({"pooling_mode": "lasttoken"}, "last"),  # decoder embedders (Qwen3-Embedding, e5-mistral)
+    ({"pooling_mode_lasttoken": True}, "last"),
 ])
 def test_both_config_layouts(tmp_path, config, pooler):
     found = native_pooling(_folder(tmp_path, ST_MODULES, config))
