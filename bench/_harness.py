@@ -257,15 +257,26 @@ def results_path(bench: str, device: str) -> Path:
     return RESULTS / f"{bench}_{device}.csv"
 
 
+#: The machine fields :func:`write_results` also writes into every CSV row: the CPU model and the vector ISA the
+#: run used (torch's kernels, fastprompt's C++ kernels).
+CPU_FIELDS = ("cpu", "cpu_capability", "cpu_isa")
+
+
 def machine(packages: Iterable[str] = ()) -> dict:
     """What the numbers depend on: versions (python, torch, and ``packages``: None where not installed), the
-    threads of this process, CPU/GPU model, and the load when the run started."""
+    threads of this process, CPU/GPU model, the vector ISA the run used, and the load when the run started.
+
+    ``cpu_capability`` is the level torch's own CPU kernels dispatch to (``torch.backends.cpu.get_cpu_capability()``:
+    DEFAULT, AVX2, AVX512, ...; ``ATEN_CPU_CAPABILITY`` lowers it), ``cpu_isa`` the x86-64 level fastprompt's C++
+    kernels run (``FASTPROMPT_CPU_ISA`` lowers it; None without the extension). The bench's child processes
+    inherit the environment, so they run the same levels."""
     from importlib.metadata import PackageNotFoundError, version
 
     import torch
 
     info = {"python": platform.python_version(), "torch": torch.__version__, "threads": torch.get_num_threads(),
-            "cpu": _cpu_model(), "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}
+            "cpu": _cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(), "cpu_isa": _cpu_isa(),
+            "cpus": os.cpu_count(), "loadavg_at_start": os.getloadavg()}
     if torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
     if packages:
@@ -287,6 +298,15 @@ def _cpu_model() -> str:
         return platform.processor()
 
 
+def _cpu_isa() -> str | None:
+    """The x86-64 level fastprompt's C++ kernels run (``fastprompt.ops.attention_cpu.isa``), None without them."""
+    try:
+        from fastprompt.ops import _cpp, attention_cpu
+    except ImportError:
+        return None
+    return attention_cpu.isa() if _cpp.available() else None
+
+
 def command_line() -> str:
     """This process's command as a reader would type it from the repository root: ``python bench/<script> ...``
     (the interpreter's path, and the root part of a script path inside the repository, left out)."""
@@ -298,12 +318,16 @@ def command_line() -> str:
 def write_results(rows: list[dict], path: Path, config_keys: Iterable[str], info: dict | None = None,
                   summary: dict | None = None) -> Path:
     """Write ``rows`` as CSV (:data:`LEADING`, ``config_keys``, :data:`MEASURES`, then the other columns in the
-    order they first appear) and a JSON sidecar (``path`` with .json) holding the command
-    (:func:`command_line`), ``info`` (e.g. :func:`machine`), ``summary`` and the rows. Both are replaced
-    atomically; called after every point, so an interrupted run keeps its rows."""
+    order they first appear, then :data:`CPU_FIELDS` from ``info``) and a JSON sidecar (``path`` with .json)
+    holding the command (:func:`command_line`), ``info`` (e.g. :func:`machine`), ``summary`` and the rows. Both
+    are replaced atomically; called after every point, so an interrupted run keeps its rows."""
+    info = info or {}
+    for r in rows:  # every row says which CPU and vector width its numbers come from
+        for k in CPU_FIELDS:
+            r.setdefault(k, info.get(k))
     fixed = [*LEADING, *config_keys, *MEASURES]
-    extra = [k for r in rows for k in r if k not in fixed]
-    columns = fixed + list(dict.fromkeys(extra))
+    extra = [k for r in rows for k in r if k not in fixed and k not in CPU_FIELDS]
+    columns = fixed + list(dict.fromkeys(extra)) + list(CPU_FIELDS)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "w", newline="") as fh:
@@ -311,7 +335,7 @@ def write_results(rows: list[dict], path: Path, config_keys: Iterable[str], info
         w.writeheader()
         w.writerows(rows)
     os.replace(tmp, path)
-    sidecar = {"command": command_line(), "machine": info or {}, "summary": summary or {}, "rows": rows}
+    sidecar = {"command": command_line(), "machine": info, "summary": summary or {}, "rows": rows}
     tmp_json = path.with_name(f".{path.stem}.json.tmp-{os.getpid()}")
     tmp_json.write_text(json.dumps(sidecar, indent=2) + "\n")
     os.replace(tmp_json, path.with_suffix(".json"))

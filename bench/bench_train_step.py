@@ -22,9 +22,12 @@ after ``--warmup`` (the compiled provider compiles in its setup). Memory: each p
 peak resident memory of one step above what was live before it (after a warm-up step, so the optimizer state is
 live: the steady-state step).
 
-FLOP floor: the matrix products a step cannot avoid, counted from the model's shapes (:func:`step_flops`): the
-forward of every view (projections, feed-forward, attention over P + S keys, the loss's similarity matrix) and the
-backward to activations only (the backbone is frozen: no weight gradients). The machine's fp32 matmul rate is
+FLOP floor: the matrix products a step cannot avoid, counted from the model's shapes by the library's count
+(:func:`fastprompt.train.flops.step_flops`, which the ``compile: null`` decision uses too): the forward of every
+view (projections, feed-forward, attention over P + S keys, the loss's similarity matrix) and the backward to
+activations only (the backbone is frozen: no weight gradients). ``gflop`` counts the padded step (every sequence
+``--seq`` tokens, what both sides run), ``gflop_real`` the batch's real tokens only (each sentence's own length,
+truncated to ``--seq``): the work a step without padding would do. The machine's fp32 matmul rate is
 measured in the timing process itself, two pseudo-providers alternating with the steps (so a change of load hits
 them alike): ``matmul_ffn``, one product of the feed-forward's shape ((2 B S x H) @ (H x F)), and ``matmul_attn``,
 one batched product of the attention's shape (QK^T: 2 B heads products of (S x d) @ (d x (P + S))); their medians
@@ -192,28 +195,9 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
 
 
 # ------------------------------------------------------------------------------------------------ FLOP floor
-def step_flops(cfg, pairs: int, seq: int, prompt_length: int) -> dict:
-    """Floating-point operations (2 per multiply-add) of the matrix products one step cannot avoid, by part.
-
-    Per sequence of S tokens, per layer, with hidden size H, feed-forward size F and P prefix keys: the forward
-    runs the Q/K/V/output projections (4 S H^2 multiply-adds), the feed-forward (2 S H F) and attention (QK^T and
-    PV over P + S keys: 2 S (P + S) H). The backward, with a frozen backbone, needs the gradient of each product's
-    input only: one product per projection and four per attention (dP, dV, dQ, dK: 4 S (P + S) H), since the
-    prefix's gradient flows back through every layer. Layer 0 needs less: its input comes from the frozen
-    embeddings, so no gradient into its Q/K/V projections' input, no dQ, and dK, dV of the P prefix keys only
-    (S (P + S) H + 2 S P H). The loss: the (B x B) cosine matrix over H and its two input gradients.
-    ``flops_attention`` is the part of the total in attention's batched products (the rest are plain matmuls).
-    """
-    H, F, L, S, P = cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, seq, prompt_length
-    rows = 2 * pairs
-    proj, ffn, attn = 4 * S * H * H, 2 * S * H * F, 2 * S * (P + S) * H
-    forward = rows * L * (proj + ffn + attn)
-    layer0_saving = 3 * S * H * H + 3 * S * (P + S) * H - 2 * S * P * H
-    backward = rows * (L * (proj + ffn + 2 * attn) - layer0_saving)
-    loss = 3 * pairs * pairs * H
-    attention = rows * (L * 3 * attn - (3 * S * (P + S) * H - 2 * S * P * H))  # QK^T, PV and their backward
-    return {"flops_forward": 2 * forward, "flops_backward": 2 * backward, "flops_loss": 2 * loss,
-            "flops_attention": 2 * attention, "flops": 2 * (forward + backward + loss)}
+def real_lengths(tokenizer, corpus, pairs: int, seq: int) -> list[int]:
+    """The real tokens of each sentence of a point's batch (:func:`sentences`, truncated to ``seq``, unpadded)."""
+    return [len(ids) for ids in tokenizer(sentences(corpus, pairs), truncation=True, max_length=seq)["input_ids"]]
 
 
 def matmul_shapes(cfg, pairs: int, seq: int, prompt_length: int) -> dict:
@@ -319,9 +303,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoTokenizer
 
     from fastprompt.model.resolve import resolve_model_path
+    from fastprompt.train.flops import step_flops
 
     providers = [s for s in args.providers.split(",") if s]
     unknown = set(providers) - set(PROVIDERS)
@@ -334,21 +319,22 @@ def main(argv=None):
             p.error("the baseline needs peft: pip install 'peft>=0.21' (or leave it out with --providers)")
     out = args.out or results_path("train_step", args.device)
     cfg = AutoConfig.from_pretrained(resolve_model_path(args.model), trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model), trust_remote_code=False)
     info = machine(("transformers", "peft"))
     rows, profiles = [], {}
     points = [(b, s) for s in map(int, args.seq.split(",")) for b in map(int, args.batches.split(","))]
     for i, (pairs, seq) in enumerate(points):
         config = dict(model=args.model, corpus=args.corpus, pairs=pairs, seq=seq, prompt_length=args.prompt_length,
                       dropout=args.dropout, device=args.device)
-        flops = step_flops(cfg, pairs, seq, args.prompt_length)
+        flops = step_flops(cfg, seq, args.prompt_length, rows=2 * pairs)
+        real = step_flops(cfg, 2 * real_lengths(tokenizer, args.corpus, pairs, seq), args.prompt_length)
         timings = run_fresh(__file__, "setup", config, mode="time", providers=[*providers, *MATMULS],
                             device=args.device, warmup=args.warmup, repeats=args.repeats, timeout=args.timeout)
         shapes = matmul_shapes(cfg, pairs, seq, args.prompt_length)
         rate = {m: shapes[m][2] / (timings[m].median_ms / 1e3) for m in MATMULS}  # FLOP/s
-        floor_ms = ((flops["flops"] - flops["flops_attention"]) / rate["matmul_ffn"]
-                    + flops["flops_attention"] / rate["matmul_attn"]) * 1e3
+        floor_ms = ((flops.total - flops.attention) / rate["matmul_ffn"] + flops.attention / rate["matmul_attn"]) * 1e3
         logger.info("pairs=%d seq=%d: %.1f GFLOP per step, matmul %.1f GFLOP/s (attention's shape %.1f), floor "
-                    "%.0f ms", pairs, seq, flops["flops"] / 1e9, rate["matmul_ffn"] / 1e9, rate["matmul_attn"] / 1e9,
+                    "%.0f ms", pairs, seq, flops.total / 1e9, rate["matmul_ffn"] / 1e9, rate["matmul_attn"] / 1e9,
                     floor_ms)
         point = []
         for provider in providers:
@@ -356,7 +342,8 @@ def main(argv=None):
             point.append(dict(bench="train_step", device=args.device, provider=provider, model=args.model,
                               pairs=pairs, seq=seq, prompt_length=args.prompt_length, **measured(t, ndigits=1),
                               floor_ms=round(floor_ms, 3), floor_fraction=round(floor_ms / t.median_ms, 3),
-                              gflop=round(flops["flops"] / 1e9, 2), matmul_gflops=_sig(rate["matmul_ffn"] / 1e9),
+                              gflop=round(flops.total / 1e9, 2), gflop_real=round(real.total / 1e9, 2),
+                              matmul_gflops=_sig(rate["matmul_ffn"] / 1e9),
                               attn_matmul_gflops=_sig(rate["matmul_attn"] / 1e9)))
         rows += point
         add_ratios(rows, BASELINE, CONFIG_KEYS)
@@ -375,7 +362,7 @@ def main(argv=None):
             add_ratios(rows, BASELINE, CONFIG_KEYS)
             write_results(rows, out, CONFIG_KEYS, info, summary={"profile_ms": profiles})  # after every process
     columns = ["provider", "pairs", "seq", "median_ms", "time_vs_baseline", "peak_mb", "mem_vs_baseline", "gflop",
-               "matmul_gflops", "attn_matmul_gflops", "floor_ms", "floor_fraction", "loss_nodrop"]
+               "gflop_real", "matmul_gflops", "attn_matmul_gflops", "floor_ms", "floor_fraction", "loss_nodrop"]
     print(markdown_table(rows, columns))
     for name, ms in profiles.items():
         print(f"\nms of one step by op category, {name}: " + json.dumps(ms))

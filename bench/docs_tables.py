@@ -58,6 +58,16 @@ def _ms(ms: float) -> str:
     return f"{ms:,.1f}" if ms < 10_000 else f"{ms:,.0f}"
 
 
+def _cpu(machine) -> str:
+    """The CPU model and the vector ISA the run used (torch's kernels, fastprompt's C++ kernels); results written
+    before the harness recorded the ISA say so."""
+    model = machine.get("cpu") or "unknown model"
+    if "cpu_capability" not in machine:
+        return f"{model}, vector ISA unknown (not recorded by that run)"
+    cpp = machine.get("cpu_isa") or "not built"
+    return f"{model}, vector ISA: torch {machine['cpu_capability'] or 'unknown'}, fastprompt C++ {cpp}"
+
+
 def _footer(rows, commands, machine) -> list[str]:
     pinned = ", ".join(f"{k} {v}" for k, v in sorted(machine["versions"].items()) if v)
     threads = sorted({r.get("threads") for r in rows if r.get("threads")})
@@ -65,7 +75,7 @@ def _footer(rows, commands, machine) -> list[str]:
                    f"{'/'.join(map(str, threads))} torch threads" if threads else "torch's default threads")
     where = ""
     if machine.get("cpus"):
-        where = (f" on {machine['cpus']} CPU cores ({machine.get('cpu', 'unknown model')}, load average "
+        where = (f" on {machine['cpus']} CPU cores ({_cpu(machine)}; load average "
                  f"{machine['loadavg_at_start'][0]:.1f} when the run started)")
     return ["", f"Measured with {pinned},", f"{per_process} per process{where} (ratios come from providers timed "
             "alternately in one process).", "Reproduce, then rewrite this table with `python bench/docs_tables.py`:",
@@ -112,7 +122,7 @@ def _or(value, fmt: str, missing: str = "") -> str:
 
 
 def train_step_table() -> str:
-    rows, commands, _, _ = _load(TRAIN_STEP)
+    rows, commands, machine, _ = _load(TRAIN_STEP)
     if not rows:
         return "(not measured)"
     lines = ["| pairs | tokens | provider | step (ms, median) | vs PEFT | peak memory (MiB) | vs PEFT "
@@ -125,7 +135,10 @@ def train_step_table() -> str:
     points = list(dict.fromkeys((r["pairs"], r["seq"]) for r in rows))
     first = {p: next(r for r in rows if (r["pairs"], r["seq"]) == p) for p in points}
     where = [f"{p} pairs, {s} tokens" for p, s in points]
-    lines += ["", "Per step: " + ", ".join(f"{first[p]['gflop']:.1f} GFLOP at {w}" for p, w in zip(points, where))
+    real = {p: f" ({first[p]['gflop_real']:.1f} of real tokens)" if first[p].get("gflop_real") else ""
+            for p in points}
+    lines += ["", f"Measured on {machine.get('cpus', 'unknown')} CPU cores: {_cpu(machine)}.",
+              "Per step: " + ", ".join(f"{first[p]['gflop']:.1f} GFLOP{real[p]} at {w}" for p, w in zip(points, where))
               + ".", "The fp32 matmul rate measured in the run, at the feed-forward's shape: "
               + ", ".join(f"{first[p]['matmul_gflops']:.1f}" for p in points) + " GFLOP/s"
               + ("; at the attention's shape: " + ", ".join(f"{first[p]['attn_matmul_gflops']:.1f}" for p in points)

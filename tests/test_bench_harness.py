@@ -10,6 +10,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 import _harness  # noqa: E402
@@ -93,12 +94,14 @@ def test_results_schema_ratios_and_sidecar(tmp_path):
     _harness.add_ratios(rows, "reference", ["n"])
     assert (rows[0]["time_vs_baseline"], rows[0]["mem_vs_baseline"]) == (0.25, 0.25)
     assert rows[1]["time_vs_baseline"] == 1.0 and rows[2]["time_vs_baseline"] is None  # no baseline at n=2
-    out = _harness.write_results(rows, tmp_path / "toy_cpu.csv", ["n"], info={"threads": 2}, summary={"k": 1})
+    info = {"threads": 2, "cpu": "Toy CPU", "cpu_capability": "AVX2"}  # no cpu_isa: the C++ kernels not built
+    out = _harness.write_results(rows, tmp_path / "toy_cpu.csv", ["n"], info=info, summary={"k": 1})
     with open(out) as fh:
-        header = next(csv.reader(fh))
-    assert header == ["bench", "device", "provider", "n", *_harness.MEASURES, "note"]
+        header, *lines = list(csv.reader(fh))
+    assert header == ["bench", "device", "provider", "n", *_harness.MEASURES, "note", *_harness.CPU_FIELDS]
+    assert {tuple(line[-3:]) for line in lines} == {("Toy CPU", "AVX2", "")}  # every row names its CPU
     sidecar = json.loads(out.with_suffix(".json").read_text())
-    assert sidecar["machine"] == {"threads": 2} and sidecar["summary"] == {"k": 1} and len(sidecar["rows"]) == 3
+    assert sidecar["machine"] == info and sidecar["summary"] == {"k": 1} and len(sidecar["rows"]) == 3
     assert _harness.results_path("toy", "cuda") == _harness.RESULTS / "toy_cuda.csv"
     table = _harness.markdown_table(rows, ["provider", "median_ms", "time_vs_baseline"])
     assert table.splitlines()[2] == "| fused | 1 | 0.25 |"
@@ -116,6 +119,10 @@ def test_measured_columns_and_machine(monkeypatch):
     info = _harness.machine(("pytest", "no-such-package-here"))
     assert info["versions"]["pytest"] == pytest.__version__ and info["versions"]["no-such-package-here"] is None
     assert "versions" not in _harness.machine()
+    # the vector ISA the run uses: torch's kernels' level, and fastprompt's C++ kernels' where built
+    assert info["cpu"] and info["cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    from fastprompt.ops import _cpp, attention_cpu
+    assert info["cpu_isa"] == (attention_cpu.isa() if _cpp.available() else None)
     monkeypatch.setattr(sys, "argv", [str(_harness.ROOT / "bench" / "bench_x.py"), "--n", "a b"])
     assert _harness.command_line() == "python bench/bench_x.py --n 'a b'"
     monkeypatch.setattr(sys, "argv", ["/elsewhere/script.py", "-q"])

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 
+from .flops import step_flops
+
 logger = logging.getLogger(__name__)
 
 #: Matrix work of a run (floating-point operations) from which ``compile: null`` compiles on a CPU: 2-4x the
@@ -22,27 +24,13 @@ logger = logging.getLogger(__name__)
 AUTO_MIN_RUN_FLOPS = 5e14
 
 
-def estimated_step_flops(backbone_config, rows: int, tokens: int, prompt_length: int = 0,
-                         train_backbone: bool = False) -> float:
-    """Floating-point operations of one step's matrix products: ``rows`` sequences of ``tokens`` tokens through
-    every layer (Q/K/V/output projections, feed-forward, attention over ``prompt_length + tokens`` keys), the
-    forward and the backward to the activations (as much again), plus the weight gradients when the backbone
-    trains (once more). Within a few percent of the training-step benchmark's FLOP floor, which also counts the
-    first layer's savings, the backward's second attention product and the loss."""
-    H = backbone_config.hidden_size
-    F = backbone_config.intermediate_size
-    L = backbone_config.num_hidden_layers
-    per_token = 4 * H * H + 2 * H * F + 2 * (prompt_length + tokens) * H  # multiply-adds, per layer
-    passes = 3 if train_backbone else 2  # forward, backward to the activations, weight gradients
-    return 2.0 * passes * L * per_token * tokens * rows
-
-
 def estimated_run_flops(config, backbone_config, steps: int, views: int = 2) -> float:
-    """The matrix work of ``steps`` steps of a run: ``batch_size * views`` sequences of ``max_length`` tokens each
-    (an upper bound on the padded length; ``views`` = 2, the fewest a contrastive method embeds)."""
-    step = estimated_step_flops(backbone_config, config.batch_size * views, config.max_length, config.prompt_length,
-                                config.train_backbone)
-    return step * max(int(steps), 0)
+    """The matrix work of ``steps`` steps of a run (:func:`fastprompt.train.flops.step_flops`): ``batch_size *
+    views`` sequences of ``max_length`` tokens each (an upper bound on the padded length; ``views`` = 2, the fewest
+    a contrastive method embeds)."""
+    step = step_flops(backbone_config, config.max_length, config.prompt_length, rows=config.batch_size * views,
+                      train_backbone=config.train_backbone)
+    return step.total * max(int(steps), 0)
 
 
 def resolve_compile(config, encoder, device, steps: int) -> bool:
