@@ -49,25 +49,26 @@ class ObjectiveConfig:
 
     name: str = option("simcse", "sentence-level objective: SimCSE's InfoNCE, PromCSE's InfoNCE + energy-based "
                        "hinge, or SKICSE's InfoNCE + SKI terms (needs a ski column)", choices=OBJECTIVE_NAMES,
-                       key="objective")
+                       key="objective", identity=True)
     temperature: float = option(0.05, "temperature of the cosine-similarity softmax (below 1e-3 float32 rounding "
-                                "of the cos/temperature logits swamps the loss)", ge=1e-3)
+                                "of the cos/temperature logits swamps the loss)", ge=1e-3, identity=True)
     hard_negative_weight: float = option(0.0, "added to each anchor's own hard-negative logit (log of SimCSE's "
-                                         "weight; 0 = weight 1)")
+                                         "weight; 0 = weight 1)", identity=True)
     hinge_margin: float = option(0.2, "margin m of the energy-based hinge max(0, m + cos(h, hardest negative) - "
-                                 "cos(h, h+))", ge=0.0)
+                                 "cos(h, h+))", ge=0.0, identity=True)
     hinge_weight: float | None = option(None, "weight of the hinge term; null: the objective's default "
-                                        "(simcse 0, promcse_eh 10)", ge=0.0)
-    loss_backend: str = option("auto", "implementation of the fused contrastive_loss op", choices=BACKENDS)
+                                        "(simcse 0, promcse_eh 10)", ge=0.0, identity=True)
+    loss_backend: str = option("auto", "implementation of the fused contrastive_loss op", choices=BACKENDS,
+                               identity=False)
     ski_weight: float = option(0.15, "skicse, sent0,ski rows: weight λ of L_ski in (1 - λ) L_simcse + λ L_ski",
-                               ge=0.0, le=1.0)
+                               ge=0.0, le=1.0, identity=True)
     ski1_weight: float = option(0.1, "skicse, NLI rows with a ski column: weight λ1 of L_ski1 (SKICSE Eq. 5: "
-                                "anchor the SKI, positive the entailment)", ge=0.0, le=1.0)
+                                "anchor the SKI, positive the entailment)", ge=0.0, le=1.0, identity=True)
     ski2_weight: float = option(0.3, "skicse, NLI rows with a ski column: weight λ2 of L_ski2 (SKICSE Eq. 6: "
-                                "anchor the sentence, positive its SKI)", ge=0.0, le=1.0)
+                                "anchor the sentence, positive its SKI)", ge=0.0, le=1.0, identity=True)
     ski2_denominator: str = option("printed", "skicse, NLI rows: the columns of Eq. 6's denominator: printed (the "
                                    "entailments and contradictions, as the paper prints it) or ski (the SKIs, "
-                                   "Eq. 2's form; docs/ski.md)", choices=SKI2_DENOMINATORS)
+                                   "Eq. 2's form; docs/ski.md)", choices=SKI2_DENOMINATORS, identity=True)
 
     def __post_init__(self):
         self.validate()
@@ -100,19 +101,20 @@ class MLMConfig:
     prompted encoder, with the backbone's MLM head (trained as in DCPCSE's code, or frozen)."""
 
     enabled: bool = option(False, "add the MLM token term (DCPCSE's do_mlm): 15% of each sentence's tokens "
-                           "predicted through the prompted encoder", key="do_mlm")
-    weight: float = option(0.1, "initial weight of the MLM term (DCPCSE's mlm_weight)", ge=0.0, key="mlm_weight")
+                           "predicted through the prompted encoder", key="do_mlm", identity=True)
+    weight: float = option(0.1, "initial weight of the MLM term (DCPCSE's mlm_weight)", ge=0.0, key="mlm_weight",
+                           identity=True)
     decay_rate: float = option(0.95, "the MLM weight is mlm_weight * mlm_decay_rate ** (step / mlm_decay_steps)",
-                               gt=0.0, le=1.0, key="mlm_decay_rate")
-    decay_steps: int = option(100, "steps per decay of the MLM weight", gt=0, key="mlm_decay_steps")
+                               gt=0.0, le=1.0, key="mlm_decay_rate", identity=True)
+    decay_steps: int = option(100, "steps per decay of the MLM weight", gt=0, key="mlm_decay_steps", identity=True)
     probability: float = option(0.15, "share of each sentence's tokens chosen for the MLM term (80% masked, 10% "
-                                "random, 10% kept)", gt=0.0, lt=1.0, key="mlm_probability")
+                                "random, 10% kept)", gt=0.0, lt=1.0, key="mlm_probability", identity=True)
     head: str = option("checkpoint", "MLM head: the checkpoint's, or tied_new: a new head tied to the word "
                        "embeddings with a trainable transform (for backbones saved without one; not the paper)",
-                       choices=MLM_HEADS, key="mlm_head")
+                       choices=MLM_HEADS, key="mlm_head", identity=True)
     train_head: bool = option(True, "train the checkpoint's MLM head with the prompt at learning_rate, its decoder "
                               "an untied copy of the word embeddings (DCPCSE's code, which produced the paper's "
-                              "numbers); false: frozen and tied", key="mlm_train_head")
+                              "numbers); false: frozen and tied", key="mlm_train_head", identity=True)
 
     def __post_init__(self):
         self.validate()
@@ -129,29 +131,31 @@ class CRTDConfig:
     """D2CSE's conditional replaced-token detection term (``rtd``); off while ``rtd_weight`` is 0."""
 
     weight: float = option(0.0, "initial weight λ of the replaced-token-detection term (D2CSE: 0.005); 0 = off",
-                           ge=0.0, key="rtd_weight")
+                           ge=0.0, key="rtd_weight", identity=True)
     decay_rate: float = option(1.0, "λ decays as rtd_weight * rtd_decay_rate ** (step / rtd_decay_steps); "
-                               "1 = constant (D2CSE)", gt=0.0, le=1.0, key="rtd_decay_rate")
-    decay_steps: int = option(1, "steps per decay of λ", ge=1, key="rtd_decay_steps")
+                               "1 = constant (D2CSE)", gt=0.0, le=1.0, key="rtd_decay_rate", identity=True)
+    decay_steps: int = option(1, "steps per decay of λ", ge=1, key="rtd_decay_steps", identity=True)
     masking_ratio: float = option(0.3, "share of each sentence's real, non-special tokens the generator replaces",
-                                  gt=0.0, lt=1.0, key="rtd_masking_ratio")
+                                  gt=0.0, lt=1.0, key="rtd_masking_ratio", identity=True)
     generator: str = option("random", "the replacement generator: the path of a Hugging Face masked LM sharing "
                             "the backbone's vocabulary (D2CSE: distilbert-base-uncased), or 'random' (uniform "
-                            "non-special tokens; for backbones with no such masked LM)", key="rtd_generator")
+                            "non-special tokens; for backbones with no such masked LM)", key="rtd_generator",
+                            identity=True)
     sampling: str = option("sample", "masked-LM generator: sample from its distribution, or take its argmax "
-                           "(DiffCSE's code)", choices=RTD_SAMPLING, key="rtd_sampling")
+                           "(DiffCSE's code)", choices=RTD_SAMPLING, key="rtd_sampling", identity=True)
     replacements_file: str | None = option(None, "replacements made ahead of training by `fastprompt "
                                            "make-replacements`; null: generate them on the fly",
-                                           key="rtd_replacements_file")
+                                           key="rtd_replacements_file", identity=True)
     discriminator: str = option("prompted", "discriminator: the backbone with the shared prompts (D2CSE design "
                                 "d) or without prompts (design a)", choices=RTD_DISCRIMINATORS,
-                                key="rtd_discriminator")
+                                key="rtd_discriminator", identity=True)
     condition: str = option("after_head", "conditional input at position 0: the sentence embedding after or "
                             "before the pooler head, or none (design c)", choices=RTD_CONDITIONS,
-                            key="rtd_condition")
+                            key="rtd_condition", identity=True)
     average: str = option("tokens", "the RTD loss (summed over the real tokens but position 0) is divided by "
                           "their number (tokens) or by every position of the padded batch, padding and "
-                          "position 0 included (positions: DiffCSE's mean)", choices=RTD_AVERAGES, key="rtd_average")
+                          "position 0 included (positions: DiffCSE's mean)", choices=RTD_AVERAGES, key="rtd_average",
+                          identity=True)
 
     def __post_init__(self):
         self.validate()
