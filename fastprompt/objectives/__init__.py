@@ -19,6 +19,8 @@ _LAZY = {
     "WeightSchedule": ".base",
     "ObjectiveConfig": ".config",
     "MLMConfig": ".config",
+    "OBJECTIVE_REGISTRY": ".config",
+    "register_objective": ".config",
     "MLMTerm": ".mlm",
     "PromCSEEH": ".promcse_eh",
     "SimCSE": ".simcse",
@@ -26,6 +28,7 @@ _LAZY = {
     "SKICSE": ".skicse",
     "OBJECTIVES": ".registry",
     "build_objective": ".registry",
+    "objective_class": ".registry",
     "objective_from_config": ".registry",
 }
 

@@ -1,9 +1,12 @@
-"""ObjectiveConfig: the training configuration's section for the sentence-level objective.
+"""ObjectiveConfig: the training configuration's section for the sentence-level objective, and the objectives'
+registry.
 
 Standard library only, so ``fastprompt train`` rejects a bad objective setting before torch loads. The
-objective classes (:mod:`fastprompt.objectives.simcse`, ...) are built from it by
-:func:`fastprompt.objectives.objective_from_config`. A token-level term (see :mod:`fastprompt.objectives.base`)
-adds its own section dataclass here, with flat keys prefixed by the term's name (``mlm_weight``, ...).
+objectives are registered here by name (:func:`register_objective`: where the class lives, imported only when
+one is built); the ``objective`` key's choices and the builder
+(:func:`fastprompt.objectives.objective_from_config`) read the registry. A token-level term (see
+:mod:`fastprompt.objectives.base`) adds its own section dataclass here, with flat keys prefixed by the term's
+name (``mlm_weight``, ...).
 """
 from __future__ import annotations
 
@@ -13,7 +16,6 @@ from dataclasses import dataclass
 from fastprompt.choices import (
     BACKENDS,
     MLM_HEADS,
-    OBJECTIVE_NAMES,
     RTD_AVERAGES,
     RTD_CONDITIONS,
     RTD_DISCRIMINATORS,
@@ -22,8 +24,39 @@ from fastprompt.choices import (
 )
 from fastprompt.fields import option, validate_fields
 
-#: hinge_weight when the config leaves it null: PromCSE's objective is L_CL + 10 L_EH, SimCSE's has none.
-DEFAULT_HINGE_WEIGHT = {"simcse": 0.0, "promcse_eh": 10.0, "skicse": 0.0}
+
+@dataclass(frozen=True)
+class ObjectiveEntry:
+    """A registered sentence-level objective: its class (a ``SentenceObjective`` dataclass, or ``"module:Class"``,
+    imported when the objective is built) and its hinge_weight when the config leaves it null."""
+
+    target: str | type
+    default_hinge_weight: float = 0.0
+
+
+#: name -> entry: the one list of sentence-level objectives, in the order of the ``objective`` key's choices.
+OBJECTIVE_REGISTRY: dict[str, ObjectiveEntry] = {}
+
+
+def register_objective(name: str, target: str | type, *, default_hinge_weight: float = 0.0) -> None:
+    """Make ``objective: name`` build ``target`` (a ``SentenceObjective`` dataclass or its ``"module:Class"``).
+
+    Its constructor arguments are read from :class:`ObjectiveConfig`'s fields of the same names (``backend``
+    from ``loss_backend``, ``hinge_weight`` resolved: the config's, else ``default_hinge_weight``); an argument
+    the config has no key for keeps the class's default. See ``docs/objectives.md``."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"an objective's name must be an identifier, got {name!r}")
+    if name in OBJECTIVE_REGISTRY:
+        raise ValueError(f"objective {name!r} is already registered ({OBJECTIVE_REGISTRY[name].target})")
+    if isinstance(target, str) and target.count(":") != 1:
+        raise ValueError(f"an objective's target is a class or 'module:Class', got {target!r}")
+    OBJECTIVE_REGISTRY[name] = ObjectiveEntry(target, float(default_hinge_weight))
+
+
+register_objective("simcse", "fastprompt.objectives.simcse:SimCSE")
+# PromCSE's objective is L_CL + 10 L_EH; the others have no hinge term unless asked.
+register_objective("promcse_eh", "fastprompt.objectives.promcse_eh:PromCSEEH", default_hinge_weight=10.0)
+register_objective("skicse", "fastprompt.objectives.skicse:SKICSE")
 
 
 def check_hinge_weight(objective: str, hinge_weight: float) -> None:
@@ -48,7 +81,7 @@ class ObjectiveConfig:
     """The sentence-level contrastive objective and the settings of its fused loss."""
 
     name: str = option("simcse", "sentence-level objective: SimCSE's InfoNCE, PromCSE's InfoNCE + energy-based "
-                       "hinge, or SKICSE's InfoNCE + SKI terms (needs a ski column)", choices=OBJECTIVE_NAMES,
+                       "hinge, or SKICSE's InfoNCE + SKI terms (needs a ski column)", choices=OBJECTIVE_REGISTRY,
                        key="objective", identity=True)
     temperature: float = option(0.05, "temperature of the cosine-similarity softmax (below 1e-3 float32 rounding "
                                 "of the cos/temperature logits swamps the loss)", ge=1e-3, identity=True)
@@ -85,7 +118,9 @@ class ObjectiveConfig:
     @property
     def resolved_hinge_weight(self) -> float:
         """hinge_weight, or the objective's default when it is null."""
-        return DEFAULT_HINGE_WEIGHT[self.name] if self.hinge_weight is None else self.hinge_weight
+        if self.hinge_weight is not None:
+            return self.hinge_weight
+        return OBJECTIVE_REGISTRY[self.name].default_hinge_weight
 
 
 def objective_default(field: str):
