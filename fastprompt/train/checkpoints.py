@@ -46,7 +46,7 @@ RUN_FILES = ("config.yaml", "train_log.csv", "train.log", "summary.json", "tenso
 #: The checkpoints of a run and what it writes into each beside the prompt checkpoint's own files.
 CHECKPOINT_EXTRAS = {"last": (METHOD_FILE, META_FILE, TENSORS_FILE), "best": ("train_info.json",)}
 #: Leftovers of an interrupted atomic write (fastprompt.io) or of the writability probe (preflight).
-_TRANSIENT = re.compile(r"\.(?:(?:last|best|config\.yaml|train_log\.csv|summary\.json)\.(?:old|tmp-\d+)"
+_TRANSIENT = re.compile(r"\.(?:(?:last|best|config\.yaml|train_log\.csv|summary\.json)\.(?:old|tmp-\d+(?:\.\w+)?)"
                         r"|fastprompt-write-test-\d+)")
 
 
