@@ -74,6 +74,19 @@ def validate_fields(obj) -> None:
         check_bounds(name, value, ge=meta.get("ge"), gt=meta.get("gt"), le=meta.get("le"), lt=meta.get("lt"))
 
 
+class Section:
+    """Base of a config dataclass whose fields are :func:`option` s: validates itself on construction (coercing
+    YAML strings to the annotated types) and on :meth:`validate`. A subclass with rules between its fields
+    overrides :meth:`validate`, calling ``super().validate()`` first."""
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        validate_fields(self)
+        return self
+
+
 def check_bounds(name: str, value, *, ge=None, gt=None, le=None, lt=None) -> None:
     """Raise ``ValueError`` naming ``name`` when ``value`` is outside the bounds. A closed lower bound with an
     upper bound, or an open lower bound with a closed upper bound, is reported as an interval

@@ -8,14 +8,14 @@ import dataclasses
 from dataclasses import dataclass, fields
 
 from fastprompt.choices import INIT_MODES, POSITION_MODES, PROMPT_TYPES
-from fastprompt.fields import option, validate_fields
+from fastprompt.fields import Section, option
 from fastprompt.messages import shown
 
 __all__ = ["PromptConfig", "INIT_MODES", "POSITION_MODES"]
 
 
 @dataclass
-class PromptConfig:
+class PromptConfig(Section):
     """The trainable prompt: its shape, parameterisation, initialisation and token positions.
 
     The hyper-parameters of :class:`~fastprompt.model.PrefixPrompt`; each field's help text documents it.
@@ -52,11 +52,8 @@ class PromptConfig:
     position_mode: str = option("standard", "token positions 0..S-1 (standard) or P..P+S-1 (shifted: the "
                                 "original PromCSE/DCPCSE code)", choices=POSITION_MODES, identity=True)
 
-    def __post_init__(self):
-        self.validate()
-
     def validate(self) -> "PromptConfig":
-        validate_fields(self)
+        super().validate()
         if self.shared_across_layers and self.input_layer_only:
             raise ValueError("shared_across_layers and input_layer_only are mutually exclusive")
         return self

@@ -22,7 +22,7 @@ from fastprompt.choices import (
     RTD_SAMPLING,
     SKI2_DENOMINATORS,
 )
-from fastprompt.fields import option, validate_fields
+from fastprompt.fields import Section, option
 
 
 @dataclass(frozen=True)
@@ -77,7 +77,7 @@ def check_ski_weights(ski_weight: float, ski1_weight: float, ski2_weight: float)
 
 
 @dataclass
-class ObjectiveConfig:
+class ObjectiveConfig(Section):
     """The sentence-level contrastive objective and the settings of its fused loss."""
 
     name: str = option("simcse", "sentence-level objective: SimCSE's InfoNCE, PromCSE's InfoNCE + energy-based "
@@ -103,11 +103,8 @@ class ObjectiveConfig:
                                    "entailments and contradictions, as the paper prints it) or ski (the SKIs, "
                                    "Eq. 2's form; docs/ski.md)", choices=SKI2_DENOMINATORS, identity=True)
 
-    def __post_init__(self):
-        self.validate()
-
     def validate(self) -> "ObjectiveConfig":
-        validate_fields(self)
+        super().validate()
         check_hinge_weight(self.name, self.resolved_hinge_weight)
         if self.name == "skicse":
             if self.resolved_hinge_weight:
@@ -131,7 +128,7 @@ def objective_default(field: str):
 
 
 @dataclass
-class MLMConfig:
+class MLMConfig(Section):
     """DCPCSE's auxiliary masked-language-model term (``do_mlm``): ``weight(step) * MLM loss`` through the
     prompted encoder, with the backbone's MLM head (trained as in DCPCSE's code, or frozen)."""
 
@@ -151,18 +148,15 @@ class MLMConfig:
                               "an untied copy of the word embeddings (DCPCSE's code, which produced the paper's "
                               "numbers); false: frozen and tied", key="mlm_train_head", identity=True)
 
-    def __post_init__(self):
-        self.validate()
-
     def validate(self) -> "MLMConfig":
-        validate_fields(self)
+        super().validate()
         if self.enabled and self.head == "tied_new" and not self.train_head:
             raise ValueError("mlm_head: tied_new is a new head: it must train (mlm_train_head: true)")
         return self
 
 
 @dataclass
-class CRTDConfig:
+class CRTDConfig(Section):
     """D2CSE's conditional replaced-token detection term (``rtd``); off while ``rtd_weight`` is 0."""
 
     weight: float = option(0.0, "initial weight λ of the replaced-token-detection term (D2CSE: 0.005); 0 = off",
@@ -191,13 +185,6 @@ class CRTDConfig:
                           "their number (tokens) or by every position of the padded batch, padding and "
                           "position 0 included (positions: DiffCSE's mean)", choices=RTD_AVERAGES, key="rtd_average",
                           identity=True)
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> "CRTDConfig":
-        validate_fields(self)
-        return self
 
     @property
     def enabled(self) -> bool:

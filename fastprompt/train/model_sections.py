@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastprompt.choices import TEMPLATE_POOLERS
-from fastprompt.fields import option, validate_fields
+from fastprompt.fields import Section, option
 from fastprompt.messages import shown
 
 SENTENCE, MASK = "[X]", "[MASK]"
@@ -25,7 +25,7 @@ def _check_template(key: str, text: str | None) -> None:
 
 
 @dataclass
-class TemplateConfig:
+class TemplateConfig(Section):
     """PromptBERT: the template every sentence is wrapped in, the views' templates and template denoising."""
 
     template: str | None = option(None, "the encoder's template, with one [X] (the sentence) and one [MASK]; "
@@ -43,11 +43,8 @@ class TemplateConfig:
     topk: int = option(200, "k of the topk pooler (PromptBERT Eq. 3; its Table 9 uses the top 200 tokens)", ge=1,
                        identity=True)
 
-    def __post_init__(self):
-        self.validate()
-
     def validate(self) -> "TemplateConfig":
-        validate_fields(self)
+        super().validate()
         _check_template("template", self.template)
         _check_template("second_template", self.second_template)
         return self
@@ -58,7 +55,7 @@ class TemplateConfig:
 
 
 @dataclass
-class BackboneConfig:
+class BackboneConfig(Section):
     """Full fine-tuning: the backbone trained next to the prompt, with its own learning rate and decay."""
 
     train_backbone: bool = option(False, "train the backbone's weights too (full fine-tuning; checkpoints then "
@@ -67,13 +64,6 @@ class BackboneConfig:
                                            "(train_backbone)", gt=0.0, identity=False)
     backbone_weight_decay: float = option(0.0, "AdamW weight decay of the backbone's weights (train_backbone)",
                                           ge=0.0, identity=False)
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> "BackboneConfig":
-        validate_fields(self)
-        return self
 
 
 def check_template_settings(config) -> None:
