@@ -9,9 +9,22 @@ Public API (imported lazily so ``import fastprompt`` stays cheap):
 - :func:`evaluate_sts` — the STS evaluation protocol (``fastprompt.eval``)
 - :func:`accelerate_peft` — fused prefix attention under a PEFT prefix-tuning model (``fastprompt.integrations``)
 """
+from typing import TYPE_CHECKING
+
 from fastprompt._lazy import lazy_getattr
 
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:  # the definitions, for type checkers and IDEs; at run time a name loads on first use
+    from fastprompt.eval import evaluate_sts as evaluate_sts
+    from fastprompt.integrations import accelerate_peft as accelerate_peft
+    from fastprompt.model import PrefixPrompt as PrefixPrompt
+    from fastprompt.model import PromptConfig as PromptConfig
+    from fastprompt.model import PromptEncoder as PromptEncoder
+    from fastprompt.ops import contrastive_loss as contrastive_loss
+    from fastprompt.ops import prefix_attention as prefix_attention
+    from fastprompt.train import TrainConfig as TrainConfig
+    from fastprompt.train import Trainer as Trainer
 
 _LAZY = {
     "PrefixPrompt": "fastprompt.model",
