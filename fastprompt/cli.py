@@ -24,7 +24,7 @@ from pathlib import Path
 # standard library only: keeps `fastprompt -h` light
 from fastprompt.arguments import add_trust_remote_code_arg, positive_int
 from fastprompt.choices import BACKENDS, DTYPES, POOLERS
-from fastprompt.io import atomic_file, check_output_file, read_utf8_lines
+from fastprompt.io import atomic_file, check_output_file, read_utf8_lines, write_text_atomic
 from fastprompt.train.cli import add_config_args, load_config_args  # noqa: F401  (kept importable from here)
 
 logger = logging.getLogger(__name__)
@@ -107,8 +107,7 @@ def _progress(args) -> bool | None:
 
 def _write_json(path: str | os.PathLike, data) -> None:
     """JSON in insertion order (tasks in table order), written atomically."""
-    with atomic_file(path, "--output") as tmp:
-        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n", "--output")
 
 
 # ------------------------------------------------------------------------------------------- eval

@@ -1,10 +1,11 @@
 """Crash-safe file output shared by checkpoints and training state, and the checked reading of input files.
 
-Every file and folder fastprompt writes goes through :func:`atomic_file` (files; :func:`write_text_atomic`
-and :func:`write_json_atomic` on top of it) or :func:`atomic_directory` (folders). Readers only ever see a
-complete file or directory: content is written into a hidden sibling, flushed to disk, then swapped in with
-renames. An interrupted write leaves the previous version untouched (at worst
-parked at ``.<name>.old`` for the instant between the two renames; :func:`recover_directory` puts it back).
+A file fastprompt writes whole goes through :func:`atomic_file` (:func:`write_text_atomic` and
+:func:`write_json_atomic` on top of it), a folder through :func:`atomic_directory` (append-only logs and JSONL
+stores grow in place instead). Readers only ever see a complete file or directory: content is written into a
+hidden sibling, flushed to disk, then swapped in with renames. An interrupted write leaves the previous version
+untouched (at worst parked at ``.<name>.old`` for the instant between the two renames; :func:`recover_directory`
+puts it back).
 """
 from __future__ import annotations
 
