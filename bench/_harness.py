@@ -38,6 +38,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from fastprompt.io import atomic_file, write_text_atomic
+
 ROOT = Path(__file__).resolve().parents[1]
 #: Where every bench writes its results (committed: the docs' tables are made from them).
 RESULTS = ROOT / "bench" / "results"
@@ -328,17 +330,12 @@ def write_results(rows: list[dict], path: Path, config_keys: Iterable[str], info
     fixed = [*LEADING, *config_keys, *MEASURES]
     extra = [k for r in rows for k in r if k not in fixed and k not in CPU_FIELDS]
     columns = fixed + list(dict.fromkeys(extra)) + list(CPU_FIELDS)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", newline="") as fh:
+    with atomic_file(path, "results") as tmp, open(tmp, "w", newline="") as fh:
         w = csv.DictWriter(fh, fieldnames=columns)
         w.writeheader()
         w.writerows(rows)
-    os.replace(tmp, path)
     sidecar = {"command": command_line(), "machine": info, "summary": summary or {}, "rows": rows}
-    tmp_json = path.with_name(f".{path.stem}.json.tmp-{os.getpid()}")
-    tmp_json.write_text(json.dumps(sidecar, indent=2) + "\n")
-    os.replace(tmp_json, path.with_suffix(".json"))
+    write_text_atomic(path.with_suffix(".json"), json.dumps(sidecar, indent=2) + "\n", "results")
     return path
 
 

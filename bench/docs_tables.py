@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import sys
 from pathlib import Path
+
+from fastprompt.io import write_text_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -207,9 +208,7 @@ def main(argv=None) -> int:
         if args.check:
             stale.append(str(doc))
             continue
-        tmp = doc.with_name(f".{doc.name}.tmp")
-        tmp.write_text(new, encoding="utf-8")
-        os.replace(tmp, doc)  # atomic: a crash leaves the old document
+        write_text_atomic(doc, new, "document")  # a crash leaves the old document
     if stale:
         print(f"{', '.join(stale)} out of date: run python bench/docs_tables.py", file=sys.stderr)
         return 1

@@ -10,9 +10,22 @@ Public API (imported lazily so ``import fastprompt`` stays cheap):
 - :func:`accelerate_peft`, :func:`restore_peft` — fused prefix attention under a PEFT prefix-tuning model, and back
   (``fastprompt.integrations``)
 """
-from fastprompt._lazy import lazy_getattr
+from typing import TYPE_CHECKING
 
-__version__ = "0.1.0"
+from fastprompt._lazy import lazy_getattr
+from fastprompt._version import __version__
+
+if TYPE_CHECKING:  # the definitions, for type checkers and IDEs; at run time a name loads on first use
+    from fastprompt.eval import evaluate_sts as evaluate_sts
+    from fastprompt.integrations import accelerate_peft as accelerate_peft
+    from fastprompt.integrations import restore_peft as restore_peft
+    from fastprompt.model import PrefixPrompt as PrefixPrompt
+    from fastprompt.model import PromptConfig as PromptConfig
+    from fastprompt.model import PromptEncoder as PromptEncoder
+    from fastprompt.ops import contrastive_loss as contrastive_loss
+    from fastprompt.ops import prefix_attention as prefix_attention
+    from fastprompt.train import TrainConfig as TrainConfig
+    from fastprompt.train import Trainer as Trainer
 
 _LAZY = {
     "PrefixPrompt": "fastprompt.model",

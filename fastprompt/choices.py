@@ -45,8 +45,6 @@ POSITION_MODES = ("standard", "shifted")
 TRAIN_DEVICE_TYPES = ("auto", "cpu", "cuda")
 #: Training precision (autocast dtype).
 PRECISIONS = ("fp32", "bf16", "fp16")
-#: Training objectives by name.
-OBJECTIVE_NAMES = ("simcse", "promcse_eh", "skicse")
 #: Where the MLM term's head comes from: the backbone's checkpoint, or a new head tied to the word embeddings.
 MLM_HEADS = ("checkpoint", "tied_new")
 #: The replaced-token-detection term (D2CSE): its discriminator (the backbone with the shared prompts, or

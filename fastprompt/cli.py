@@ -5,9 +5,11 @@ and calls ``set_defaults(func=run_<name>)`` where ``run_<name>(args) -> int`` is
 live in its own module), then list it in :data:`SUBCOMMANDS` as ``"module:function"``. Modules are
 imported only when the parser is built, and heavy imports (torch, transformers) belong inside ``run_*``
 so that ``fastprompt -h`` stays fast. Model-loading subcommands reuse :func:`add_model_args` and
-:func:`load_encoder`; subcommands that read a training config reuse :func:`add_config_args` and
-:func:`load_config_args`. ValueError, OSError (a missing file, a full disk, ...) and ImportError raised by a subcommand
-are reported as ``fastprompt <name>: error: ...`` with exit status 2, without a traceback.
+:func:`load_encoder`; subcommands that read a training config reuse ``add_config_args`` and
+``load_config_args`` (:mod:`fastprompt.train.cli`); the argparse pieces every command module may use are in
+:mod:`fastprompt.arguments`. Nothing in the package imports this module (``lint-imports`` checks it).
+ValueError, OSError (a missing file, a full disk, ...) and ImportError raised by a subcommand are reported as
+``fastprompt <name>: error: ...`` with exit status 2, without a traceback.
 """
 from __future__ import annotations
 
@@ -20,8 +22,10 @@ import sys
 from pathlib import Path
 
 # standard library only: keeps `fastprompt -h` light
+from fastprompt.arguments import add_trust_remote_code_arg, positive_int
 from fastprompt.choices import BACKENDS, DTYPES, POOLERS
-from fastprompt.io import atomic_file, check_output_file, read_utf8_lines
+from fastprompt.io import atomic_file, check_output_file, read_utf8_lines, write_text_atomic
+from fastprompt.train.cli import add_config_args, load_config_args  # noqa: F401  (kept importable from here)
 
 logger = logging.getLogger(__name__)
 
@@ -35,36 +39,8 @@ SUBCOMMANDS: list[str] = [
     "fastprompt.integrations.cli:add_import_parser",
     "fastprompt.data.ski.cli:add_generate_ski_parser",
     "fastprompt.data.ski.join_cli:add_join_ski_parser",
-    "fastprompt.data.replacements_cli:add_make_replacements_parser",
+    "fastprompt.train.replacements_cli:add_make_replacements_parser",
 ]
-
-
-# ------------------------------------------------------------------------------ shared config options
-def add_config_args(p: argparse.ArgumentParser, *, required: bool = False) -> None:
-    """--config/-c (a YAML recipe) and --set KEY=VALUE (repeatable), read by :func:`load_config_args`."""
-    p.add_argument("--config", "-c", required=required,
-                   help="YAML recipe (keys: fastprompt train --help-config)" + ("" if required else
-                                                                                 "; defaults if omitted"))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable; the value is parsed as YAML: 1e-3, true, null)")
-    add_trust_remote_code_arg(p, "shorthand for --set trust_remote_code=true: ")
-
-
-def add_trust_remote_code_arg(p: argparse.ArgumentParser, prefix: str = "") -> None:
-    """--trust-remote-code: the only way a model folder's own Python code runs (fastprompt.remote_code)."""
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help=prefix + "let a model whose folder names its own Python code (auto_map in config.json) run "
-                        "it; without it such a model is refused and no code of it runs. Read the code first")
-
-
-def load_config_args(args: argparse.Namespace, **keys):
-    """The :class:`~fastprompt.train.TrainConfig` of ``--config`` with the ``--set`` overrides, then ``keys`` on top
-    (standard library + PyYAML only: a bad config fails before torch is imported)."""
-    from fastprompt.train.config import load_config, parse_overrides
-
-    if getattr(args, "trust_remote_code", False):
-        keys = {"trust_remote_code": True, **keys}
-    return load_config(args.config, {**parse_overrides(args.overrides), **keys})
 
 
 # ------------------------------------------------------------------------------ shared model options
@@ -83,14 +59,14 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                         "tokens (mean), [MASK] state of the template (mask), PromptBERT's top-k weighted token "
                         "embeddings predicted at the [MASK] (topk; needs the MLM head), BatchNorm-MLP head (bn_mlp); "
                         "default: the checkpoint's, else cls")
-    g.add_argument("--max-length", type=_positive_int, metavar="N",
+    g.add_argument("--max-length", type=positive_int, metavar="N",
                    help="truncate sentences to N tokens (default: the checkpoint's, else min(model max, 512); "
                         "sentence-transformers uses 256 for all-MiniLM-L6-v2)")
     g.add_argument("--template", metavar="TEXT",
                    help='PromptBERT template with [X] (the sentence) and [MASK], e.g. \'This sentence : "[X]" means '
                         '[MASK] .\' (default: the checkpoint\'s; with --pooler mask and none, that one); with a '
                         'template --max-length counts the sentence\'s own tokens, the template comes on top')
-    g.add_argument("--topk", type=_positive_int, metavar="K",
+    g.add_argument("--topk", type=positive_int, metavar="K",
                    help="k of the topk pooler: the static embeddings of the K tokens the MLM head ranks highest at "
                         "the [MASK], weighted by their probabilities (PromptBERT Eq. 3; default: the "
                         "checkpoint's, else 200, PromptBERT's Table 9)")
@@ -98,7 +74,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help="PromptBERT template denoising: subtract the [MASK] state of the template fed alone "
                         "(needs --pooler mask, or topk: top-k of the denoised state, PromptBERT's Table 9; "
                         "default: the checkpoint's, else off)")
-    g.add_argument("--batch-size", type=_positive_int, default=64, metavar="N", help="sentences per batch (64)")
+    g.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="sentences per batch (64)")
     g.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available)")
     g.add_argument("--dtype", choices=DTYPES, default="float32", help="backbone weights dtype (float32)")
     g.add_argument("--attn-backend", choices=BACKENDS, default="auto",
@@ -126,24 +102,13 @@ def load_encoder(args: argparse.Namespace):
     return encoder.to(device).eval()
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
 def _progress(args) -> bool | None:
     return False if getattr(args, "no_progress", False) else None  # None: a bar when stderr is a terminal
 
 
 def _write_json(path: str | os.PathLike, data) -> None:
     """JSON in insertion order (tasks in table order), written atomically."""
-    with atomic_file(path, "--output") as tmp:
-        tmp.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    write_text_atomic(path, json.dumps(data, indent=2) + "\n", "--output")
 
 
 # ------------------------------------------------------------------------------------------- eval
@@ -198,7 +163,7 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="--geometry's retrieval queries: pairs with gold score >= SCORE (default 4)")
     x.add_argument("--retrieval-exact", action="store_true",
                    help="queries with gold score == --retrieval-threshold (D2CSE: exactly 5)")
-    x.add_argument("--bootstrap", type=_positive_int, metavar="N",
+    x.add_argument("--bootstrap", type=positive_int, metavar="N",
                    help="95%% bootstrap confidence interval of every score from N resamples of the pairs")
     x.add_argument("--plot", metavar="FILE.png",
                    help="cosine-similarity density per gold-score group (.png/.pdf/.svg; needs matplotlib)")
@@ -331,7 +296,7 @@ def run_encode(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fastprompt", description="Deep-prompt contrastive sentence embeddings: train, evaluate, encode.")
-    from fastprompt import __version__
+    from fastprompt._version import __version__
 
     parser.add_argument("--version", action="version", version=f"fastprompt {__version__}")
     parser.add_argument("-v", "--verbose", action="count", default=0, help="more log output (-vv: debug)")

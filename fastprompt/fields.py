@@ -21,25 +21,39 @@ from fastprompt.messages import shown
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple[str, ...] | None = None,
            ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
-           key: str | None = None, default_factory: Any = dataclasses.MISSING) -> Any:
+           key: str | None = None, identity: bool | None = None,
+           default_factory: Any = dataclasses.MISSING) -> Any:
     """A dataclass field with its documentation and rules.
 
-    help: one line, shown in the config reference. choices: the allowed values. ge/gt/le/lt: numeric bounds
-    (``>= ge``, ``> gt``, ``<= le``, ``< lt``; at most one lower and one upper bound; None values of optional
-    fields are not checked). key: the flat configuration key when it differs from the field name
-    (``PromptConfig.init`` is ``prompt_init``).
+    help: one line, shown in the config reference. choices: the allowed values (a tuple, or a mapping whose keys
+    are, read at each check: a registry). ge/gt/le/lt: numeric bounds (``>= ge``, ``> gt``, ``<= le``, ``< lt``;
+    at most one lower and one upper bound; None values of optional fields are not checked). key: the flat
+    configuration key when it differs from the field name (``PromptConfig.init`` is ``prompt_init``).
+    identity: whether the key is part of a training run's identity, so that a run may not resume a checkpoint
+    written with another value (:func:`identity_keys`). True for what the trained parameters are, what the
+    evaluated embedding is, and what loss the run minimises on which batches (the objective and its terms'
+    definitions and weights, the data's tokens and batches, the seed); False for how it gets there (learning
+    rate, schedule length, precision, implementations, memory strategy), evaluation and the run's plumbing:
+    those may change between an interrupt and a resume, with a warning. Every field of a training-config
+    section decides (a test checks), so a new key cannot silently fall on either side.
     """
     if not help or "\n" in help:
         raise ValueError("every config field needs a one-line help text")
     if (ge is not None and gt is not None) or (le is not None and lt is not None):
         raise ValueError("give at most one lower bound (ge or gt) and one upper bound (le or lt)")
-    metadata = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt, "key": key}
+    metadata = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt, "key": key,
+                "identity": identity}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
 def flat_key(f: dataclasses.Field) -> str:
     """The configuration key of a field (its name unless :func:`option` gave another)."""
     return f.metadata.get("key") or f.name
+
+
+def identity_keys(*classes: type) -> tuple[str, ...]:
+    """The flat keys of the fields of ``classes`` declared ``option(..., identity=True)``, in field order."""
+    return tuple(flat_key(f) for cls in classes for f in dataclasses.fields(cls) if f.metadata.get("identity"))
 
 
 def validate_fields(obj) -> None:
@@ -58,6 +72,19 @@ def validate_fields(obj) -> None:
         if meta.get("choices") is not None:
             check_choice(name, value, meta["choices"])
         check_bounds(name, value, ge=meta.get("ge"), gt=meta.get("gt"), le=meta.get("le"), lt=meta.get("lt"))
+
+
+class Section:
+    """Base of a config dataclass whose fields are :func:`option` s: validates itself on construction (coercing
+    YAML strings to the annotated types) and on :meth:`validate`. A subclass with rules between its fields
+    overrides :meth:`validate`, calling ``super().validate()`` first."""
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self):
+        validate_fields(self)
+        return self
 
 
 def check_bounds(name: str, value, *, ge=None, gt=None, le=None, lt=None) -> None:

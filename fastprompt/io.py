@@ -1,8 +1,11 @@
-"""Crash-safe file output shared by checkpoints and training state.
+"""Crash-safe file output shared by checkpoints and training state, and the checked reading of input files.
 
-Readers only ever see a complete directory: content is written into a hidden sibling, flushed to disk,
-then swapped in with renames. An interrupted write leaves the previous version untouched (at worst
-parked at ``.<name>.old`` for the instant between the two renames; :func:`recover_directory` puts it back).
+A file fastprompt writes whole goes through :func:`atomic_file` (:func:`write_text_atomic` and
+:func:`write_json_atomic` on top of it), a folder through :func:`atomic_directory` (append-only logs and JSONL
+stores grow in place instead). Readers only ever see a complete file or directory: content is written into a
+hidden sibling, flushed to disk, then swapped in with renames. An interrupted write leaves the previous version
+untouched (at worst parked at ``.<name>.old`` for the instant between the two renames; :func:`recover_directory`
+puts it back).
 """
 from __future__ import annotations
 
@@ -162,7 +165,8 @@ def check_apart(output: str | os.PathLike, inputs, what: str = "--output") -> No
 
 @contextlib.contextmanager
 def atomic_file(path: str | os.PathLike, what: str = "output"):
-    """Yield a temporary path next to ``path`` (same suffix); on success it atomically replaces ``path``.
+    """Yield a temporary path next to ``path`` (``.<name>.tmp-<pid><suffix>``: hidden, and with the suffix that
+    writers such as ``numpy.save`` go by); on success it is flushed to disk and atomically replaces ``path``.
 
     On any failure the temporary file is removed and ``path`` is left as it was; an OSError (disk full,
     permission denied, ...) is re-raised as one whose message says so, with the original as its cause.
@@ -170,7 +174,7 @@ def atomic_file(path: str | os.PathLike, what: str = "output"):
     path = check_output_file(path, what)
     existed = path.exists()
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.stem}.tmp-{os.getpid()}{path.suffix}"
+    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}{path.suffix}"
     try:
         yield tmp
         with open(tmp, "rb") as fh:
@@ -187,16 +191,16 @@ def atomic_file(path: str | os.PathLike, what: str = "output"):
         raise
 
 
-def write_json_atomic(path: str | os.PathLike, data) -> None:
-    """Write JSON to ``path`` via a temporary file and ``os.replace``."""
-    path = Path(path)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as fh:
-        json.dump(data, fh, indent=2, sort_keys=True)
-        fh.write("\n")
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+def write_text_atomic(path: str | os.PathLike, text: str, what: str = "output") -> None:
+    """Write UTF-8 ``text`` to ``path`` (newlines as given) through :func:`atomic_file`: readers see the old file or
+    the new one, never a half-written one."""
+    with atomic_file(path, what) as tmp, open(tmp, "w", encoding="utf-8", newline="") as fh:
+        fh.write(text)
+
+
+def write_json_atomic(path: str | os.PathLike, data, what: str = "output") -> None:
+    """Write ``data`` as indented JSON with sorted keys to ``path`` through :func:`atomic_file`."""
+    write_text_atomic(path, json.dumps(data, indent=2, sort_keys=True) + "\n", what)
 
 
 _KINDS = ((stat.S_ISCHR, "a character device (a terminal, /dev/zero, ...)"), (stat.S_ISFIFO, "a pipe"),
@@ -286,20 +290,3 @@ def read_utf8_lines(path: str | os.PathLike, what: str = "file") -> list[str]:
     if lines and lines[-1] == "":
         lines.pop()
     return [line[:-1] if line.endswith("\r") else line for line in lines]
-
-
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write UTF-8 ``text`` to ``path`` via a flushed temporary sibling and ``os.replace``: readers see the
-    old file or the new one, never a half-written one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.parent / f".{path.name}.tmp-{os.getpid()}"
-    try:
-        with open(tmp, "w", encoding="utf-8", newline="") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise

@@ -37,7 +37,8 @@ if [ "$PROFILE" = quickstart ]; then
 else
     # Triton: the kernels' tests run them on the CPU in its interpreter; cmake: the CMake build's test; gensim: the
     # builtin Wikipedia corpus
-    $PIP install -q "${PIN[@]}" "${MAIN[@]}" "triton==3.7.1" cmake pytest pytest-benchmark hypothesis "ruff==0.17.6" gensim
+    $PIP install -q "${PIN[@]}" "${MAIN[@]}" "triton==3.7.1" cmake pytest pytest-benchmark hypothesis "ruff==0.17.6" \
+        "import-linter==2.16" gensim
     # fastprompt.integrations' libraries (optional for users; the tests check against them); sentence-transformers'
     # trainer needs datasets and accelerate
     $PIP install -q "${PIN[@]}" "sentence-transformers>=6.0" "peft>=0.21" "mteb>=2.0" datasets accelerate

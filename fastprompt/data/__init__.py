@@ -9,7 +9,27 @@
 
 Imported lazily, so that ``fastprompt -h`` (which registers ``fastprompt.data.ski.cli``) loads no torch.
 """
+from typing import TYPE_CHECKING
+
 from fastprompt._lazy import lazy_getattr
+
+if TYPE_CHECKING:  # the definitions, for type checkers and IDEs; at run time a name loads on first use
+    from fastprompt.data.builtin import builtin_wiki_corpus as builtin_wiki_corpus
+    from fastprompt.data.builtin import write_builtin_corpus as write_builtin_corpus
+    from fastprompt.data.collate import Batch as Batch
+    from fastprompt.data.collate import Collator as Collator
+    from fastprompt.data.collate import hf_tokenize as hf_tokenize
+    from fastprompt.data.corpus import BUILTIN_WIKI as BUILTIN_WIKI
+    from fastprompt.data.corpus import TrainExamples as TrainExamples
+    from fastprompt.data.corpus import load_train_file as load_train_file
+    from fastprompt.data.corpus import read_pair_csv as read_pair_csv
+    from fastprompt.data.corpus import read_text_corpus as read_text_corpus
+    from fastprompt.data.sampler import UniqueBatchSampler as UniqueBatchSampler
+    from fastprompt.data.sampler import sentence_keys as sentence_keys
+    from fastprompt.data.ski.files import SKI_COLUMNS as SKI_COLUMNS
+    from fastprompt.data.ski.files import SKI_TRIPLET_COLUMNS as SKI_TRIPLET_COLUMNS
+    from fastprompt.data.ski.files import join_ski as join_ski
+    from fastprompt.data.ski.files import read_ski_csv as read_ski_csv
 
 _LAZY = {
     "BUILTIN_WIKI": "fastprompt.data.corpus",

@@ -14,6 +14,7 @@ import re
 from pathlib import Path
 
 from fastprompt.data.corpus import BUILTIN_WIKI, TrainExamples
+from fastprompt.io import write_text_atomic
 
 logger = logging.getLogger(__name__)
 
@@ -84,5 +85,5 @@ def builtin_wiki_corpus() -> TrainExamples:
 def write_builtin_corpus(path: str | Path) -> int:
     """Write the embedded corpus to ``path``, one sentence per line; returns the number of sentences."""
     sentences = extract_sentences()
-    Path(path).write_text("".join(s + "\n" for s in sentences), encoding="utf-8")
+    write_text_atomic(path, "".join(s + "\n" for s in sentences), "corpus")
     return len(sentences)

@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
+from fastprompt.io import atomic_file
+
 from .sts import STSData, cosine_similarity_pairs
 
 
@@ -189,7 +191,9 @@ def plot_cosine_density(
     ax.set_title(title or f"{data.name}: cosine similarity by gold score")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
-    plt.close(fig)
+    try:
+        with atomic_file(path, "plot") as tmp:  # the temporary keeps the suffix: savefig's format
+            fig.savefig(tmp)
+    finally:
+        plt.close(fig)
     return path

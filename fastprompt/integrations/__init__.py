@@ -16,7 +16,29 @@ and an integration's own library is needed only by that integration):
 - :mod:`~fastprompt.integrations.papers` — :func:`import_promcse`: PromCSE/DCPCSE checkpoints of the papers' code
 - :mod:`~fastprompt.integrations.cli` — ``fastprompt export`` and ``fastprompt import``
 """
+from typing import TYPE_CHECKING
+
 from fastprompt._lazy import lazy_getattr
+
+if TYPE_CHECKING:  # the definitions, for type checkers and IDEs; at run time a name loads on first use
+    from fastprompt.integrations.mteb import MTEBEncoder as MTEBEncoder
+    from fastprompt.integrations.papers import import_promcse as import_promcse
+    from fastprompt.integrations.peft import export_peft as export_peft
+    from fastprompt.integrations.peft import import_peft as import_peft
+    from fastprompt.integrations.peft_attention import accelerate_peft as accelerate_peft
+    from fastprompt.integrations.peft_attention import restore_peft as restore_peft
+    from fastprompt.integrations.sentence_transformers import PromptEncoderModule as PromptEncoderModule
+    from fastprompt.integrations.sentence_transformers import (
+        export_sentence_transformers as export_sentence_transformers,
+    )
+    from fastprompt.integrations.st_loss import CachedMultipleNegativesRankingLoss as CachedMultipleNegativesRankingLoss
+    from fastprompt.integrations.st_loss import (
+        CachedMultipleNegativesSymmetricRankingLoss as CachedMultipleNegativesSymmetricRankingLoss,
+    )
+    from fastprompt.integrations.st_loss import MultipleNegativesRankingLoss as MultipleNegativesRankingLoss
+    from fastprompt.integrations.st_loss import (
+        MultipleNegativesSymmetricRankingLoss as MultipleNegativesSymmetricRankingLoss,
+    )
 
 _LAZY = {
     "export_sentence_transformers": "fastprompt.integrations.sentence_transformers",

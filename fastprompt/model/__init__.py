@@ -4,7 +4,26 @@
 Imported lazily, so that :class:`PromptConfig` (standard library only) loads without torch: a training config
 validates before any model code is imported.
 """
+from typing import TYPE_CHECKING
+
 from fastprompt._lazy import lazy_getattr
+
+if TYPE_CHECKING:  # the definitions, for type checkers and IDEs; at run time a name loads on first use
+    from .config import PromptConfig as PromptConfig
+    from .device import resolve_device as resolve_device
+    from .encoder import DEFAULT_TEMPLATE as DEFAULT_TEMPLATE
+    from .encoder import PromptEncoder as PromptEncoder
+    from .pooling import MLP_MODES as MLP_MODES
+    from .pooling import POOLERS as POOLERS
+    from .pooling import Pooler as Pooler
+    from .prefix import PrefixPrompt as PrefixPrompt
+    from .promptbert import PROMPTBERT_TEMPLATES as PROMPTBERT_TEMPLATES
+    from .promptbert import PromptBERTConfig as PromptBERTConfig
+    from .promptbert import TemplateViews as TemplateViews
+    from .promptbert import embed_views as embed_views
+    from .promptbert import tokenize_views as tokenize_views
+    from .resolve import model_reference as model_reference
+    from .resolve import resolve_model_path as resolve_model_path
 
 _LAZY = {
     "PromptConfig": ".config",

@@ -128,7 +128,7 @@ def check_save_target(path: str | os.PathLike, overwrite: bool = False) -> None:
 
 def save_checkpoint(encoder, checkpoint_dir: str | os.PathLike, overwrite: bool = False) -> Path:
     """Write the checkpoint atomically; see :func:`check_save_target` for what may be replaced."""
-    from fastprompt import __version__
+    from fastprompt._version import __version__
 
     check_save_target(checkpoint_dir, overwrite)
 

@@ -1,9 +1,12 @@
-"""ObjectiveConfig: the training configuration's section for the sentence-level objective.
+"""ObjectiveConfig: the training configuration's section for the sentence-level objective, and the objectives'
+registry.
 
 Standard library only, so ``fastprompt train`` rejects a bad objective setting before torch loads. The
-objective classes (:mod:`fastprompt.objectives.simcse`, ...) are built from it by
-:func:`fastprompt.objectives.objective_from_config`. A token-level term (see :mod:`fastprompt.objectives.base`)
-adds its own section dataclass here, with flat keys prefixed by the term's name (``mlm_weight``, ...).
+objectives are registered here by name (:func:`register_objective`: where the class lives, imported only when
+one is built); the ``objective`` key's choices and the builder
+(:func:`fastprompt.objectives.objective_from_config`) read the registry. A token-level term (see
+:mod:`fastprompt.objectives.base`) adds its own section dataclass here, with flat keys prefixed by the term's
+name (``mlm_weight``, ...).
 """
 from __future__ import annotations
 
@@ -13,17 +16,47 @@ from dataclasses import dataclass
 from fastprompt.choices import (
     BACKENDS,
     MLM_HEADS,
-    OBJECTIVE_NAMES,
     RTD_AVERAGES,
     RTD_CONDITIONS,
     RTD_DISCRIMINATORS,
     RTD_SAMPLING,
     SKI2_DENOMINATORS,
 )
-from fastprompt.fields import option, validate_fields
+from fastprompt.fields import Section, option
 
-#: hinge_weight when the config leaves it null: PromCSE's objective is L_CL + 10 L_EH, SimCSE's has none.
-DEFAULT_HINGE_WEIGHT = {"simcse": 0.0, "promcse_eh": 10.0, "skicse": 0.0}
+
+@dataclass(frozen=True)
+class ObjectiveEntry:
+    """A registered sentence-level objective: its class (a ``SentenceObjective`` dataclass, or ``"module:Class"``,
+    imported when the objective is built) and its hinge_weight when the config leaves it null."""
+
+    target: str | type
+    default_hinge_weight: float = 0.0
+
+
+#: name -> entry: the one list of sentence-level objectives, in the order of the ``objective`` key's choices.
+OBJECTIVE_REGISTRY: dict[str, ObjectiveEntry] = {}
+
+
+def register_objective(name: str, target: str | type, *, default_hinge_weight: float = 0.0) -> None:
+    """Make ``objective: name`` build ``target`` (a ``SentenceObjective`` dataclass or its ``"module:Class"``).
+
+    Its constructor arguments are read from :class:`ObjectiveConfig`'s fields of the same names (``backend``
+    from ``loss_backend``, ``hinge_weight`` resolved: the config's, else ``default_hinge_weight``); an argument
+    the config has no key for keeps the class's default. See ``docs/objectives.md``."""
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"an objective's name must be an identifier, got {name!r}")
+    if name in OBJECTIVE_REGISTRY:
+        raise ValueError(f"objective {name!r} is already registered ({OBJECTIVE_REGISTRY[name].target})")
+    if isinstance(target, str) and target.count(":") != 1:
+        raise ValueError(f"an objective's target is a class or 'module:Class', got {target!r}")
+    OBJECTIVE_REGISTRY[name] = ObjectiveEntry(target, float(default_hinge_weight))
+
+
+register_objective("simcse", "fastprompt.objectives.simcse:SimCSE")
+# PromCSE's objective is L_CL + 10 L_EH; the others have no hinge term unless asked.
+register_objective("promcse_eh", "fastprompt.objectives.promcse_eh:PromCSEEH", default_hinge_weight=10.0)
+register_objective("skicse", "fastprompt.objectives.skicse:SKICSE")
 
 
 def check_hinge_weight(objective: str, hinge_weight: float) -> None:
@@ -44,36 +77,34 @@ def check_ski_weights(ski_weight: float, ski1_weight: float, ski2_weight: float)
 
 
 @dataclass
-class ObjectiveConfig:
+class ObjectiveConfig(Section):
     """The sentence-level contrastive objective and the settings of its fused loss."""
 
     name: str = option("simcse", "sentence-level objective: SimCSE's InfoNCE, PromCSE's InfoNCE + energy-based "
-                       "hinge, or SKICSE's InfoNCE + SKI terms (needs a ski column)", choices=OBJECTIVE_NAMES,
-                       key="objective")
+                       "hinge, or SKICSE's InfoNCE + SKI terms (needs a ski column)", choices=OBJECTIVE_REGISTRY,
+                       key="objective", identity=True)
     temperature: float = option(0.05, "temperature of the cosine-similarity softmax (below 1e-3 float32 rounding "
-                                "of the cos/temperature logits swamps the loss)", ge=1e-3)
+                                "of the cos/temperature logits swamps the loss)", ge=1e-3, identity=True)
     hard_negative_weight: float = option(0.0, "added to each anchor's own hard-negative logit (log of SimCSE's "
-                                         "weight; 0 = weight 1)")
+                                         "weight; 0 = weight 1)", identity=True)
     hinge_margin: float = option(0.2, "margin m of the energy-based hinge max(0, m + cos(h, hardest negative) - "
-                                 "cos(h, h+))", ge=0.0)
+                                 "cos(h, h+))", ge=0.0, identity=True)
     hinge_weight: float | None = option(None, "weight of the hinge term; null: the objective's default "
-                                        "(simcse 0, promcse_eh 10)", ge=0.0)
-    loss_backend: str = option("auto", "implementation of the fused contrastive_loss op", choices=BACKENDS)
+                                        "(simcse 0, promcse_eh 10)", ge=0.0, identity=True)
+    loss_backend: str = option("auto", "implementation of the fused contrastive_loss op", choices=BACKENDS,
+                               identity=False)
     ski_weight: float = option(0.15, "skicse, sent0,ski rows: weight λ of L_ski in (1 - λ) L_simcse + λ L_ski",
-                               ge=0.0, le=1.0)
+                               ge=0.0, le=1.0, identity=True)
     ski1_weight: float = option(0.1, "skicse, NLI rows with a ski column: weight λ1 of L_ski1 (SKICSE Eq. 5: "
-                                "anchor the SKI, positive the entailment)", ge=0.0, le=1.0)
+                                "anchor the SKI, positive the entailment)", ge=0.0, le=1.0, identity=True)
     ski2_weight: float = option(0.3, "skicse, NLI rows with a ski column: weight λ2 of L_ski2 (SKICSE Eq. 6: "
-                                "anchor the sentence, positive its SKI)", ge=0.0, le=1.0)
+                                "anchor the sentence, positive its SKI)", ge=0.0, le=1.0, identity=True)
     ski2_denominator: str = option("printed", "skicse, NLI rows: the columns of Eq. 6's denominator: printed (the "
                                    "entailments and contradictions, as the paper prints it) or ski (the SKIs, "
-                                   "Eq. 2's form; docs/ski.md)", choices=SKI2_DENOMINATORS)
-
-    def __post_init__(self):
-        self.validate()
+                                   "Eq. 2's form; docs/ski.md)", choices=SKI2_DENOMINATORS, identity=True)
 
     def validate(self) -> "ObjectiveConfig":
-        validate_fields(self)
+        super().validate()
         check_hinge_weight(self.name, self.resolved_hinge_weight)
         if self.name == "skicse":
             if self.resolved_hinge_weight:
@@ -84,7 +115,9 @@ class ObjectiveConfig:
     @property
     def resolved_hinge_weight(self) -> float:
         """hinge_weight, or the objective's default when it is null."""
-        return DEFAULT_HINGE_WEIGHT[self.name] if self.hinge_weight is None else self.hinge_weight
+        if self.hinge_weight is not None:
+            return self.hinge_weight
+        return OBJECTIVE_REGISTRY[self.name].default_hinge_weight
 
 
 def objective_default(field: str):
@@ -95,70 +128,63 @@ def objective_default(field: str):
 
 
 @dataclass
-class MLMConfig:
+class MLMConfig(Section):
     """DCPCSE's auxiliary masked-language-model term (``do_mlm``): ``weight(step) * MLM loss`` through the
     prompted encoder, with the backbone's MLM head (trained as in DCPCSE's code, or frozen)."""
 
     enabled: bool = option(False, "add the MLM token term (DCPCSE's do_mlm): 15% of each sentence's tokens "
-                           "predicted through the prompted encoder", key="do_mlm")
-    weight: float = option(0.1, "initial weight of the MLM term (DCPCSE's mlm_weight)", ge=0.0, key="mlm_weight")
+                           "predicted through the prompted encoder", key="do_mlm", identity=True)
+    weight: float = option(0.1, "initial weight of the MLM term (DCPCSE's mlm_weight)", ge=0.0, key="mlm_weight",
+                           identity=True)
     decay_rate: float = option(0.95, "the MLM weight is mlm_weight * mlm_decay_rate ** (step / mlm_decay_steps)",
-                               gt=0.0, le=1.0, key="mlm_decay_rate")
-    decay_steps: int = option(100, "steps per decay of the MLM weight", gt=0, key="mlm_decay_steps")
+                               gt=0.0, le=1.0, key="mlm_decay_rate", identity=True)
+    decay_steps: int = option(100, "steps per decay of the MLM weight", gt=0, key="mlm_decay_steps", identity=True)
     probability: float = option(0.15, "share of each sentence's tokens chosen for the MLM term (80% masked, 10% "
-                                "random, 10% kept)", gt=0.0, lt=1.0, key="mlm_probability")
+                                "random, 10% kept)", gt=0.0, lt=1.0, key="mlm_probability", identity=True)
     head: str = option("checkpoint", "MLM head: the checkpoint's, or tied_new: a new head tied to the word "
                        "embeddings with a trainable transform (for backbones saved without one; not the paper)",
-                       choices=MLM_HEADS, key="mlm_head")
+                       choices=MLM_HEADS, key="mlm_head", identity=True)
     train_head: bool = option(True, "train the checkpoint's MLM head with the prompt at learning_rate, its decoder "
                               "an untied copy of the word embeddings (DCPCSE's code, which produced the paper's "
-                              "numbers); false: frozen and tied", key="mlm_train_head")
-
-    def __post_init__(self):
-        self.validate()
+                              "numbers); false: frozen and tied", key="mlm_train_head", identity=True)
 
     def validate(self) -> "MLMConfig":
-        validate_fields(self)
+        super().validate()
         if self.enabled and self.head == "tied_new" and not self.train_head:
             raise ValueError("mlm_head: tied_new is a new head: it must train (mlm_train_head: true)")
         return self
 
 
 @dataclass
-class CRTDConfig:
+class CRTDConfig(Section):
     """D2CSE's conditional replaced-token detection term (``rtd``); off while ``rtd_weight`` is 0."""
 
     weight: float = option(0.0, "initial weight λ of the replaced-token-detection term (D2CSE: 0.005); 0 = off",
-                           ge=0.0, key="rtd_weight")
+                           ge=0.0, key="rtd_weight", identity=True)
     decay_rate: float = option(1.0, "λ decays as rtd_weight * rtd_decay_rate ** (step / rtd_decay_steps); "
-                               "1 = constant (D2CSE)", gt=0.0, le=1.0, key="rtd_decay_rate")
-    decay_steps: int = option(1, "steps per decay of λ", ge=1, key="rtd_decay_steps")
+                               "1 = constant (D2CSE)", gt=0.0, le=1.0, key="rtd_decay_rate", identity=True)
+    decay_steps: int = option(1, "steps per decay of λ", ge=1, key="rtd_decay_steps", identity=True)
     masking_ratio: float = option(0.3, "share of each sentence's real, non-special tokens the generator replaces",
-                                  gt=0.0, lt=1.0, key="rtd_masking_ratio")
+                                  gt=0.0, lt=1.0, key="rtd_masking_ratio", identity=True)
     generator: str = option("random", "the replacement generator: the path of a Hugging Face masked LM sharing "
                             "the backbone's vocabulary (D2CSE: distilbert-base-uncased), or 'random' (uniform "
-                            "non-special tokens; for backbones with no such masked LM)", key="rtd_generator")
+                            "non-special tokens; for backbones with no such masked LM)", key="rtd_generator",
+                            identity=True)
     sampling: str = option("sample", "masked-LM generator: sample from its distribution, or take its argmax "
-                           "(DiffCSE's code)", choices=RTD_SAMPLING, key="rtd_sampling")
+                           "(DiffCSE's code)", choices=RTD_SAMPLING, key="rtd_sampling", identity=True)
     replacements_file: str | None = option(None, "replacements made ahead of training by `fastprompt "
                                            "make-replacements`; null: generate them on the fly",
-                                           key="rtd_replacements_file")
+                                           key="rtd_replacements_file", identity=True)
     discriminator: str = option("prompted", "discriminator: the backbone with the shared prompts (D2CSE design "
                                 "d) or without prompts (design a)", choices=RTD_DISCRIMINATORS,
-                                key="rtd_discriminator")
+                                key="rtd_discriminator", identity=True)
     condition: str = option("after_head", "conditional input at position 0: the sentence embedding after or "
                             "before the pooler head, or none (design c)", choices=RTD_CONDITIONS,
-                            key="rtd_condition")
+                            key="rtd_condition", identity=True)
     average: str = option("tokens", "the RTD loss (summed over the real tokens but position 0) is divided by "
                           "their number (tokens) or by every position of the padded batch, padding and "
-                          "position 0 included (positions: DiffCSE's mean)", choices=RTD_AVERAGES, key="rtd_average")
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> "CRTDConfig":
-        validate_fields(self)
-        return self
+                          "position 0 included (positions: DiffCSE's mean)", choices=RTD_AVERAGES, key="rtd_average",
+                          identity=True)
 
     @property
     def enabled(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fastprompt.objectives.config import DEFAULT_HINGE_WEIGHT, check_hinge_weight, objective_default
+from fastprompt.objectives.config import OBJECTIVE_REGISTRY, check_hinge_weight, objective_default
 from fastprompt.objectives.simcse import SimCSE
 
 
@@ -18,7 +18,7 @@ class PromCSEEH(SimCSE):
     """total = L_CL + hinge_weight · L_EH (PromCSE: margin m = 0.2, weight 10)."""
 
     hinge_margin: float = objective_default("hinge_margin")
-    hinge_weight: float = DEFAULT_HINGE_WEIGHT["promcse_eh"]
+    hinge_weight: float = OBJECTIVE_REGISTRY["promcse_eh"].default_hinge_weight
 
     name = "promcse_eh"
 

@@ -1,34 +1,85 @@
-"""Sentence-level objectives by name, and how a training config's objective section builds one."""
+"""Sentence-level objectives by name, and how a training config's objective section builds one.
+
+The names and where each class lives are registered once, in :data:`fastprompt.objectives.config.OBJECTIVE_REGISTRY`
+(:func:`~fastprompt.objectives.config.register_objective`); this module imports a class when it is built.
+"""
 from __future__ import annotations
 
 import dataclasses
+import importlib
+from collections.abc import Iterator, Mapping
 
-from fastprompt.choices import OBJECTIVE_NAMES
 from fastprompt.objectives.base import SentenceObjective
-from fastprompt.objectives.config import ObjectiveConfig
-from fastprompt.objectives.promcse_eh import PromCSEEH
-from fastprompt.objectives.simcse import SimCSE
-from fastprompt.objectives.skicse import SKICSE
+from fastprompt.objectives.config import OBJECTIVE_REGISTRY, ObjectiveConfig
 
-#: name -> class (the names are fastprompt.choices.OBJECTIVE_NAMES); every class is a dataclass.
-OBJECTIVES: dict[str, type[SentenceObjective]] = {"simcse": SimCSE, "promcse_eh": PromCSEEH,
-                                                 "skicse": SKICSE}
-assert tuple(OBJECTIVES) == OBJECTIVE_NAMES
+#: ObjectiveConfig fields whose objective-class argument has another name.
+_ARGUMENT = {"loss_backend": "backend"}
+
+
+def objective_class(name: str) -> type[SentenceObjective]:
+    """The class registered as ``name`` (imported on first use)."""
+    if name not in OBJECTIVE_REGISTRY:
+        raise ValueError(f"unknown objective {name!r}; available: {sorted(OBJECTIVE_REGISTRY)}")
+    target = OBJECTIVE_REGISTRY[name].target
+    if isinstance(target, str):
+        module, _, attr = target.partition(":")
+        target = getattr(importlib.import_module(module), attr)
+    if not (isinstance(target, type) and issubclass(target, SentenceObjective) and dataclasses.is_dataclass(target)):
+        raise TypeError(f"objective {name!r} is registered as {target!r}, not a SentenceObjective dataclass")
+    return target
+
+
+class _Objectives(Mapping):
+    """name -> class of every registered objective, read from the registry at each access."""
+
+    def __getitem__(self, name: str) -> type[SentenceObjective]:
+        if name not in OBJECTIVE_REGISTRY:
+            raise KeyError(name)
+        return objective_class(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(tuple(OBJECTIVE_REGISTRY))
+
+    def __len__(self) -> int:
+        return len(OBJECTIVE_REGISTRY)
+
+
+#: name -> class of the registered objectives (every class is a dataclass).
+OBJECTIVES: Mapping[str, type[SentenceObjective]] = _Objectives()
+
+
+def _arguments(cls) -> set[str]:
+    return {f.name for f in dataclasses.fields(cls) if f.init}
 
 
 def build_objective(name: str, **params) -> SentenceObjective:
-    """Instantiate an objective by name; ``params`` may hold extra keys (e.g. a whole config dict)."""
-    if name not in OBJECTIVES:
-        raise ValueError(f"unknown objective {name!r}; available: {sorted(OBJECTIVES)}")
-    cls = OBJECTIVES[name]
-    fields = {f.name for f in dataclasses.fields(cls)}
-    return cls(**{k: v for k, v in params.items() if k in fields})
+    """Instantiate an objective by name with ``params``; a keyword the objective does not take is an error
+    (it would otherwise set nothing)."""
+    cls = objective_class(name)
+    unknown = sorted(set(params) - _arguments(cls))
+    if unknown:
+        raise ValueError(f"objective {name} takes no {', '.join(unknown)}; its settings: "
+                         f"{', '.join(sorted(_arguments(cls)))}")
+    return cls(**params)
 
 
 def objective_from_config(config: ObjectiveConfig) -> SentenceObjective:
-    """The sentence-level objective a training config's objective section describes."""
-    return build_objective(config.name, temperature=config.temperature,
-                           hard_negative_weight=config.hard_negative_weight, hinge_margin=config.hinge_margin,
-                           hinge_weight=config.resolved_hinge_weight, backend=config.loss_backend,
-                           ski_weight=config.ski_weight, ski1_weight=config.ski1_weight,
-                           ski2_weight=config.ski2_weight, ski2_denominator=config.ski2_denominator)
+    """The sentence-level objective a training config's objective section describes: every argument of the
+    objective's class that the section has a key for (``backend`` is ``loss_backend``, ``hinge_weight`` the
+    resolved one). A key set to other than its default that the objective does not read is refused."""
+    cls = objective_class(config.name)
+    accepted = _arguments(cls)
+    params, unused = {}, []
+    for f in dataclasses.fields(ObjectiveConfig):
+        if f.name == "name":
+            continue
+        arg = _ARGUMENT.get(f.name, f.name)
+        value = config.resolved_hinge_weight if f.name == "hinge_weight" else getattr(config, f.name)
+        if arg in accepted:
+            params[arg] = value
+        elif (value != 0 if f.name == "hinge_weight" else value != f.default):
+            unused.append(f"{f.metadata.get('key') or f.name}={value!r}")
+    if unused:
+        raise ValueError(f"objective {config.name} does not use {', '.join(unused)}: leave these keys at their "
+                         f"defaults, or choose an objective that reads them")
+    return cls(**params)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from fastprompt.objectives.base import HARD_NEGATIVE_VIEW, SKI_VIEW, ObjectiveOutput, SentenceObjective, Views
-from fastprompt.objectives.config import DEFAULT_HINGE_WEIGHT, objective_default
+from fastprompt.objectives.config import OBJECTIVE_REGISTRY, objective_default
 from fastprompt.ops import contrastive_loss
 
 
@@ -37,7 +37,7 @@ class SimCSE(SentenceObjective):
     temperature: float = objective_default("temperature")
     hard_negative_weight: float = objective_default("hard_negative_weight")
     hinge_margin: float = objective_default("hinge_margin")
-    hinge_weight: float = DEFAULT_HINGE_WEIGHT["simcse"]
+    hinge_weight: float = OBJECTIVE_REGISTRY["simcse"].default_hinge_weight
     backend: str = objective_default("backend")
 
     name = "simcse"

@@ -11,7 +11,21 @@
 
 Imported lazily, so that ``fastprompt -h`` (which registers ``fastprompt.train.cli``) loads no torch.
 """
+from typing import TYPE_CHECKING
+
 from fastprompt._lazy import lazy_getattr
+
+if TYPE_CHECKING:  # the definitions, for type checkers and IDEs; at run time a name loads on first use
+    from fastprompt.train.config import TrainConfig as TrainConfig
+    from fastprompt.train.config import load_config as load_config
+    from fastprompt.train.config import parse_overrides as parse_overrides
+    from fastprompt.train.seeds import train_seeds as train_seeds
+    from fastprompt.train.state import TrainerState as TrainerState
+    from fastprompt.train.trainer import StepOutput as StepOutput
+    from fastprompt.train.trainer import Trainer as Trainer
+    from fastprompt.train.trainer import TrainingCollapsed as TrainingCollapsed
+    from fastprompt.train.trainer import TrainingDiverged as TrainingDiverged
+    from fastprompt.train.trainer import step_seed as step_seed
 
 _LAZY = {
     "TrainConfig": "fastprompt.train.config",

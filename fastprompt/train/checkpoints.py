@@ -24,6 +24,7 @@ from safetensors.torch import load_file, save_file
 from fastprompt.io import atomic_directory, recover_directory, write_json_atomic
 from fastprompt.model.checkpoint import foreign_files, is_checkpoint
 from fastprompt.schema import check_json
+from fastprompt.train.config import RUN_IDENTITY_KEYS
 from fastprompt.train.run_lock import LOCK_NAME
 from fastprompt.train.state import (
     META_FILE,
@@ -37,17 +38,6 @@ from fastprompt.train.state import (
 
 logger = logging.getLogger(__name__)
 
-#: Flat config keys whose change makes a checkpoint in output_dir belong to another run (resuming would mix
-#: two runs): what the trained parameters are (the prompt's shape and kind, the heads, the backbone), what the
-#: evaluated embedding is (pooler, template, denoising, positions), and what the run optimises on. Other
-#: changed keys (learning rate, precision, logging, ...) are allowed, with a warning.
-RUN_IDENTITY_KEYS = ("model", "pooler", "mlp", "pooler_head", "prompt_length", "prefix_projection",
-                     "projection_hidden_size", "shared_across_layers", "input_layer_only", "cls_prompt",
-                     "prompt_type", "input_prompt_length", "optiprompt", "position_mode", "objective", "train_file",
-                     "batch_size", "seed", "max_length", "do_mlm", "mlm_head", "mlm_train_head", "rtd_weight",
-                     "rtd_masking_ratio", "rtd_generator", "rtd_discriminator", "rtd_condition", "rtd_average",
-                     "ski_weight", "ski1_weight", "ski2_weight", "ski2_denominator", "template", "second_template",
-                     "denoise", "eval_denoise", "topk", "train_backbone")
 #: Keys that only say how to start, never what the run is.
 _START_KEYS = ("resume", "overwrite_output_dir")
 METHOD_FILE = "method.safetensors"
@@ -56,8 +46,8 @@ RUN_FILES = ("config.yaml", "train_log.csv", "train.log", "summary.json", "repor
 #: The checkpoints of a run and what it writes into each beside the prompt checkpoint's own files.
 CHECKPOINT_EXTRAS = {"last": (METHOD_FILE, META_FILE, TENSORS_FILE), "best": ("train_info.json",)}
 #: Leftovers of an interrupted atomic write (fastprompt.io) or of the writability probe (preflight).
-_TRANSIENT = re.compile(r"\.(?:(?:last|best|config\.yaml|train_log\.csv|summary\.json)\.(?:old|tmp-\d+)"
-                        r"|report\.tmp-\d+\.png|fastprompt-write-test-\d+)")
+_TRANSIENT = re.compile(r"\.(?:(?:last|best|config\.yaml|train_log\.csv|summary\.json|report\.png)"
+                        r"\.(?:old|tmp-\d+(?:\.\w+)?)|fastprompt-write-test-\d+)")
 
 
 @dataclass

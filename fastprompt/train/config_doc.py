@@ -24,16 +24,21 @@ Every key is flat: write it as is in a YAML recipe (`learning_rate: 5e-3`) or on
 `base: other.yaml` (a path relative to the recipe) to extend another recipe: the base's keys first, the
 recipe's own on top; bases may chain, and a cycle is an error. `fastprompt train --help-config` prints this
 table in the terminal.
+
+The `identity` column marks the run-identity keys: a run does not resume a checkpoint (`last/`) written with
+another value of one of them (it would mix two runs); the other keys may change between an interrupt and a
+resume, with a warning ([training.md](training.md#checkpoints-and-resume)).
 """
 
 
-def _rows(cls) -> list[tuple[str, str, str, str, str]]:
-    """(key, type, default, allowed values, help) of every field of a section dataclass."""
+def _rows(cls) -> list[tuple[str, str, str, str, str, bool]]:
+    """(key, type, default, allowed values, help, run identity) of every field of a section dataclass."""
     hints = typing.get_type_hints(cls)
     rows = []
     for f in dataclasses.fields(cls):
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        rows.append((flat_key(f), type_name(hints[f.name]), yaml_scalar(default), describe_rule(f), f.metadata["help"]))
+        rows.append((flat_key(f), type_name(hints[f.name]), yaml_scalar(default), describe_rule(f), f.metadata["help"],
+                     bool(f.metadata["identity"])))
     return rows
 
 
@@ -55,10 +60,10 @@ def config_reference_markdown() -> str:
     for attr, (cls, title) in SECTIONS.items():
         out.append(f"\n## {title}\n\n{_doc_line(cls)} In Python: `config.{attr}`, a "
                    f"`{cls.__module__}.{cls.__name__}`.\n")
-        out.append("| key | type | default | allowed | description |")
-        out.append("|---|---|---|---|---|")
-        for key, tp, default, rule, help_text in _rows(cls):
-            cells = [f"`{key}`", tp, f"`{default}`", rule, help_text]
+        out.append("| key | type | default | allowed | identity | description |")
+        out.append("|---|---|---|---|---|---|")
+        for key, tp, default, rule, help_text, identity in _rows(cls):
+            cells = [f"`{key}`", tp, f"`{default}`", rule, "yes" if identity else "", help_text]
             out.append("| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |")
     return "\n".join(out) + "\n"
 
@@ -70,11 +75,13 @@ def config_reference_text() -> str:
     out = []
     for title, doc, rows in sections:
         out.append(f"{title}: {doc}")
-        for key, tp, default, rule, help_text in rows:
+        for key, tp, default, rule, help_text, identity in rows:
             allowed = f" ({rule})" if rule else ""
-            out.append(f"  {key:<{width}}  {tp:<12}  {default:<19}  {help_text}{allowed}")
+            key = key + ("*" if identity else "")
+            out.append(f"  {key:<{width + 1}} {tp:<12}  {default:<19}  {help_text}{allowed}")
         out.append("")
-    return "\n".join(out)
+    out.append("* run identity: a run does not resume a checkpoint written with another value")
+    return "\n".join(out) + "\n"
 
 
 def main() -> None:

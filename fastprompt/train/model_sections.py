@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from fastprompt.choices import TEMPLATE_POOLERS
-from fastprompt.fields import option, validate_fields
+from fastprompt.fields import Section, option
 from fastprompt.messages import shown
 
 SENTENCE, MASK = "[X]", "[MASK]"
@@ -25,28 +25,26 @@ def _check_template(key: str, text: str | None) -> None:
 
 
 @dataclass
-class TemplateConfig:
+class TemplateConfig(Section):
     """PromptBERT: the template every sentence is wrapped in, the views' templates and template denoising."""
 
     template: str | None = option(None, "the encoder's template, with one [X] (the sentence) and one [MASK]; "
                                   "evaluation and the first view use it; null: none (pooler mask/topk: "
-                                  "PromptBERT's BERT template)")
+                                  "PromptBERT's BERT template)", identity=True)
     second_template: str | None = option(None, "template of every view after the first (unsupervised: the "
                                          "positive; supervised: entailment and contradiction); null: the same "
-                                         "template, so views differ by dropout only")
+                                         "template, so views differ by dropout only", identity=True)
     denoise: bool = option(False, "subtract each training view's template bias, the template fed alone with the "
                            "positions it has around the sentence (PromptBERT's template denoising; pooler mask, or "
-                           "topk: its Table 9)")
+                           "topk: its Table 9)", identity=True)
     eval_denoise: bool | None = option(None, "denoise in evaluation and in the saved checkpoint; null: as "
                                        "denoise (PromptBERT's unsupervised runs train denoised but evaluate "
-                                       "without)")
-    topk: int = option(200, "k of the topk pooler (PromptBERT Eq. 3; its Table 9 uses the top 200 tokens)", ge=1)
-
-    def __post_init__(self):
-        self.validate()
+                                       "without)", identity=True)
+    topk: int = option(200, "k of the topk pooler (PromptBERT Eq. 3; its Table 9 uses the top 200 tokens)", ge=1,
+                       identity=True)
 
     def validate(self) -> "TemplateConfig":
-        validate_fields(self)
+        super().validate()
         _check_template("template", self.template)
         _check_template("second_template", self.second_template)
         return self
@@ -57,22 +55,15 @@ class TemplateConfig:
 
 
 @dataclass
-class BackboneConfig:
+class BackboneConfig(Section):
     """Full fine-tuning: the backbone trained next to the prompt, with its own learning rate and decay."""
 
     train_backbone: bool = option(False, "train the backbone's weights too (full fine-tuning; checkpoints then "
-                                  "hold the backbone in the Hugging Face layout)")
+                                  "hold the backbone in the Hugging Face layout)", identity=True)
     backbone_learning_rate: float = option(3e-5, "peak AdamW learning rate of the backbone's weights "
-                                           "(train_backbone)", gt=0.0)
+                                           "(train_backbone)", gt=0.0, identity=False)
     backbone_weight_decay: float = option(0.0, "AdamW weight decay of the backbone's weights (train_backbone)",
-                                          ge=0.0)
-
-    def __post_init__(self):
-        self.validate()
-
-    def validate(self) -> "BackboneConfig":
-        validate_fields(self)
-        return self
+                                          ge=0.0, identity=False)
 
 
 def check_template_settings(config) -> None:

@@ -65,8 +65,10 @@ def test_eh_is_zero_when_positives_win_by_the_margin():
 
 def test_registry_and_errors():
     assert set(OBJECTIVES) == {"simcse", "promcse_eh", "skicse"}
-    obj = build_objective("promcse_eh", temperature=0.1, learning_rate=3.0, backend="reference")
+    obj = build_objective("promcse_eh", temperature=0.1, backend="reference")
     assert isinstance(obj, PromCSEEH) and obj.temperature == 0.1 and obj.hinge_weight == 10.0
+    with pytest.raises(ValueError, match="objective promcse_eh takes no learning_rate"):
+        build_objective("promcse_eh", temperature=0.1, learning_rate=3.0)  # would set nothing
     with pytest.raises(ValueError, match="unknown objective 'infonce'"):
         build_objective("infonce")
     with pytest.raises(ValueError, match="hinge_weight > 0"):
@@ -89,3 +91,27 @@ def test_an_objective_built_without_a_config_has_the_configs_defaults(name):
 
     assert build_objective(name) == objective_from_config(ObjectiveConfig(name=name))
     assert all(f.default is not dataclasses.MISSING for f in dataclasses.fields(OBJECTIVES[name]))
+
+
+def test_config_keys_the_objective_does_not_read_are_refused():
+    """objective_from_config passes each objective the keys its fields are named after; a key set away from its
+    default that the chosen objective ignores would otherwise change nothing, silently."""
+    from fastprompt.objectives import ObjectiveConfig, objective_from_config
+
+    with pytest.raises(ValueError, match=r"objective simcse does not use ski_weight=0.3"):
+        objective_from_config(ObjectiveConfig(name="simcse", ski_weight=0.3))
+    with pytest.raises(ValueError, match=r"objective skicse does not use hinge_margin=0.5"):
+        objective_from_config(ObjectiveConfig(name="skicse", hinge_margin=0.5))
+    obj = objective_from_config(ObjectiveConfig(name="promcse_eh", hinge_margin=0.5, loss_backend="reference"))
+    assert (obj.hinge_margin, obj.hinge_weight, obj.backend) == (0.5, 10.0, "reference")
+
+
+def test_register_objective_refuses_bad_names_and_duplicates():
+    from fastprompt.objectives import register_objective
+
+    with pytest.raises(ValueError, match="already registered"):
+        register_objective("simcse", SimCSE)
+    with pytest.raises(ValueError, match="identifier"):
+        register_objective("my-loss", SimCSE)
+    with pytest.raises(ValueError, match="'module:Class'"):
+        register_objective("mine", "fastprompt.objectives.simcse.SimCSE")

@@ -215,3 +215,23 @@ def test_paper_recipes_are_a_base_plus_a_few_lines():
     assert len(bases) >= 3
     for base in bases:  # each base is a valid recipe on its own
         load_config(base)
+
+
+def test_every_key_decides_whether_it_is_part_of_the_run_identity():
+    """Each field says ``identity=True`` or ``False`` (fastprompt.fields.option): a new key cannot fall on either
+    side of the resume check by omission, as keys did from the hand-kept list this replaced."""
+    import dataclasses
+
+    from fastprompt.fields import flat_key
+    from fastprompt.train.checkpoints import RUN_IDENTITY_KEYS
+    from fastprompt.train.config import KEYS, SECTIONS
+
+    undecided = [flat_key(f) for cls, _ in SECTIONS.values() for f in dataclasses.fields(cls)
+                 if not isinstance(f.metadata.get("identity"), bool)]
+    assert undecided == []
+    assert set(RUN_IDENTITY_KEYS) < set(KEYS)
+    # Every setting of a token term defines its loss; how the run optimises and where it writes do not.
+    assert {"mlm_probability", "rtd_masking_ratio", "rtd_generator", "rtd_sampling", "temperature"} <= set(
+        RUN_IDENTITY_KEYS)
+    assert not {"learning_rate", "max_steps", "precision", "attn_backend", "micro_batch_size", "output_dir",
+                "resume", "sts_dir"} & set(RUN_IDENTITY_KEYS)

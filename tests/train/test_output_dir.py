@@ -74,7 +74,8 @@ def test_an_earlier_run_and_the_leftovers_of_an_interrupted_one_are_a_runs_own(b
     Trainer(cfg).train()
     run = RunDirectory(cfg["output_dir"])
     (run.root / ".last.tmp-12345").mkdir()  # an atomic write killed half-way
-    (run.root / ".summary.json.tmp-12345").write_text("{")
+    (run.root / ".summary.json.tmp-12345.json").write_text("{")  # fastprompt.io.atomic_file's temporary name
+    (run.root / ".config.yaml.tmp-12345").write_text("")  # the name before one writer did every file
     assert run.foreign_entries() == []
     assert Trainer(dict(cfg, max_steps=3)).train()["global_step"] == 3  # resumes
     (run.root / "last" / "my-notes.txt").write_text("mine\n")  # a user's file inside the run's checkpoint

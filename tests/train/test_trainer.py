@@ -212,6 +212,10 @@ def test_resume_refuses_a_different_run_and_fresh_start_needs_overwrite(base_con
     Trainer(cfg).train()
     with pytest.raises(ValueError, match=r"different configuration \(batch_size: 8 -> 4\)"):
         Trainer(dict(cfg, batch_size=4)).train()
+    # The token terms' settings count even while the term is off (they were missing from a hand-kept list).
+    for key, value in (("mlm_probability", 0.2), ("rtd_sampling", "argmax"), ("temperature", 0.1)):
+        with pytest.raises(ValueError, match=rf"different configuration \({key}: .* -> {value!r}\)"):
+            Trainer(dict(cfg, **{key: value})).setup()
     with pytest.raises(ValueError, match="already holds a training run"):
         Trainer(dict(cfg, resume=False)).train()
     summary = Trainer(dict(cfg, resume=False, overwrite_output_dir=True, max_steps=1)).train()

@@ -5,8 +5,8 @@ import argparse
 import signal
 import sys
 
+from fastprompt.arguments import add_trust_remote_code_arg, positive_int
 from fastprompt.choices import DTYPES, LLM_BACKENDS, SERVER_APIS
-from fastprompt.cli import _positive_int, add_trust_remote_code_arg
 
 EPILOG = """\
 examples:
@@ -37,7 +37,7 @@ def add_generate_ski_parser(subparsers) -> argparse.ArgumentParser:
                    help="UTF-8 text, one sentence per line, or a CSV with a header (see --column)")
     g.add_argument("--column", metavar="NAME", help="column of a CSV --input (default sent0)")
     g.add_argument("--output", required=True, metavar="FILE.csv", help="sent0,ski rows (appended to on resume)")
-    g.add_argument("--limit", type=_positive_int, metavar="N", help="only the first N distinct sentences")
+    g.add_argument("--limit", type=positive_int, metavar="N", help="only the first N distinct sentences")
     g.add_argument("--overwrite", action="store_true",
                    help="start over, deleting earlier output (needed to change settings of an existing output)")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -51,15 +51,15 @@ def add_generate_ski_parser(subparsers) -> argparse.ArgumentParser:
                    help="local: send the prompt raw even if the tokenizer has a chat template")
     add_trust_remote_code_arg(m, "local: ")
     loc = p.add_argument_group("local backend")
-    loc.add_argument("--batch-size", type=_positive_int, default=8, metavar="B", help="prompts per batch (8)")
+    loc.add_argument("--batch-size", type=positive_int, default=8, metavar="B", help="prompts per batch (8)")
     loc.add_argument("--device", help="torch device (default: cuda when available)")
     loc.add_argument("--dtype", choices=DTYPES, default="float32", help="weights dtype (float32)")
-    loc.add_argument("--threads", type=_positive_int, metavar="N", help="CPU threads for torch (default: torch's)")
+    loc.add_argument("--threads", type=positive_int, metavar="N", help="CPU threads for torch (default: torch's)")
     srv = p.add_argument_group("server backend")
     srv.add_argument("--url", metavar="URL", help="the server's OpenAI base URL, e.g. http://127.0.0.1:8000/v1")
     srv.add_argument("--api", choices=SERVER_APIS, default="chat",
                      help="chat: /chat/completions (instruction models); completions: raw prompt (base models)")
-    srv.add_argument("--concurrency", type=_positive_int, default=8, metavar="C", help="requests in flight (8)")
+    srv.add_argument("--concurrency", type=positive_int, default=8, metavar="C", help="requests in flight (8)")
     srv.add_argument("--timeout", type=float, default=300.0, metavar="S",
                      help="wall-clock seconds each attempt of a request may take, the whole answer included (300)")
     srv.add_argument("--max-retries", type=int, default=6, metavar="N",
@@ -69,13 +69,13 @@ def add_generate_ski_parser(subparsers) -> argparse.ArgumentParser:
     s = p.add_argument_group("prompt and sampling")
     s.add_argument("--prompt-template", metavar="TEXT",
                    help="replaces the SKICSE prompt; must contain {sentence} (see docs/ski.md)")
-    s.add_argument("--max-new-tokens", type=_positive_int, default=d.max_new_tokens, metavar="N",
+    s.add_argument("--max-new-tokens", type=positive_int, default=d.max_new_tokens, metavar="N",
                    help=f"token budget of an answer; one still going is rejected as too_long ({d.max_new_tokens})")
     s.add_argument("--temperature", type=float, default=d.temperature, metavar="T",
                    help=f"sampling temperature; 0 = greedy ({d.temperature})")
     s.add_argument("--top-p", type=float, default=d.top_p, metavar="P", help=f"nucleus sampling ({d.top_p})")
     s.add_argument("--seed", type=int, default=d.seed, help=f"sampling seed ({d.seed})")
-    s.add_argument("--attempts", type=_positive_int, default=5, metavar="K",
+    s.add_argument("--attempts", type=positive_int, default=5, metavar="K",
                    help="answers sampled per sentence until one passes the filters (5; 1 when greedy)")
     s.add_argument("--echo-threshold", type=float, default=0.8, metavar="R",
                    help="reject an answer when this fraction of its words occur in the sentence (0.8)")

@@ -113,7 +113,7 @@ def generate_ski(sentences: Iterable[str], backend: Backend, output: str | os.Pa
     """
     from tqdm.auto import tqdm
 
-    from fastprompt import __version__
+    from fastprompt._version import __version__
 
     template = check_template(template)
     if attempts < 1:
