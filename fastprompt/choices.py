@@ -60,8 +60,11 @@ RTD_AVERAGES = ("tokens", "positions")
 SKI2_DENOMINATORS = ("printed", "ski")
 #: Reductions of the contrastive loss over anchors.
 REDUCTIONS = ("mean", "sum", "none")
-#: Training-file formats: a text corpus, or pairs/triplets with a header, comma- or tab-separated.
-TRAIN_FORMATS = ("auto", "text", "csv", "tsv")
+#: Training-file formats: a text corpus, pairs/triplets (or query/positive/negative columns) with a header, comma- or
+#: tab-separated, or query/pos/neg JSON lines (FlagEmbedding's).
+TRAIN_FORMATS = ("auto", "text", "csv", "tsv", "jsonl")
+#: How several training datasets (``train_files``) share a run's batches (fastprompt.data.multi).
+DATASET_SAMPLING = ("round_robin", "proportional")
 #: What to do with lines of a text corpus that are not UTF-8.
 DECODE_ERROR_MODES = ("error", "skip")
 #: Weights dtype names accepted on the command line.
