@@ -233,14 +233,8 @@ def load_train_file(path: str | Path, *, fmt: str = "auto", on_decode_error: str
         )
     check_file(path, "training file")
     auto = fmt == "auto"
-    if auto:
-        fmt = ({".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl"}.get(path.suffix.lower()) or _table_format(path)
-               or "text")
-    query_rows = None
-    if fmt == "jsonl":
-        query_rows = read_query_jsonl(path)
-    elif fmt in ("csv", "tsv") and _csv_has_query_header(path, "," if fmt == "csv" else "\t"):
-        query_rows = read_query_csv(path, delimiter="," if fmt == "csv" else "\t")
+    fmt = _resolve_format(path, fmt)
+    query_rows = _read_query_rows(path, fmt)
     if query_rows is not None:
         return query_rows.to_examples(negatives_per_row, pad_negatives=pad_negatives, seed=seed)
     if fmt in ("csv", "tsv"):
@@ -250,6 +244,41 @@ def load_train_file(path: str | Path, *, fmt: str = "auto", on_decode_error: str
         _refuse_tab_separated_corpus(examples)
         _refuse_json_corpus(examples)
     return examples
+
+
+def _resolve_format(path: Path, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    return {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl"}.get(path.suffix.lower()) or _table_format(path) or "text"
+
+
+def _read_query_rows(path: Path, fmt: str):
+    """The :class:`~fastprompt.data.retrieval.QueryRows` of ``path`` when its format holds them, else None."""
+    if fmt == "jsonl":
+        return read_query_jsonl(path)
+    if fmt in ("csv", "tsv") and _csv_has_query_header(path, "," if fmt == "csv" else "\t"):
+        return read_query_csv(path, delimiter="," if fmt == "csv" else "\t")
+    return None
+
+
+def load_query_rows(path: str | Path, *, fmt: str = "auto"):
+    """``path`` as :class:`~fastprompt.data.retrieval.QueryRows` (every positive of a row kept together): query/pos/neg
+    rows as they are, ``sent0,sent1[,hard_neg]`` rows as a query (sent0) with one positive (sent1) and their hard
+    negative. A file of sentences alone is an error (it has no positives)."""
+    from fastprompt.data.retrieval import QueryRows
+
+    check_choice("train_format", fmt, TRAIN_FORMATS)
+    path = check_file(path, "input file")
+    fmt = _resolve_format(path, fmt)
+    rows = _read_query_rows(path, fmt)
+    if rows is not None:
+        return rows
+    ex = load_train_file(path, fmt=fmt)
+    if len(ex.columns) < 2:
+        raise ValueError(f"{path} holds sentences only; this needs a query and its positive per row: query/pos JSONL, "
+                         "a query,positive CSV, or a sent0,sent1[,hard_neg] CSV")
+    return QueryRows([r[0] for r in ex.rows], [(r[1],) for r in ex.rows],
+                     [(r[2],) if ex.has_hard_negatives else () for r in ex.rows], source=ex.source)
 
 
 def _csv_has_query_header(path: Path, delimiter: str) -> bool:
