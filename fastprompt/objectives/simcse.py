@@ -12,21 +12,23 @@ from dataclasses import dataclass
 
 import torch
 
+from fastprompt.data.retrieval import is_negative_column
 from fastprompt.objectives.base import HARD_NEGATIVE_VIEW, SKI_VIEW, ObjectiveOutput, SentenceObjective, Views
 from fastprompt.objectives.config import DEFAULT_HINGE_WEIGHT, objective_default
 from fastprompt.ops import contrastive_loss
 
 
 def split_views(views: Views) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Local anchors (view 0), gathered positives (view 1) and gathered hard negatives (the ``hard_neg``
-    view, or None)."""
+    """Local anchors (view 0), gathered positives (view 1) and gathered hard negatives: the ``hard_neg`` view
+    (B_global, H), k >= 2 views ``hard_neg``, ``hard_neg_2``, ... as one (k, B_global, H) block (the view-major
+    layout makes it a slice, no copy), or None."""
     n = len(views.names)
-    if n not in (2, 3) or (n == 3 and views.names[2] != HARD_NEGATIVE_VIEW):
-        raise ValueError(f"simcse needs 2 or 3 views (anchor, positive[, {HARD_NEGATIVE_VIEW}]), got {n}: "
-                         f"{views.names}")
+    if n < 2 or not all(is_negative_column(v) for v in views.names[2:]):
+        raise ValueError(f"simcse needs the views anchor, positive and k >= 0 negatives ({HARD_NEGATIVE_VIEW}, "
+                         f"{HARD_NEGATIVE_VIEW}_2, ...), got {n}: {views.names}")
     if n == 2 and views.gathered.shape[1] < 2:
         raise ValueError("a batch of one pair has no in-batch negative: use batch_size >= 2")
-    z3 = views.gathered[2] if n == 3 else None
+    z3 = None if n == 2 else views.gathered[2] if n == 3 else views.gathered[2:]
     return views.local[0], views.gathered[1], z3
 
 
