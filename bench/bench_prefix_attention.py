@@ -3,10 +3,13 @@ concatenation (what prefix-tuning code does today), forward and forward+backward
 
 BERT-base attention shapes by default (B = 64..512, S = 32, P = 16, H = 12, D = 64), q/k/v as transformers
 makes them (``view(B, S, H, D).transpose(1, 2)``), a padding mask with lengths uniform in [S/2, S] and a
-(H, P, D) trainable prefix. On CUDA the op runs its Triton kernels; on CPU it runs the op's CPU path
+(Hkv, P, D) trainable prefix. On CUDA the op runs its Triton kernels; on CPU it runs the op's CPU path
 (``backend="auto"``), against the same references. "fwd" is inference (no_grad); "fwd+bwd" runs the forward
 with gradients (and ``--dropout`` on the probabilities) and the backward of ``(out * grad).sum()`` into q,
-k, v and the prefix.
+k, v and the prefix. ``fastprompt_packed`` runs the same batch packed: only its real tokens, back to back, with
+``cu_seqlens`` (issue #29: the work a padded batch spends on padding rows is not done). ``--kv-heads`` makes
+k, v grouped-query (the references broadcast them with SDPA's ``enable_gqa`` / transformers' ``repeat_kv``),
+``--causal`` a decoder's causal token block (the prefix visible to every row).
 
 Per point, with bench/_harness.py: the providers' times alternating in one fresh process (median, 20th and
 80th percentiles over ``--repeats`` after ``--warmup`` rounds), and the peak memory of one call above what
@@ -17,6 +20,10 @@ run; ``max_abs_err_vs_sdpa`` checks that every provider computes the same attent
     python bench/bench_prefix_attention.py --batches 64,512 --repeats 5 --out /tmp/pa.csv
     python bench/bench_prefix_attention.py --modes fwd+bwd --dropout 0.1 --out bench/results/pa_cpu_dropout.csv
     python bench/bench_prefix_attention.py --device cuda --dtype bf16
+    python bench/bench_prefix_attention.py --seq 128 --kv-heads 4 --causal --out bench/results/pa_cpu_gqa_causal.csv
+
+On the CPU the kernel's x86-64 level (``FASTPROMPT_CPU_ISA``, default the best this CPU supports) and its vector
+width are recorded with the machine, next to the CPU model.
 """
 from __future__ import annotations
 
@@ -31,59 +38,95 @@ from _harness import add_ratios, machine, markdown_table, results_path, run_fres
 
 from fastprompt.ops import prefix_attention
 
-PROVIDERS = ("fastprompt", "sdpa_concat", "eager_concat")
+PROVIDERS = ("fastprompt", "fastprompt_packed", "sdpa_concat", "eager_concat")
 DTYPES = ("fp32", "fp16", "bf16")
-CONFIG_KEYS = ("dtype", "mode", "dropout", "B", "S", "P", "H", "D")
+CONFIG_KEYS = ("dtype", "mode", "dropout", "B", "S", "min_len", "P", "H", "Hkv", "D", "causal")
+#: Register width of each x86-64 level of the C++ kernel (FASTPROMPT_CPU_ISA).
+VECTOR_BITS = {"x86-64-v4": 512, "x86-64-v3": 256, "baseline": 128}
 logger = logging.getLogger("bench_prefix_attention")
 
 
-def make_inputs(B, S, P, H, D, dtype, device, seed=0):
+def make_inputs(B, S, P, H, Hkv, D, dtype, device, min_len=None, seed=0):
+    """q, k, v in transformers' layout, a (Hkv, P, D) prefix, a padding mask with lengths uniform in [min_len, S]
+    (default S / 2)."""
     dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(B, S, H, D, generator=g).to(device, dt).transpose(1, 2) for _ in range(3))
-    pk, pv = (torch.randn(H, P, D, generator=g).to(device, dt) for _ in range(2))
-    lengths = torch.randint(S // 2, S + 1, (B,), generator=g)
+    q = torch.randn(B, S, H, D, generator=g).to(device, dt).transpose(1, 2)
+    k, v = (torch.randn(B, S, Hkv, D, generator=g).to(device, dt).transpose(1, 2) for _ in range(2))
+    pk, pv = (torch.randn(Hkv, P, D, generator=g).to(device, dt) for _ in range(2))
+    lengths = torch.randint(S // 2 if min_len is None else min_len, S + 1, (B,), generator=g)
     mask = (torch.arange(S)[None, :] < lengths[:, None]).to(device)
     return q, k, v, pk, pv, mask
 
 
-def concat_kv(k, v, pk, pv, mask):
+def pack(x, mask):
+    """(B, heads, S, D) right-padded rows -> (1, heads, N, D) real rows back to back, in transformers' layout."""
+    return x.transpose(1, 2)[mask].unsqueeze(0).transpose(1, 2)
+
+
+def offsets(mask):
+    return torch.nn.functional.pad(mask.sum(1).cumsum(0), (1, 0)).to(torch.int32)
+
+
+def concat_kv(k, v, pk, pv, mask, causal):
     """What prefix-tuning implementations do per layer: expand the prefix over the batch and concatenate."""
-    B, P = k.shape[0], pk.shape[1]
+    B, P, S = k.shape[0], pk.shape[1], k.shape[2]
     keys = torch.cat([pk.unsqueeze(0).expand(B, -1, -1, -1), k], 2)
     values = torch.cat([pv.unsqueeze(0).expand(B, -1, -1, -1), v], 2)
-    visible = torch.cat([mask.new_ones(B, P), mask], 1)[:, None, None, :]
+    tokens = mask[:, None, None, :]
+    if causal:
+        tokens = tokens & torch.ones(S, S, dtype=torch.bool, device=mask.device).tril()
+    tokens = tokens.expand(B, 1, S, S)
+    visible = torch.cat([tokens.new_ones(B, 1, S, P), tokens], -1)
     return keys, values, visible
 
 
-def run_provider(name, q, k, v, pk, pv, mask, scale, backend, dropout_p=0.0):
+def run_provider(name, q, k, v, pk, pv, mask, scale, backend, dropout_p=0.0, causal=False, packed=None):
+    """One forward; ``fastprompt_packed`` runs ``packed`` (q, k, v packed, and the offsets) instead of q, k, v."""
+    seed = 0 if dropout_p else None
     if name == "fastprompt":
-        return prefix_attention(q, k, v, pk, pv, mask, scale=scale, dropout_p=dropout_p, seed=0 if dropout_p else None,
-                                backend=backend)
-    keys, values, visible = concat_kv(k, v, pk, pv, mask)
+        return prefix_attention(q, k, v, pk, pv, mask, scale=scale, dropout_p=dropout_p, seed=seed, backend=backend,
+                                causal=causal)
+    if name == "fastprompt_packed":  # padded width S: the same dropout decisions as the padded batch
+        *qkv, cu = packed
+        return prefix_attention(*qkv, pk, pv, scale=scale, dropout_p=dropout_p, seed=seed, backend=backend,
+                                causal=causal, cu_seqlens=cu, max_seqlen=mask.shape[1])
+    keys, values, visible = concat_kv(k, v, pk, pv, mask, causal)
+    group = q.shape[1] // k.shape[1]
     if name == "sdpa_concat":
-        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale, dropout_p=dropout_p)
+        return F.scaled_dot_product_attention(q, keys, values, attn_mask=visible, scale=scale, dropout_p=dropout_p,
+                                              enable_gqa=group > 1)
+    keys, values = (x.repeat_interleave(group, 1) for x in (keys, values))  # transformers' eager repeat_kv
     scores = (q @ keys.transpose(-1, -2)) * scale
     probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1)
     return F.dropout(probs, dropout_p) @ values
 
 
-def setup(provider, mode, B, S, P, H, D, dtype, device, backend="auto", dropout=0.0):
+def setup(provider, mode, B, S, P, H, D, dtype, device, backend="auto", dropout=0.0, Hkv=None, causal=False,
+          min_len=None):
     """The inputs of one point and the step that runs ``provider`` once in ``mode`` (after one small call that
     loads the libraries)."""
+    Hkv = Hkv or H
+
     def make(batch):
-        q, k, v, pk, pv, mask = make_inputs(batch, S, P, H, D, dtype, device)
+        q, k, v, pk, pv, mask = make_inputs(batch, S, P, H, Hkv, D, dtype, device, min_len)
         scale = D ** -0.5
+        packed = None
+        if provider == "fastprompt_packed":  # the same batch, real tokens only
+            q, k, v = (pack(x, mask) for x in (q, k, v))
+            packed = (q, k, v, offsets(mask))
         if mode == "fwd":
             def call():
                 with torch.no_grad():
-                    run_provider(provider, q, k, v, pk, pv, mask, scale, backend)
+                    run_provider(provider, q, k, v, pk, pv, mask, scale, backend, causal=causal, packed=packed)
             return call
         leaves = [x.detach().requires_grad_() for x in (q, k, v, pk, pv)]
         grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(q.device, q.dtype)
+        if packed is not None:
+            packed = (*leaves[:3], packed[3])
 
         def call():
-            out = run_provider(provider, *leaves, mask, scale, backend, dropout)
+            out = run_provider(provider, *leaves, mask, scale, backend, dropout, causal, packed)
             torch.autograd.grad(out, leaves, grad)
         return call
 
@@ -91,12 +134,16 @@ def setup(provider, mode, B, S, P, H, D, dtype, device, backend="auto", dropout=
     return make(B)
 
 
-def max_abs_err(provider, B, S, P, H, D, dtype, device, backend) -> float:
-    """Largest difference between ``provider``'s forward and SDPA on the concatenation (no dropout)."""
-    inputs = make_inputs(B, S, P, H, D, dtype, device)
+def max_abs_err(provider, B, S, P, H, Hkv, D, dtype, device, backend, causal, min_len) -> float:
+    """Largest difference between ``provider``'s forward and SDPA on the concatenation (no dropout), over the real
+    tokens' rows."""
+    q, k, v, pk, pv, mask = make_inputs(B, S, P, H, Hkv, D, dtype, device, min_len)
+    packed = (*(pack(x, mask) for x in (q, k, v)), offsets(mask))
     with torch.no_grad():
-        want = run_provider("sdpa_concat", *inputs, D ** -0.5, backend).float()
-        return (run_provider(provider, *inputs, D ** -0.5, backend).float() - want).abs().max().item()
+        want = pack(run_provider("sdpa_concat", q, k, v, pk, pv, mask, D ** -0.5, backend, causal=causal), mask)
+        got = run_provider(provider, q, k, v, pk, pv, mask, D ** -0.5, backend, causal=causal, packed=packed)
+        got = got if provider == "fastprompt_packed" else pack(got, mask)
+        return (got.float() - want.float()).abs().max().item()
 
 
 def main(argv=None):
@@ -104,8 +151,12 @@ def main(argv=None):
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--batches", default="64,128,256,512", help="comma-separated batch sizes")
     p.add_argument("--seq", type=int, default=32, help="S, tokens per sentence")
+    p.add_argument("--min-len", type=int, default=None,
+                   help="sentence lengths are uniform in [min-len, seq] (default seq / 2)")
     p.add_argument("--prefix", type=int, default=16, help="P, prefix length")
     p.add_argument("--heads", type=int, default=12)
+    p.add_argument("--kv-heads", type=int, default=None, help="key/value heads (grouped-query); default --heads")
+    p.add_argument("--causal", action="store_true", help="causal token block (a decoder); the prefix stays visible")
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=DTYPES, default=None, help="default: bf16 on CUDA, fp32 on CPU")
@@ -128,13 +179,25 @@ def main(argv=None):
         p.error(f"unknown providers {sorted(unknown)}; choose from {PROVIDERS}")
     out = args.out or results_path("prefix_attention", args.device)
     S, P, H, D = args.seq, args.prefix, args.heads, args.head_dim
+    Hkv = args.kv_heads or H
+    min_len = S // 2 if args.min_len is None else args.min_len
+    if not 1 <= min_len <= S:
+        p.error(f"--min-len must be in [1, --seq], got {min_len}")
+    if H % Hkv:
+        p.error(f"--heads {H} must be a multiple of --kv-heads {Hkv}")
     info = machine()
+    if args.device == "cpu":
+        from fastprompt.ops import attention_cpu
+
+        if attention_cpu.available(torch.empty(0)):
+            info["cpu_isa"] = attention_cpu.isa()
+            info["vector_bits"] = VECTOR_BITS.get(info["cpu_isa"])
     rows = []
     for B in (int(b) for b in args.batches.split(",")):
         for mode in args.modes.split(","):
             dropout = args.dropout if mode != "fwd" else 0.0
-            config = dict(mode=mode, B=B, S=S, P=P, H=H, D=D, dtype=dtype, device=args.device, backend=args.backend,
-                          dropout=dropout)
+            config = dict(mode=mode, B=B, S=S, P=P, H=H, Hkv=Hkv, D=D, dtype=dtype, device=args.device,
+                          backend=args.backend, dropout=dropout, causal=args.causal, min_len=min_len)
             times = run_fresh(__file__, "setup", config, mode="time", providers=providers, device=args.device,
                               warmup=args.warmup, repeats=repeats, timeout=args.timeout)
             for name in providers:
@@ -142,17 +205,21 @@ def main(argv=None):
                                 timeout=args.timeout)
                 t = times[name]
                 rows.append(dict(bench="prefix_attention", device=args.device, provider=name, dtype=dtype, mode=mode,
-                                 dropout=dropout, B=B, S=S, P=P, H=H, D=D, median_ms=round(t.median_ms, 4),
-                                 p20_ms=round(t.p20_ms, 4), p80_ms=round(t.p80_ms, 4), peak_mb=round(mem["peak_mb"], 3),
-                                 repeats=t.repeats, max_abs_err_vs_sdpa=max_abs_err(name, B, S, P, H, D, dtype,
-                                                                                    args.device, args.backend)))
+                                 dropout=dropout, B=B, S=S, min_len=min_len, P=P, H=H, Hkv=Hkv, D=D,
+                                 causal=args.causal,
+                                 median_ms=round(t.median_ms, 4), p20_ms=round(t.p20_ms, 4), p80_ms=round(t.p80_ms, 4),
+                                 peak_mb=round(mem["peak_mb"], 3), repeats=t.repeats,
+                                 max_abs_err_vs_sdpa=max_abs_err(name, B, S, P, H, Hkv, D, dtype, args.device,
+                                                                 args.backend, args.causal, min_len),
+                                 isa=info.get("cpu_isa", "")))
                 logger.info("B=%d %-8s %-13s %9.3f ms  %9.2f MiB", B, mode, name, t.median_ms, mem["peak_mb"])
             add_ratios(rows, "sdpa_concat", CONFIG_KEYS)
             write_results(rows, out, CONFIG_KEYS, info)  # after every point: partial results survive
     print(markdown_table(rows, ["B", "mode", "provider", "median_ms", "peak_mb", "time_vs_baseline",
                                 "mem_vs_baseline"]))
-    print(f"\n{args.device}, {dtype}, S={S} P={P} H={H} D={D}, dropout in fwd+bwd {args.dropout}, "
-          f"{info['threads']} threads; wrote {out}")
+    isa = f", kernel {info['cpu_isa']} ({info['vector_bits']}-bit vectors)" if "cpu_isa" in info else ""
+    print(f"\n{args.device} ({info['cpu']}{isa}), {dtype}, S={S} P={P} H={H} Hkv={Hkv} D={D} causal={args.causal}, "
+          f"dropout in fwd+bwd {args.dropout}, {info['threads']} threads; wrote {out}")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 // exp, the row reductions and the per-row softmax steps. No include guard on purpose: prefix_attention.cpp
 // includes this file once per x86-64 level, each time inside its own namespace and under
 // `#pragma GCC target(...)`, so each level gets its own compiled copy (see kSimdLevels there). Expects kLanes,
-// kMr, kNegInf, PhiloxKey, philox_keep and FASTPROMPT_SIMD_BYTES (the level's vector width) from the includer.
+// kMr, kNegInf, PhiloxKey, philox_keep, RowSpan and FASTPROMPT_SIMD_BYTES (the level's vector width) from the includer.
 
 // Each level's vector is its register width (FASTPROMPT_SIMD_BYTES, defined by the includer: 64 for AVX-512, 32
 // for AVX2, 16 for SSE); a strip of kLanes = 16 columns (the tiles' padding) is kNv such vectors. A vector wider
@@ -115,53 +115,97 @@ FASTPROMPT_INLINE float vmax(const float* x, int64_t np) {
 }
 
 // --------------------------------------------------------------------------------------------------------
-// row-wise steps of the softmax over n visible columns, padded to np
+// row-wise steps of the softmax over the visible columns of a score row (RowSpan: the prefix columns and one
+// range of token columns; every other column of the nc computed ones is hidden)
 
-// Scores -> dropped-out probabilities in place (padding columns 0); returns the row's natural-log log-sum-exp
-// (-inf when n == 0). Column c is key column cols[c] of the virtual concatenation (the dropout counter).
-float softmax_row(float* __restrict s, int64_t n, int64_t np, float scale, const int32_t* __restrict cols,
-                  uint32_t row_base, uint32_t bh, const PhiloxKey* key, float keep_scale) {
-  if (n == 0) {
-    for (int64_t c = 0; c < np; ++c) s[c] = 0.0f;
-    return kNegInf;
-  }
-  for (int64_t c = 0; c < np; c += kV) store(s + c, load(s + c) * scale);
-  for (int64_t c = n; c < np; ++c) s[c] = kNegInf;
-  const float m = vmax(s, np);
-  exp_row(s, np, 1.0f, m);
-  for (int64_t c = n; c < np; ++c) s[c] = 0.0f;
-  const float sum = vsum(s, np);
-  if (key != nullptr) {
-    const PhiloxKey k = *key;
-    const float dropped = keep_scale / sum;
-    for (int64_t c = 0; c < n; ++c) {
-      const float w = philox_keep(row_base + static_cast<uint32_t>(cols[c]), bh, k) ? dropped : 0.0f;
-      s[c] *= w;
-    }
+// s[c] = s[c] * scale (+ bias[c]) for c < nc (a multiple of kLanes).
+FASTPROMPT_INLINE void scale_row(float* __restrict s, const float* __restrict bias, int64_t nc, float scale) {
+  if (bias == nullptr) {
+    for (int64_t c = 0; c < nc; c += kV) store(s + c, load(s + c) * scale);
   } else {
-    const float inv = 1.0f / sum;
-    for (int64_t c = 0; c < n; ++c) s[c] *= inv;
+    for (int64_t c = 0; c < nc; c += kV) store(s + c, load(s + c) * scale + load(bias + c));
   }
-  return m + std::log(sum);
 }
 
-// Backward of one row, in place: on entry s holds the scores and dp = dO . V; on return s holds dS * scale (the
-// gradient of the scaled scores, times the scale) and pd the dropped-out probabilities. Padding columns are 0.
-void softmax_backward_row(float* __restrict s, float* __restrict pd, float* __restrict dp, int64_t n, int64_t np,
-                          float scale, float lse, const int32_t* __restrict cols, uint32_t row_base, uint32_t bh,
-                          const PhiloxKey* key, float keep_scale) {
-  exp_row(s, np, scale, lse);  // the probabilities
-  for (int64_t c = n; c < np; ++c) s[c] = pd[c] = dp[c] = 0.0f;
-  if (key != nullptr) {  // dp becomes the gradient of the probability before dropout
-    const PhiloxKey k = *key;
-    for (int64_t c = 0; c < n; ++c) {
-      const float w = philox_keep(row_base + static_cast<uint32_t>(cols[c]), bh, k) ? keep_scale : 0.0f;
-      pd[c] = s[c] * w;
-      dp[c] *= w;
-    }
-  } else {
-    std::memcpy(pd, s, n * sizeof(float));
+// Sets the hidden columns of [0, nc) to `value`: [P, ta) (the padding up to the token block and the tokens
+// before the row's span) and [tb, nc).
+FASTPROMPT_INLINE void hide(float* s, const RowSpan& sp, int64_t nc, float value) {
+  for (int64_t c = sp.P; c < sp.ta; ++c) s[c] = value;
+  for (int64_t c = sp.tb; c < nc; ++c) s[c] = value;
+}
+
+// x[c] *= (kept ? w : 0) over the visible columns, the keep decision of column c drawn at its key column of the
+// virtual concatenation (c for the prefix, sp.cols[c - t0] for a token); y[c] = x[c] before the product times the
+// same factor when y is not null (the backward: probabilities and their gradient).
+FASTPROMPT_INLINE void drop_row(float* __restrict x, float* __restrict y, const RowSpan& sp, uint32_t row_base,
+                                uint32_t bh, const PhiloxKey& key, float w) {
+  for (int64_t c = 0; c < sp.P; ++c) {
+    const float f = philox_keep(row_base + static_cast<uint32_t>(c), bh, key) ? w : 0.0f;
+    if (y != nullptr) y[c] *= f;
+    x[c] *= f;
   }
-  const float delta = vdot(s, dp, np);  // sum_c p_c g_c = dO . O
-  for (int64_t c = 0; c < n; ++c) s[c] = s[c] * (dp[c] - delta) * scale;
+  for (int64_t c = sp.ta; c < sp.tb; ++c) {
+    const float f = philox_keep(row_base + static_cast<uint32_t>(sp.cols[c - sp.t0]), bh, key) ? w : 0.0f;
+    if (y != nullptr) y[c] *= f;
+    x[c] *= f;
+  }
+}
+
+// Scores (s * scale + bias) -> dropped-out probabilities in place over the nc computed columns (hidden ones 0);
+// returns the row's natural-log log-sum-exp, -inf when it sees no key (no visible column, or only scores of -inf).
+float softmax_row(float* __restrict s, const float* __restrict bias, const RowSpan& sp, int64_t nc, float scale,
+                  uint32_t row_base, uint32_t bh, const PhiloxKey* key, float keep_scale) {
+  if (sp.P + sp.tb - sp.ta > 0) {
+    scale_row(s, bias, nc, scale);
+    hide(s, sp, nc, kNegInf);
+    const float m = vmax(s, nc);
+    if (m > kNegInf) {
+      exp_row(s, nc, 1.0f, m);
+      hide(s, sp, nc, 0.0f);
+      const float sum = vsum(s, nc);
+      if (key != nullptr) {
+        drop_row(s, nullptr, sp, row_base, bh, *key, keep_scale / sum);
+      } else {
+        const float inv = 1.0f / sum;
+        for (int64_t c = 0; c < nc; c += kV) store(s + c, load(s + c) * inv);
+      }
+      return m + std::log(sum);
+    }
+  }
+  std::memset(s, 0, nc * sizeof(float));
+  return kNegInf;
+}
+
+// Backward of one row, in place: on entry s holds the raw products q . k and dp = dO . V; on return s holds
+// dS * scale (dS: the gradient of the biased, scaled scores) and pd the dropped-out probabilities, hidden columns
+// 0. dS itself is copied to ds over the visible token columns [ta, tb) when ds is not null (the bias gradient).
+void softmax_backward_row(float* __restrict s, float* __restrict pd, float* __restrict dp, float* __restrict ds,
+                          const float* __restrict bias, const RowSpan& sp, int64_t nc, float scale, float lse,
+                          uint32_t row_base, uint32_t bh, const PhiloxKey* key, float keep_scale) {
+  if (!(lse > kNegInf)) {  // a row that saw no key: no gradient
+    std::memset(s, 0, nc * sizeof(float));
+    std::memset(pd, 0, nc * sizeof(float));
+    std::memset(dp, 0, nc * sizeof(float));
+    if (ds != nullptr) std::memset(ds + sp.ta, 0, (sp.tb - sp.ta) * sizeof(float));
+    return;
+  }
+  // the probabilities (hidden columns may overflow here: they are zeroed next)
+  if (bias != nullptr) {
+    scale_row(s, bias, nc, scale);
+    exp_row(s, nc, 1.0f, lse);
+  } else {
+    exp_row(s, nc, scale, lse);
+  }
+  hide(s, sp, nc, 0.0f);
+  hide(dp, sp, nc, 0.0f);
+  std::memcpy(pd, s, nc * sizeof(float));
+  if (key != nullptr) drop_row(dp, pd, sp, row_base, bh, *key, keep_scale);  // dp: the gradient before dropout
+  const float delta = vdot(s, dp, nc);  // sum_c p_c g_c = dO . O
+  if (ds != nullptr) {
+    for (int64_t c = 0; c < nc; c += kV) store(s + c, load(s + c) * (load(dp + c) - delta));
+    std::memcpy(ds + sp.ta, s + sp.ta, (sp.tb - sp.ta) * sizeof(float));
+    for (int64_t c = 0; c < nc; c += kV) store(s + c, load(s + c) * scale);
+  } else {
+    for (int64_t c = 0; c < nc; c += kV) store(s + c, load(s + c) * (load(dp + c) - delta) * scale);
+  }
 }

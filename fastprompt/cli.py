@@ -30,6 +30,7 @@ SUBCOMMANDS: list[str] = [
     "fastprompt.train.cli:add_train_parser",
     "fastprompt.cli:add_eval_parser",
     "fastprompt.cli:add_encode_parser",
+    "fastprompt.eval.report_cli:add_report_parser",
     "fastprompt.integrations.cli:add_export_parser",
     "fastprompt.integrations.cli:add_import_parser",
     "fastprompt.data.ski.cli:add_generate_ski_parser",

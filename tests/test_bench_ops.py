@@ -13,8 +13,9 @@ RUNS = {
     "bench_contrastive_loss.py": (["--n", "64", "--d", "32", "--loss", "simcse", "--repeats", "2"],
                                   ["fused", "reference"], "reference"),
     "bench_prefix_attention.py": (["--batches", "4", "--seq", "8", "--prefix", "2", "--heads", "2", "--head-dim", "16",
-                                   "--modes", "fwd+bwd", "--repeats", "2", "--warmup", "1"],
-                                  ["fastprompt", "sdpa_concat", "eager_concat"], "sdpa_concat"),
+                                   "--kv-heads", "1", "--causal", "--modes", "fwd+bwd", "--repeats", "2", "--warmup",
+                                   "1"],
+                                  ["fastprompt", "fastprompt_packed", "sdpa_concat", "eager_concat"], "sdpa_concat"),
     "bench_mlm_logits.py": (["--rows", "4", "--vocab", "500", "--hidden", "32", "--repeats", "2"],
                             ["masked", "full"], "full"),
 }
@@ -32,5 +33,6 @@ def test_op_bench_measures_every_provider(script, tmp_path):
     for r in rows:
         assert r["device"] == "cpu" and float(r["median_ms"]) > 0 and int(r["repeats"]) == 2
         assert float(r["peak_mb"]) >= 0 and r["baseline"] == baseline
+        assert float(r.get("max_abs_err_vs_sdpa") or 0) < 1e-5, r  # every provider computes the same attention
     assert next(r for r in rows if r["provider"] == baseline)["time_vs_baseline"] == "1.0"
     assert json.loads(out.with_suffix(".json").read_text())["command"].startswith(f"python bench/{script} ")

@@ -350,22 +350,46 @@ def encode_pairs(
     *,
     batch_size: int = 64,
     show_progress_bar: bool | None = None,
+    known: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Embeddings of both sides of every task's pairs.
 
     Every distinct sentence over all tasks is encoded once (STS13-16 and STS-B share headlines,
     SICK repeats sentences across pairs): about 25% fewer sentences for the seven-task table.
+    ``known``: vectors this same model already gave (sentence -> vector, e.g. :func:`sentence_vectors` of an
+    earlier evaluation of the same weights); only the other sentences are encoded. Batches then hold other
+    sentences, so a reused vector may differ from a fresh one in the last float32 bits (padding changes the
+    shapes the kernels run on), far below the table's two decimals.
     """
     index: dict[str, int] = {}
     for data in datasets.values():
         for s in (*data.sentences1, *data.sentences2):
             index.setdefault(s, len(index))
-    emb = encode_sentences(model, list(index), batch_size=batch_size, show_progress_bar=show_progress_bar)
+    todo = [s for s in index if s not in known] if known else list(index)
+    if len(todo) == len(index):
+        emb = encode_sentences(model, todo, batch_size=batch_size, show_progress_bar=show_progress_bar)
+    else:
+        fresh = (dict(zip(todo, encode_sentences(model, todo, batch_size=batch_size,
+                                                 show_progress_bar=show_progress_bar))) if todo else {})
+        emb = np.stack([fresh[s] if s in fresh else known[s] for s in index])
+        logger.info("encoded %d sentences, reused %d encoded before", len(todo), len(index) - len(todo))
     out = {}
     for name, data in datasets.items():
         i1 = np.fromiter((index[s] for s in data.sentences1), dtype=np.int64, count=len(data))
         i2 = np.fromiter((index[s] for s in data.sentences2), dtype=np.int64, count=len(data))
         out[name] = (emb[i1], emb[i2])
+    return out
+
+
+def sentence_vectors(
+    pairs: Mapping[str, tuple[np.ndarray, np.ndarray]], datasets: Mapping[str, STSData]
+) -> dict[str, np.ndarray]:
+    """The table sentence -> vector of :func:`encode_pairs`' output (for its ``known`` argument)."""
+    out: dict[str, np.ndarray] = {}
+    for name, (e1, e2) in pairs.items():
+        data = datasets[name]
+        out.update(zip(data.sentences1, e1))
+        out.update(zip(data.sentences2, e2))
     return out
 
 

@@ -1,12 +1,18 @@
 """Poolers: how the last hidden states become one sentence vector, plus the optional training heads."""
 from __future__ import annotations
 
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
 import torch
 from torch import nn
 
 from fastprompt.choices import MLP_MODES, POOLERS, check_choice
 
-__all__ = ["Pooler", "POOLERS", "MLP_MODES", "bn_mlp_head", "init_linear_layers", "topk_token_representation"]
+__all__ = ["Pooler", "POOLERS", "MLP_MODES", "NativePooling", "bn_mlp_head", "init_linear_layers", "native_pooling",
+           "topk_token_representation"]
 
 
 class Pooler(nn.Module):
@@ -129,3 +135,117 @@ def topk_token_representation(mask_hidden: torch.Tensor, mlm_head: nn.Module, wo
     top = probs.topk(k, dim=-1)
     weights = top.values / top.values.sum(-1, keepdim=True)
     return torch.einsum("bk,bkh->bh", weights, word_embeddings[top.indices].float()).to(mask_hidden.dtype)
+
+
+# ------------------------------------------------------------------ the model's own pooling
+#: sentence-transformers' pooling modes that a fastprompt pooler computes the same way
+ST_POOLING_MODES = {"cls": "cls", "mean": "mean"}
+#: the boolean keys older sentence-transformers versions write into the Pooling module's config.json
+_ST_LEGACY_MODE_KEYS = {"pooling_mode_cls_token": "cls", "pooling_mode_mean_tokens": "mean",
+                        "pooling_mode_max_tokens": "max", "pooling_mode_mean_sqrt_len_tokens": "mean_sqrt_len_tokens",
+                        "pooling_mode_weightedmean_tokens": "weightedmean", "pooling_mode_lasttoken": "lasttoken"}
+_MAX_CONFIG_BYTES = 1 << 20  # a sentence-transformers module config is a few hundred bytes
+
+
+@dataclass(frozen=True)
+class NativePooling:
+    """How a model's own sentence-transformers configuration pools: ``pooler`` is the fastprompt pooler that
+    computes it (None when the model has no such configuration, or pools in a way no fastprompt pooler does);
+    ``source`` says where it was read, or why it is not known."""
+
+    pooler: str | None
+    source: str
+
+
+def native_pooling(model_name_or_path: str | os.PathLike) -> NativePooling:
+    """The pooling the model was trained for, read from its sentence-transformers configuration: the Pooling
+    module that ``modules.json`` names (``1_Pooling/config.json`` without one), in the model's folder, its
+    installed package or, for a hub id, the local Hugging Face cache (nothing is downloaded). Never raises for
+    a missing, unreadable or foreign configuration: the returned ``source`` says what was found instead."""
+    from .resolve import resolve_model
+
+    try:
+        where, kind = resolve_model(model_name_or_path)
+    except (OSError, ValueError) as exc:
+        return NativePooling(None, f"the model cannot be found ({exc})")
+    if kind == "hub":
+        return _hub_native_pooling(where)
+    return _folder_native_pooling(Path(where))
+
+
+def _read_small_json(path: Path):
+    if path.stat().st_size > _MAX_CONFIG_BYTES:
+        raise ValueError(f"larger than {_MAX_CONFIG_BYTES} bytes")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def _pooling_config_path(modules, folder: Path) -> Path | str:
+    """The Pooling module's config.json named by ``modules.json``'s entries, or why there is none."""
+    if not isinstance(modules, list):
+        return "modules.json is not a list of modules"
+    for entry in modules:
+        if isinstance(entry, dict) and str(entry.get("type", "")).endswith("Pooling"):
+            sub = PurePosixPath(str(entry.get("path", "")))
+            if sub.is_absolute() or ".." in sub.parts:  # read nothing outside the model's own folder
+                return f"modules.json names a Pooling module outside the model folder ({str(sub)!r})"
+            return folder / sub / "config.json"
+    return "modules.json names no Pooling module"
+
+
+def _pooling_from_config(config, source: str) -> NativePooling:
+    if not isinstance(config, dict):
+        return NativePooling(None, f"{source} is not a JSON object")
+    modes = config.get("pooling_mode")
+    if modes is None:
+        modes = [mode for key, mode in _ST_LEGACY_MODE_KEYS.items() if config.get(key) is True]
+    modes = [modes] if isinstance(modes, str) else list(modes) if isinstance(modes, (list, tuple)) else []
+    if len(modes) != 1:
+        what = " + ".join(map(str, modes)) or "no pooling mode"
+        return NativePooling(None, f"{source} gives {what}, which no fastprompt pooler computes")
+    pooler = ST_POOLING_MODES.get(modes[0])
+    if pooler is None:
+        return NativePooling(None, f"{source} gives {modes[0]!r} pooling, which no fastprompt pooler computes "
+                                   f"(they compute {', '.join(ST_POOLING_MODES)})")
+    return NativePooling(pooler, source)
+
+
+def _folder_native_pooling(folder: Path) -> NativePooling:
+    modules = folder / "modules.json"
+    try:
+        config_path = (_pooling_config_path(_read_small_json(modules), folder) if modules.is_file()
+                       else folder / "1_Pooling" / "config.json")
+        if isinstance(config_path, str):
+            return NativePooling(None, f"{config_path} ({folder})")
+        if not config_path.is_file():
+            return NativePooling(None, f"no sentence-transformers pooling configuration in {folder} "
+                                       f"({config_path.relative_to(folder)} does not exist)")
+        return _pooling_from_config(_read_small_json(config_path), str(config_path))
+    except (OSError, ValueError) as exc:  # unreadable, not UTF-8, not JSON, too large
+        return NativePooling(None, f"the sentence-transformers configuration in {folder} cannot be read ({exc})")
+
+
+def _hub_native_pooling(model_id: str) -> NativePooling:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:
+        return NativePooling(None, f"{model_id} is a hub id and huggingface_hub is not installed")
+
+    def cached(name: str) -> Path | None:
+        found = try_to_load_from_cache(model_id, name)
+        return Path(found) if isinstance(found, str) else None
+
+    modules = cached("modules.json")
+    if modules is None:
+        return NativePooling(None, f"no sentence-transformers configuration of {model_id} in the local "
+                                   "Hugging Face cache (modules.json)")
+    try:
+        config_path = _pooling_config_path(_read_small_json(modules), modules.parent)
+        if isinstance(config_path, str):
+            return NativePooling(None, f"{config_path} ({model_id})")
+        found = cached(config_path.relative_to(modules.parent).as_posix())
+        if found is None:
+            return NativePooling(None, f"{model_id}: {config_path.relative_to(modules.parent)} is not in the "
+                                       "local Hugging Face cache")
+        return _pooling_from_config(_read_small_json(found), f"{model_id}/{config_path.relative_to(modules.parent)}")
+    except (OSError, ValueError) as exc:
+        return NativePooling(None, f"the sentence-transformers configuration of {model_id} cannot be read ({exc})")

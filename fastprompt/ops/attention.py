@@ -3,9 +3,11 @@ without the prefix ever being expanded over the batch or concatenated with the t
 
 ``prefix_attention(q, k, v, prefix_k, prefix_v, key_padding_mask)`` computes, per example b and head h,
 ``softmax(q K^T * scale) V`` over the keys ``K = [prefix_k ; k[b]]`` (values likewise), with the prefix
-always visible and padded tokens (``key_padding_mask`` False) hidden. The prefix is ``(H, P, D)`` shared
-by the batch, or ``(T, H, P, D)`` with ``prompt_index`` (B,) picking each example's prompt (several tasks
-in one batch on one frozen backbone).
+always visible and padded tokens (``key_padding_mask`` False) hidden. The prefix is ``(Hkv, P, D)`` shared
+by the batch, or ``(T, Hkv, P, D)`` with ``prompt_index`` (B,) picking each example's prompt (several tasks
+in one batch on one frozen backbone). k, v may have fewer heads than q (grouped-query attention, never expanded);
+``causal`` and ``window`` restrict the token block (the prefix stays visible to every row), ``attn_bias`` adds to
+the token block's scores, and ``cu_seqlens`` runs a packed batch (real tokens only, sequences back to back).
 
 Backends:
 
@@ -19,7 +21,7 @@ Backends:
                  half precision computed in float32). Otherwise (float64, the extension not built, CUDA
                  tensors the Triton kernels do not take: float64 or D > 128) a composite of aten ops that
                  autograd differentiates: SDPA over an on-the-fly concatenation, or eager attention with the
-                 seeded mask when dropout is on.
+                 seeded mask when dropout is on or the bias needs a gradient.
 ``"reference"``  :func:`fastprompt.ops.reference.prefix_attention_reference` (explicit concatenation, float32).
 ``"auto"``       CUDA -> "triton" (when supported), otherwise "cpu" (the rule shared by every op:
                  :func:`fastprompt.backends.resolve_backend`; this op declares :data:`SUPPORT`).
@@ -33,10 +35,12 @@ Dropout acts on the attention probabilities. Its mask is a pure function of ``se
 the same seed reproduces the same mask exactly (the gradient cache replays forwards). ``seed=None`` with
 ``dropout_p > 0`` draws the seed from torch's default CPU generator, so restoring ``torch.get_rng_state()``
 replays it. The Triton kernels and the C++ kernel draw the same Philox mask (bit for bit:
-:func:`fastprompt.ops.attention_cpu.keep_mask`); the aten composite and the reference use a seeded
-``torch.Generator`` (same contract, different masks).
+:func:`fastprompt.ops.attention_cpu.keep_mask`), and a packed batch drops what the same sequences right-padded
+to ``max_seqlen`` drop; the aten composite and the reference use a seeded ``torch.Generator`` (same contract,
+different masks).
 
-A row that sees no key at all (P = 0 and an all-padding example) outputs zeros. With P >= 1 every row
+A row that sees no key at all (P = 0 and no visible token: an all-padding example, a leading pad row under a
+causal mask, a window that reaches no real token) outputs zeros. With P >= 1 every row
 sees the prefix, so a fully padded example simply attends to the prompt: finite output, no NaN.
 """
 from __future__ import annotations
@@ -87,25 +91,51 @@ def prefix_attention(
     seed: Optional[int] = None,
     prompt_index: Optional[torch.Tensor] = None,
     backend: str = "auto",
+    causal: bool = False,
+    window: tuple[int, int] = (-1, -1),
+    attn_bias: Optional[torch.Tensor] = None,
+    cu_seqlens: Optional[torch.Tensor] = None,
+    max_seqlen: Optional[int] = None,
 ) -> torch.Tensor:
-    """Attention of token queries over ``[prefix ; tokens]``; returns ``(B, H, S, D)`` in q's dtype.
+    """Attention of token queries over ``[prefix ; tokens]``; returns q's shape ``(B, H, S, D)`` in q's dtype.
 
     Args:
-        q, k, v: ``(B, H, S, D)`` (any strides, e.g. transformers' ``view(...).transpose(1, 2)``).
-        prefix_k, prefix_v: ``(H, P, D)`` shared by the batch, or ``(T, H, P, D)`` with ``prompt_index``.
+        q: ``(B, H, S, D)`` (any strides, e.g. transformers' ``view(...).transpose(1, 2)``); packed: ``(1, H, N, D)``.
+        k, v: ``(B, Hkv, S, D)`` (packed: ``(1, Hkv, N, D)``) with ``H % Hkv == 0``: grouped-query / multi-query
+            attention, query head h reads key/value head ``h // (H // Hkv)``; never expanded over the group.
+        prefix_k, prefix_v: ``(Hkv, P, D)`` shared by the batch, or ``(T, Hkv, P, D)`` with ``prompt_index``.
         key_padding_mask: ``(B, S)``, True (or 1) = real token; None = no padding. Prefix keys are always
             visible.
         scale: score scale, default ``D ** -0.5``.
         dropout_p: dropout probability on the attention probabilities (0 in eval).
         seed: dropout seed (any int, 64 bits used); None draws one from torch's default generator.
-        prompt_index: ``(B,)`` integer prompt id per example, required with a 4-D prefix.
+        prompt_index: ``(B,)`` integer prompt id per example (per sequence when packed), required with a 4-D
+            prefix.
         backend: "auto", "triton", "cpu" or "reference" (see the module docstring).
+        causal: token j is visible to query i only when ``j <= i`` (in-sequence row indices); the prefix stays
+            visible to every row.
+        window: ``(left, right)``: token j is visible to query i only when ``i - left <= j <= i + right``,
+            ``-1`` = unbounded on that side (FlashAttention's ``window_size``; a causal sliding window of W
+            tokens is ``causal=True, window=(W - 1, 0)``); the prefix stays visible.
+        attn_bias: additive float bias on the token block's scaled scores, ``(1 or B, 1 or H, S, S)`` (packed:
+            ``(1 or B, 1 or H, L, L)`` over in-sequence positions, L = ``max_seqlen``); the prefix columns get
+            none. Differentiable when it requires grad (the gradient is summed over its broadcast dims).
+        cu_seqlens: ``(B + 1,)`` int32/int64 offsets of a packed batch: q, k, v hold the N = ``cu_seqlens[-1]``
+            real tokens of B sequences back to back (sequence b is rows ``cu_seqlens[b]:cu_seqlens[b + 1]``);
+            each attends to its own tokens and its prefix. ``key_padding_mask`` must be None.
+        max_seqlen: with ``cu_seqlens``, the padded width L the packed batch stands for (the bias's size and the
+            dropout mask's row width: a packed batch drops what the same sequences right-padded to L drop);
+            default the longest sequence. Pass it under ``torch.compile`` (no host read of the offsets).
 
-    The Triton and C++ kernels return a transposed ``(B, S, H, D)`` buffer, so ``out.transpose(1, 2).reshape(B,
-    S, H * D)`` needs no copy (the aten composite returns what SDPA returns: the same layout for such q).
+    The Triton and C++ kernels return a transposed ``(B, S, H, D)`` buffer (packed ``(1, N, H, D)``), so
+    ``out.transpose(1, 2).reshape(B, S, H * D)`` needs no copy (the aten composite returns what SDPA returns: the
+    same layout for such q).
     """
-    _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p)
+    window = _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p, causal, window,
+                       attn_bias, cu_seqlens, max_seqlen)
     resolved = resolve_backend(SUPPORT, q, backend)  # before a seed is drawn: a bad backend consumes no RNG
+    features = dict(causal=bool(causal), window=window, attn_bias=attn_bias,
+                    cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long), max_seqlen=max_seqlen)
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
     if prompt_index is not None:
         prompt_index = prompt_index.to(torch.long)
@@ -115,19 +145,22 @@ def prefix_attention(
     if dropout_p > 0 and seed is None:
         # the C++ kernel takes the seed as a tensor: no host sync, so torch.compile does not break the graph here
         seed = _draw_seed_tensor() if fused_cpu else draw_seed()
-    # the kernels check prompt_index inside (the Triton op without a sync); the Python check reads it on the host
-    if resolved != "triton" and prompt_index is not None and not (fused_cpu and torch.compiler.is_compiling()):
+    # the kernels check prompt_index and the offsets inside (the Triton op without a sync); the Python checks read
+    # them on the host
+    if resolved != "triton" and not (fused_cpu and torch.compiler.is_compiling()):
         _check_prompt_index(prompt_index, prefix_k.shape[0])
+        if cu_seqlens is not None:
+            features["max_seqlen"] = _check_packed(features["cu_seqlens"], q.shape[2], max_seqlen, attn_bias)
     if fused_cpu:
         return attention_cpu.prefix_attention_cpu(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale,
-                                                  dropout_p, seed)
+                                                  dropout_p, seed, **features)
     seed = 0 if seed is None else int(seed)
     if resolved == "reference":
         return prefix_attention_reference(q, k, v, prefix_k, prefix_v, mask, scale=scale, dropout_p=dropout_p,
-                                          seed=seed, prompt_index=prompt_index)
+                                          seed=seed, prompt_index=prompt_index, **features)
     if resolved == "cpu":
-        return _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed)
-    return _triton_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed)
+        return _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, **features)
+    return _triton_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, **features)
 
 
 def draw_seed() -> int:
@@ -140,7 +173,10 @@ def _draw_seed_tensor() -> torch.Tensor:
     return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
 
 
-def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p):
+def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p, causal=False,
+              window=(-1, -1), attn_bias=None, cu_seqlens=None, max_seqlen=None) -> tuple[int, int]:
+    """Everything checkable without reading tensor values (those: :func:`_check_prompt_index`,
+    :func:`_check_packed`); returns the window as a tuple of two ints."""
     for name, x in (("q", q), ("k", k), ("v", v), ("prefix_k", prefix_k), ("prefix_v", prefix_v)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -151,31 +187,56 @@ def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropo
                              "cast the prefix to the activations' dtype")
     if q.dim() != 4:
         raise ValueError(f"q must be (B, H, S, D), got shape {tuple(q.shape)}")
-    if k.shape != q.shape or v.shape != q.shape:
-        raise ValueError(f"q, k, v must have the same (B, H, S, D) shape, got {tuple(q.shape)}, {tuple(k.shape)}, "
-                         f"{tuple(v.shape)}")
     B, H, S, D = q.shape
     if min(B, H, S, D) < 1:
         raise ValueError(f"q must have B, H, S, D >= 1, got shape {tuple(q.shape)}")
+    if k.dim() != 4 or k.shape != v.shape or k.shape[0] != B or k.shape[2:] != q.shape[2:] or k.shape[1] < 1:
+        raise ValueError(f"k and v must have the same (B, Hkv, S, D) shape, with q's B, S, D: ({B}, Hkv, {S}, {D}); "
+                         f"got {tuple(k.shape)}, {tuple(v.shape)}")
+    Hkv = k.shape[1]
+    if H % Hkv:
+        raise ValueError(f"q's {H} heads must be a multiple of k and v's {Hkv} heads (grouped-query attention: "
+                         f"query head h reads key/value head h // (H // Hkv))")
     if prefix_k.shape != prefix_v.shape:
         raise ValueError(f"prefix_k {tuple(prefix_k.shape)} and prefix_v {tuple(prefix_v.shape)} differ in shape")
-    if prefix_k.dim() not in (3, 4) or prefix_k.shape[-3] != H or prefix_k.shape[-1] != D:
-        raise ValueError(f"prefix_k must be (H, P, D) = ({H}, P, {D}) or (T, {H}, P, {D}), "
-                         f"got {tuple(prefix_k.shape)}")
+    if prefix_k.dim() not in (3, 4) or prefix_k.shape[-3] != Hkv or prefix_k.shape[-1] != D:
+        raise ValueError(f"prefix_k must be (Hkv, P, D) = ({Hkv}, P, {D}) or (T, {Hkv}, P, {D}) (one prefix per "
+                         f"key/value head), got {tuple(prefix_k.shape)}")
+    n_seq = B
+    if cu_seqlens is not None:
+        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or \
+                cu_seqlens.dtype not in (torch.int64, torch.int32):
+            raise ValueError(f"cu_seqlens must be a (B + 1,) int32/int64 tensor of sequence offsets, got "
+                             f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} "
+                             f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+        if cu_seqlens.device != q.device:
+            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
+        if B != 1:
+            raise ValueError(f"a packed batch (cu_seqlens) is q (1, H, N, D) holding every sequence's tokens back to "
+                             f"back, got q {tuple(q.shape)}")
+        if key_padding_mask is not None:
+            raise ValueError("a packed batch (cu_seqlens) has no padding: key_padding_mask must be None")
+        n_seq = cu_seqlens.numel() - 1
+        if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
+                                       or max_seqlen < 1):
+            raise ValueError(f"max_seqlen must be a positive int, got {max_seqlen!r}")
+    elif max_seqlen is not None:
+        raise ValueError("max_seqlen is only meaningful with cu_seqlens (a packed batch)")
     if prefix_k.dim() == 4:
         if prompt_index is None:
-            raise ValueError("a (T, H, P, D) prefix needs prompt_index (B,) choosing each example's prompt")
-        if not isinstance(prompt_index, torch.Tensor) or prompt_index.shape != (B,) or \
+            raise ValueError("a (T, Hkv, P, D) prefix needs prompt_index (B,) choosing each example's prompt")
+        if not isinstance(prompt_index, torch.Tensor) or prompt_index.shape != (n_seq,) or \
                 prompt_index.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"prompt_index must be an int64/int32 tensor of shape ({B},), got "
+            raise ValueError(f"prompt_index must be an int64/int32 tensor of shape ({n_seq},) (one per "
+                             f"{'sequence' if cu_seqlens is not None else 'example'}), got "
                              f"{getattr(prompt_index, 'dtype', type(prompt_index))} "
                              f"{tuple(getattr(prompt_index, 'shape', ()))}")
         if prompt_index.device != q.device:
             raise ValueError(f"prompt_index is on {prompt_index.device} but q is on {q.device}")
         if prefix_k.shape[0] == 0:
-            raise ValueError("a (T, H, P, D) prefix needs T >= 1 prompts")
+            raise ValueError("a (T, Hkv, P, D) prefix needs T >= 1 prompts")
     elif prompt_index is not None:
-        raise ValueError("prompt_index is only meaningful with a (T, H, P, D) prefix; got an (H, P, D) prefix")
+        raise ValueError("prompt_index is only meaningful with a (T, Hkv, P, D) prefix; got an (Hkv, P, D) prefix")
     if key_padding_mask is not None:
         if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.shape != (B, S):
             raise ValueError(f"key_padding_mask must be a (B, S) = ({B}, {S}) tensor, got "
@@ -187,6 +248,26 @@ def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropo
             raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}")
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
+    if not isinstance(causal, bool):
+        raise ValueError(f"causal must be a bool, got {causal!r}")
+    if not isinstance(window, (tuple, list)) or len(window) != 2 or \
+            any(isinstance(w, bool) or not isinstance(w, int) for w in window):
+        raise ValueError(f"window must be a pair of ints (left, right), -1 = unbounded, got {window!r}")
+    if min(window) < -1:
+        raise ValueError(f"window sizes must be >= 0, or -1 for unbounded, got {tuple(window)}")
+    if attn_bias is not None:
+        if not isinstance(attn_bias, torch.Tensor) or not attn_bias.is_floating_point():
+            raise ValueError(f"attn_bias must be a floating-point tensor, got "
+                             f"{getattr(attn_bias, 'dtype', type(attn_bias))}")
+        if attn_bias.device != q.device:
+            raise ValueError(f"attn_bias is on {attn_bias.device} but q is on {q.device}")
+        L = S if cu_seqlens is None else max_seqlen
+        width = "S" if cu_seqlens is None else "L (max_seqlen)"
+        if attn_bias.dim() != 4 or attn_bias.shape[0] not in (1, n_seq) or attn_bias.shape[1] not in (1, H) or \
+                attn_bias.shape[2] != attn_bias.shape[3] or (L is not None and attn_bias.shape[2] != L):
+            raise ValueError(f"attn_bias must be (1 or B, 1 or H, {width}, {width}) = (1 or {n_seq}, 1 or {H}, "
+                             f"{L or 'L'}, {L or 'L'}), got {tuple(attn_bias.shape)}")
+    return int(window[0]), int(window[1])
 
 
 def _check_prompt_index(prompt_index: Optional[torch.Tensor], T: int) -> None:
@@ -201,6 +282,30 @@ def _check_prompt_index(prompt_index: Optional[torch.Tensor], T: int) -> None:
                          f"max {int(prompt_index.max())}")
 
 
+def _check_packed(cu_seqlens: torch.Tensor, n_tokens: int, max_seqlen: Optional[int],
+                  attn_bias: Optional[torch.Tensor]) -> int:
+    """The offsets' values (read on the host): from 0 to N, non-decreasing, no sequence over ``max_seqlen``, a
+    bias as wide as the padded width. Returns that width L (``max_seqlen``, or the longest sequence)."""
+    offsets = [int(x) for x in cu_seqlens.tolist()]
+    if offsets[0] != 0 or offsets[-1] != n_tokens:
+        raise ValueError(f"cu_seqlens must run from 0 to the N = {n_tokens} packed tokens of q, got "
+                         f"{offsets[0]} ... {offsets[-1]}")
+    lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:])]
+    if min(lengths) < 0:
+        b = min(range(len(lengths)), key=lengths.__getitem__)
+        raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{b}] = {offsets[b]} > "
+                         f"cu_seqlens[{b + 1}] = {offsets[b + 1]}")
+    longest = max(lengths)
+    if max_seqlen is not None and longest > max_seqlen:
+        b = lengths.index(longest)
+        raise ValueError(f"sequence {b} has {longest} tokens, more than max_seqlen = {max_seqlen}")
+    L = longest if max_seqlen is None else max_seqlen
+    if attn_bias is not None and attn_bias.shape[-1] != L:
+        raise ValueError(f"attn_bias must be (1 or B, 1 or H, L, L) with L = {L} (max_seqlen, default the longest "
+                         f"sequence), got {tuple(attn_bias.shape)}")
+    return L
+
+
 # ------------------------------------------------------------------------------------------------
 # the "cpu" backend: a composite of differentiable aten ops
 
@@ -211,12 +316,21 @@ def _cpu_compute_dtype(dtype):
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
-def _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed):
+def _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, causal=False,
+                   window=(-1, -1), attn_bias=None, cu_seqlens=None, max_seqlen=None):
     """SDPA (the fused CPU flash-attention kernel forward and backward) over an on-the-fly concatenation
-    without dropout; with dropout, eager attention whose mask comes from the seed. Autograd differentiates it.
-    The "cpu" backend's path where the C++ kernel does not run (float64, no extension, CUDA fallback)."""
+    without dropout or a bias gradient; otherwise eager attention (its dropout mask from the seed). Grouped
+    key/value heads are broadcast over their query heads, not copied; a packed batch is unpacked to right-padded
+    rows of width ``max_seqlen`` and repacked. Autograd differentiates it. The "cpu" backend's path where the C++
+    kernel does not run (float64, no extension, CUDA fallback)."""
+    if cu_seqlens is not None:
+        L = max_seqlen if max_seqlen is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        packing = _Packing(cu_seqlens, L, q.shape[2])
+        out = _cpu_attention(*(packing.unpack(x) for x in (q, k, v)), prefix_k, prefix_v, packing.mask, prompt_index,
+                             scale, dropout_p, seed, causal, window, attn_bias)
+        return packing.repack(out)
     B, H, S, D = q.shape
-    P = prefix_k.shape[-2]
+    Hkv, P = k.shape[1], prefix_k.shape[-2]
     cd = _cpu_compute_dtype(q.dtype)
     if prefix_k.dim() == 3:
         pk, pv = (p.unsqueeze(0).expand(B, -1, -1, -1) for p in (prefix_k, prefix_v))
@@ -225,24 +339,76 @@ def _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropo
     keys = torch.cat([pk, k], 2).to(cd)
     values = torch.cat([pv, v], 2).to(cd)
     qc = q.to(cd)
-    visible = empty = None
-    if mask is not None:
-        visible = torch.cat([mask.new_ones(B, P), mask], 1)
-        if P == 0:  # an all-padding example sees no key: unmask one for a finite softmax, zero its rows below
-            empty = ~mask.any(1)
-            visible[:, 0] |= empty
-        visible = visible[:, None, None, :]
-    if dropout_p == 0:
-        out = torch.nn.functional.scaled_dot_product_attention(qc, keys, values, attn_mask=visible, scale=scale)
+    visible = _visible(mask, S, P, causal, window, q.device)
+    empty = None
+    if visible is not None and P == 0:  # a row that sees no key: unmask one for a finite softmax, zero it below
+        empty = ~visible.any(-1, keepdim=True)
+        visible = visible.clone()
+        visible[..., :1] |= empty
+    bias = None if attn_bias is None else torch.nn.functional.pad(attn_bias.to(cd), (P, 0))  # prefix columns: 0
+    if dropout_p == 0 and (bias is None or not bias.requires_grad):
+        attn_mask = visible
+        if bias is not None:
+            attn_mask = bias if visible is None else bias.masked_fill(~visible, float("-inf"))
+        out = torch.nn.functional.scaled_dot_product_attention(qc, keys, values, attn_mask=attn_mask, scale=scale,
+                                                               enable_gqa=Hkv != H)
     else:
-        scores = torch.matmul(qc, keys.transpose(-1, -2)).mul_(scale)
+        group = H // Hkv  # (B, Hkv, group, S, D) queries against (B, Hkv, 1, P + S, D) keys: broadcast, no copy
+        scores = torch.matmul(qc.unflatten(1, (Hkv, group)), keys.unsqueeze(2).transpose(-1, -2)).flatten(1, 2)
+        scores = scores * scale
+        if bias is not None:
+            scores = scores + bias
         if visible is not None:
             scores = scores.masked_fill(~visible, float("-inf"))
         probs = torch.softmax(scores, -1)
-        out = torch.matmul(probs * torch.ops.fastprompt.seeded_dropout_scale(probs.detach(), seed, dropout_p), values)
+        if dropout_p > 0:
+            probs = probs * torch.ops.fastprompt.seeded_dropout_scale(probs.detach(), seed, dropout_p)
+        out = torch.matmul(probs.unflatten(1, (Hkv, group)), values.unsqueeze(2)).flatten(1, 2)
     if empty is not None:
-        out = out.masked_fill(empty[:, None, None, None], 0.0)
+        out = out.masked_fill(empty, 0.0)
     return out.to(q.dtype)
+
+
+def _visible(mask, S, P, causal, window, device) -> Optional[torch.Tensor]:
+    """Which keys of ``[prefix ; tokens]`` each query row sees, (B or 1, 1, S, P + S) bool; None: all of them."""
+    i = torch.arange(S, device=device)[:, None]
+    j = torch.arange(S, device=device)[None, :]
+    left, right = window
+    tokens = None
+    for on, allowed in ((causal, lambda: j <= i), (left >= 0, lambda: j >= i - left),
+                        (right >= 0, lambda: j <= i + right)):
+        if on:
+            tokens = allowed() if tokens is None else tokens & allowed()
+    if tokens is None and mask is None:
+        return None
+    tokens = torch.ones(1, 1, 1, S, dtype=torch.bool, device=device) if tokens is None else tokens[None, None]
+    if mask is not None:
+        tokens = tokens & mask[:, None, None, :]
+    tokens = tokens.expand(tokens.shape[0], 1, S, S)
+    return torch.cat([tokens.new_ones(tokens.shape[0], 1, S, P), tokens], -1)
+
+
+class _Packing:
+    """A packed batch (rows ``cu_seqlens[b]:cu_seqlens[b + 1]`` of N) as right-padded rows of width L, and back;
+    index gathers that autograd differentiates, built without a host sync."""
+
+    def __init__(self, cu_seqlens: torch.Tensor, L: int, N: int):
+        starts, lengths = cu_seqlens[:-1], cu_seqlens[1:] - cu_seqlens[:-1]
+        self.B, self.L = starts.numel(), L
+        pos = torch.arange(L, device=cu_seqlens.device)
+        self.mask = pos[None, :] < lengths[:, None]  # (B, L), True = a real token
+        self.src = torch.where(self.mask, starts[:, None] + pos[None, :], N).flatten()  # row N: zeros
+        seq = torch.repeat_interleave(torch.arange(self.B, device=cu_seqlens.device), lengths, output_size=N)
+        self.dst = seq * L + torch.arange(N, device=cu_seqlens.device) - starts[seq]
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, heads, N, D) -> (B, heads, L, D), zeros after each sequence."""
+        rows = torch.nn.functional.pad(x[0], (0, 0, 0, 1))
+        return rows.index_select(1, self.src).unflatten(1, (self.B, self.L)).transpose(0, 1)
+
+    def repack(self, y: torch.Tensor) -> torch.Tensor:
+        """(B, heads, L, D) -> (1, heads, N, D)."""
+        return y.transpose(0, 1).flatten(1, 2).index_select(1, self.dst).unsqueeze(0)
 
 
 @torch.library.custom_op("fastprompt::seeded_dropout_scale", mutates_args=())

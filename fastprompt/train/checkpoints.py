@@ -53,12 +53,12 @@ RUN_IDENTITY_KEYS = ("model", "pooler", "mlp", "pooler_head", "prompt_length", "
 _START_KEYS = ("resume", "overwrite_output_dir")
 METHOD_FILE = "method.safetensors"
 #: What a run writes at the top of its output_dir besides its checkpoints and the lock (fastprompt.train.run_lock).
-RUN_FILES = ("config.yaml", "train_log.csv", "train.log", "summary.json", "tensorboard")
+RUN_FILES = ("config.yaml", "train_log.csv", "train.log", "summary.json", "report.png", "tensorboard")
 #: The checkpoints of a run and what it writes into each beside the prompt checkpoint's own files.
 CHECKPOINT_EXTRAS = {"last": (METHOD_FILE, META_FILE, TENSORS_FILE), "best": ("train_info.json",)}
 #: Leftovers of an interrupted atomic write (fastprompt.io) or of the writability probe (preflight).
 _TRANSIENT = re.compile(r"\.(?:(?:last|best|config\.yaml|train_log\.csv|summary\.json)\.(?:old|tmp-\d+)"
-                        r"|fastprompt-write-test-\d+)")
+                        r"|report\.tmp-\d+\.png|fastprompt-write-test-\d+)")
 
 
 @dataclass
@@ -116,6 +116,7 @@ class RunDirectory:
         self.log_csv = self.root / "train_log.csv"
         self.log_text = self.root / "train.log"
         self.summary = self.root / "summary.json"
+        self.report = self.root / "report.png"
         self.config_yaml = self.root / "config.yaml"
         #: set by :meth:`resume_point`: a fresh start over a previous run, whose files :meth:`clear_previous` deletes
         self.replaces_previous = False
@@ -143,8 +144,8 @@ class RunDirectory:
         if foreign and not overwrite:
             shown = ", ".join(foreign[:5]) + (", ..." if len(foreign) > 5 else "")
             raise ValueError(f"output_dir {self.root} holds files that no fastprompt run wrote ({shown}); a run "
-                             "writes best/, last/, config.yaml, train_log.csv, train.log and summary.json there. "
-                             "Choose a new or empty output_dir, or set overwrite_output_dir=true to let the run "
+                             "writes best/, last/, config.yaml, train_log.csv, train.log, summary.json and report.png "
+                             "there. Choose a new or empty output_dir, or set overwrite_output_dir=true to let the run "
                              "replace what has those names")
 
     def resume_point(self, *, resume: bool, overwrite: bool) -> Path | None:
@@ -172,7 +173,7 @@ class RunDirectory:
             return
         for d in (self.last, self.best):
             shutil.rmtree(d, ignore_errors=True)
-        for f in (self.log_csv, self.summary):
+        for f in (self.log_csv, self.summary, self.report):
             f.unlink(missing_ok=True)
         self.replaces_previous = False
 

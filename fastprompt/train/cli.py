@@ -31,7 +31,7 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "train", help="train deep prompts with a contrastive objective (config file + overrides)",
         description="Train deep prompts on a frozen encoder. Writes <output_dir>/best/ and last/ prompt "
-                    "checkpoints, train_log.csv, train.log and summary.json.",
+                    "checkpoints, train_log.csv, train.log, summary.json and (with evaluation) report.png.",
         epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p)
     p.add_argument("--output-dir", help="shorthand for --set output_dir=DIR")
@@ -131,13 +131,16 @@ def _print_summary(summary: dict) -> None:
         print("STS test (Spearman x 100) of the best checkpoint:", file=out)
         print(format_sts_table(summary["test"]), file=out)
         frozen = summary.get("frozen_baseline")
-        if frozen:
-            gain = summary["test"]["avg"] - frozen["test"]["avg"]
-            print(f"the frozen base model ({frozen['pooler']} pooling, no prompt): STS-B dev "
-                  f"{frozen['stsb_dev']:.2f}, seven-task average {frozen['test']['avg']:.2f}; trained prompt: "
-                  f"{gain:+.2f} points", file=out)
+        for entry in (frozen, (frozen or {}).get("same_pooling")):
+            if entry and entry.get("test"):
+                print(f"the frozen base model, {entry['pooler']} pooling ({entry['pooling_source']}), no prompt: "
+                      f"STS-B dev {entry['stsb_dev']:.2f}, seven-task average {entry['test']['avg']:.2f}", file=out)
+        if summary.get("comparison"):
+            print(f"trained prompt: {summary['comparison']['message']}", file=out)
     if summary["best_checkpoint"]:
         print(f"best checkpoint: {summary['best_checkpoint']}", file=out)
     print(f"last checkpoint: {summary['last_checkpoint']}" + ("  (resume: run the same command again)"
                                                             if status == "interrupted" else ""), file=out)
     print(f"log: {summary['log_csv']} (and train.log); summary: {summary['output_dir']}/summary.json", file=out)
+    if summary.get("report"):
+        print(f"report: {summary['report']}", file=out)

@@ -234,9 +234,10 @@ class EvalConfig(_Section):
     eval_batch_size: int = option(128, "sentences per batch in evaluation", gt=0)
     eval_at_start: bool = option(False, "also evaluate before the first step")
     final_eval: bool = option(True, "seven-task STS test table of the best checkpoint at the end (needs sts_dir)")
-    frozen_baseline: bool = option(False, "with final_eval, also score the untouched base model (same pooler and "
-                                   "template, no prompt) on STS-B dev and the seven tasks, so the summary shows "
-                                   "the gain")
+    frozen_baseline: bool = option(False, "also score the untouched base model (no prompt) on STS-B dev before "
+                                   "training and, with final_eval, on the seven tasks: with its own pooling (its "
+                                   "sentence-transformers configuration) and the run's when they differ; the "
+                                   "summary says whether the prompt beats it")
     eval_precision: str = option("fp32", "autocast dtype of the evaluations (STS-B dev selection, the final test "
                                  "table, the frozen baseline): fp32, as the papers evaluate, whatever the training "
                                  "precision", choices=PRECISIONS)

@@ -2,16 +2,24 @@
 the collapse probe.
 
 :class:`Evaluator` is built once at setup from the run's config, its encoder and its autocast; the trainer calls
-:meth:`Evaluator.evaluate_and_select` every ``eval_steps`` (on the main process), :meth:`Evaluator.probe_spread`
-at every log row, and :meth:`Evaluator.final` at the end of a completed run. Protocol: ``docs/evaluation.md``.
+:meth:`Evaluator.frozen_dev` before the first step (with ``frozen_baseline``), :meth:`Evaluator.evaluate_and_select`
+every ``eval_steps`` (on the main process), :meth:`Evaluator.probe_spread` at every log row, and
+:meth:`Evaluator.final` at the end of a completed run. Protocol: ``docs/evaluation.md``.
+
+Nothing is encoded twice in one run: the final tables encode each distinct sentence once, and reuse the vectors
+of the STS-B dev sentences that the dev evaluations already encoded with the same weights (the best checkpoint's,
+the frozen model's); the STS-B dev scores of both are taken from those evaluations.
 """
 from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from fastprompt.train.collapse import embedding_spread
 from fastprompt.train.progress import LoggedEncoder
@@ -20,6 +28,8 @@ logger = logging.getLogger(__name__)
 
 #: Distinct training sentences embedded at every log row to watch for collapse (fastprompt.train.collapse).
 PROBE_SENTENCES = 32
+#: Gains smaller than this (in Spearman x 100 points) print as 0.00: neither better nor worse.
+TIE = 0.005
 
 
 def probe_sentences(rows: list[tuple[str, ...]]) -> list[str]:
@@ -27,17 +37,112 @@ def probe_sentences(rows: list[tuple[str, ...]]) -> list[str]:
     return list(dict.fromkeys(row[0] for row in rows))[:PROBE_SENTENCES]
 
 
+@dataclass(frozen=True)
+class FrozenSetting:
+    """One way to score the untouched base model. ``key``: ``"native"`` (its own pooling), ``"same_pooling"`` (the
+    run's pooling and template, when they differ from its own) or ``"run_pooling"`` (the run's, when its own is not
+    known); ``source``: why this pooling."""
+
+    key: str
+    pooler: str
+    template: str | None
+    denoise: bool
+    topk: int
+    source: str
+
+    def describe(self) -> dict[str, Any]:
+        return {"pooler": self.pooler, "template": self.template, "pooling_source": self.source}
+
+
+def frozen_settings(config) -> list[FrozenSetting]:
+    """The frozen model's settings a run compares with, the primary one first: the model's own pooling (its
+    sentence-transformers configuration) and, when the run pools otherwise (another pooler, a template), the run's
+    pooling too; only the run's when the model's own is not known (the source says why)."""
+    from fastprompt.model.pooling import native_pooling
+
+    enc, tpl = config.encoder, config.templates
+    # no trained head on the frozen model: the BatchNorm-MLP pooler falls back to its [CLS] state
+    run_pooler = "cls" if enc.pooler == "bn_mlp" else enc.pooler
+    template = tpl.template
+    if template is None and run_pooler in ("mask", "topk"):
+        from fastprompt.model import DEFAULT_TEMPLATE
+
+        template = DEFAULT_TEMPLATE
+    denoise = tpl.resolved_eval_denoise if template is not None else False
+    same = FrozenSetting("same_pooling", run_pooler, template, denoise, tpl.topk,
+                         "the prompt's pooling" + (" and template" if template is not None else ""))
+    native = native_pooling(enc.model)
+    if native.pooler is None:
+        return [FrozenSetting("run_pooling", run_pooler, template, denoise, tpl.topk,
+                              f"the prompt's pooling; the model's own is not known: {native.source}")]
+    own = FrozenSetting("native", native.pooler, None, False, tpl.topk, f"the model's own pooling ({native.source})")
+
+    def vector(s: FrozenSetting):  # without a trained head, cls and cls_before_pooler take the same [CLS] state
+        return "cls" if s.pooler == "cls_before_pooler" else s.pooler, s.template
+
+    return [own] if vector(own) == vector(same) else [own, same]
+
+
+def frozen_summary(entries: list[dict[str, Any]]) -> dict[str, Any]:
+    """The summary's ``frozen_baseline`` from the settings' entries (the primary one first): the primary entry with
+    the run's own pooling under ``same_pooling`` (None when there is no second setting). A run that ends before its
+    final evaluation has the dev scores only (``test`` None)."""
+    entries = [{"test": None, **e} for e in entries]
+    return {**entries[0], "same_pooling": entries[1] if len(entries) > 1 else None}
+
+
+def compare_with_frozen(test: Mapping[str, float], frozen: Mapping[str, Any], model: str) -> dict[str, Any]:
+    """The trained prompt's seven-task average against the frozen model's (primary setting, and the run's own
+    pooling when it differs), with a sentence that says plainly which is better."""
+    def gain(entry):
+        g = test["avg"] - entry["test"]["avg"]
+        return 0.0 if abs(g) < TIE else g
+
+    primary = gain(frozen)
+    outcome = "better" if primary > 0 else "worse" if primary < 0 else "equal"
+    how = {"native": f"with its own {frozen['pooler']} pooling",
+           "run_pooling": f"with the prompt's {frozen['pooler']} pooling; its own pooling is not known"}[frozen["key"]]
+    bar = f"the frozen {model} ({frozen['test']['avg']:.2f}, {how})"
+    avg = f"the trained prompt's seven-task average {test['avg']:.2f}"
+    if outcome == "better":
+        message = f"better than the frozen model: {avg} is {primary:.2f} points above {bar}"
+    elif outcome == "worse":
+        message = (f"WORSE than the frozen model: {avg} is {-primary:.2f} points below {bar}; the frozen model "
+                   "alone embeds these sentences better")
+    else:
+        message = f"no better than the frozen model: {avg} equals {bar}"
+    out = {"outcome": outcome, "gain": primary, "prompt_avg": test["avg"], "frozen_avg": frozen["test"]["avg"],
+           "frozen_pooler": frozen["pooler"], "message": message}
+    same = frozen.get("same_pooling")
+    if same is not None:
+        out["gain_same_pooling"] = gain(same)
+        out["message"] += (f". Against the frozen model with the prompt's {same['pooler']} pooling "
+                           f"({same['test']['avg']:.2f}): {gain(same):+.2f} points")
+    return out
+
+
 class Evaluator:
     """The evaluations of one run. ``autocast``: the training forwards' (the collapse probe watches what training
     computes); ``eval_autocast``: STS-B dev, the test table and the frozen baseline's (``eval_precision``: fp32
     by default, whatever the training precision, as the papers evaluate); ``dev_data``: the STS-B dev pairs (None
-    without ``sts_dir``); ``probe``: the collapse probe's sentences."""
+    without ``sts_dir``); ``test_data``: the seven test tasks (None without a final evaluation; loaded once, at
+    setup); ``probe``: the collapse probe's sentences."""
 
     def __init__(self, config, encoder, autocast: Callable, *, eval_autocast: Callable, device, dev_data,
-                 probe: list[str]):
+                 probe: list[str], test_data=None):
         self.config, self.encoder, self.autocast, self.device = config, encoder, autocast, device
         self.eval_autocast = eval_autocast
-        self.dev_data, self.probe = dev_data, probe
+        self.dev_data, self.probe, self.test_data = dev_data, probe, test_data
+        self._settings: list[FrozenSetting] | None = None
+        self._dev_vectors: dict[str, np.ndarray] | None = None  # the latest dev evaluation's, sentence -> vector
+        self._best_vectors: dict[str, np.ndarray] | None = None  # those of the evaluation that saved best/
+        self._frozen_vectors: dict[str, dict[str, np.ndarray]] = {}  # setting key -> the frozen dev vectors
+
+    @property
+    def frozen_settings(self) -> list[FrozenSetting]:
+        if self._settings is None:
+            self._settings = frozen_settings(self.config)
+        return self._settings
 
     def probe_spread(self) -> float | None:
         """``emb_spread`` of the probe sentences embedded as a user would (eval mode, no gradient); None when
@@ -49,17 +154,29 @@ class Evaluator:
                                     show_progress_bar=False, max_length=self.config.data.max_length)
         return embedding_spread(z)
 
+    def _encode(self, model, datasets, known=None, what: str | None = None):
+        """``encode_pairs`` under the evaluations' autocast; ``what``: a long encoding's name, shown as a progress
+        bar on a terminal and logged as it goes elsewhere (a log file, a batch job)."""
+        from fastprompt.eval.sts import encode_pairs
+
+        run = self.config.run
+        show = what is not None and (run.progress_bar if run.progress_bar is not None else sys.stderr.isatty())
+        if what is not None and not show:
+            model = LoggedEncoder(model, what)
+        with self.eval_autocast():
+            return encode_pairs(model, datasets, batch_size=self.config.evaluation.eval_batch_size,
+                                show_progress_bar=show, known=known)
+
     def dev(self) -> float | None:
         """STS-B dev Spearman x 100 of the current prompt (None without ``sts_dir``)."""
         if self.dev_data is None:
             return None
-        from fastprompt.eval.sts import score_sts
+        from fastprompt.eval.sts import scores_from_pairs, sentence_vectors
 
-        with self.eval_autocast():
-            result = score_sts(self.encoder, self.dev_data, batch_size=self.config.evaluation.eval_batch_size,
-                               show_progress_bar=False)
+        pairs = self._encode(self.encoder, self.dev_data)
         self.encoder.train()
-        return float(result["stsb"])
+        self._dev_vectors = sentence_vectors(pairs, self.dev_data)
+        return float(scores_from_pairs(pairs, self.dev_data)["stsb"])
 
     def evaluate_and_select(self, state, *, save_best: Callable[[float], Any], metrics) -> float | None:
         """Score the current prompt on STS-B dev, record it in ``state`` (the trainer's counters), call
@@ -72,51 +189,80 @@ class Evaluator:
         if improved:
             state.best_score, state.best_step = score, state.global_step
             save_best(score)
+            self._best_vectors = self._dev_vectors
         logger.info("step %d: STS-B dev %.2f (best %.2f at step %d)%s", state.global_step, score, state.best_score,
                     state.best_step, " -> saved best/" if improved else "")
         metrics.write({"step": state.global_step, "epoch": state.epoch, "stsb_dev": score,
                        "elapsed_s": state.train_seconds})
         return score
 
-    def test(self, checkpoint: str | Path) -> dict[str, float]:
+    def test(self, checkpoint: str | Path, known: Mapping[str, np.ndarray] | None = None) -> dict[str, float]:
         """The seven-task STS test table of a prompt checkpoint, evaluated in this encoder (whose own weights
-        are back in place afterwards)."""
-        from fastprompt.eval.sts import evaluate_sts
+        are back in place afterwards). ``known``: vectors the checkpoint's weights already gave (its dev
+        evaluation's), reused instead of encoded again."""
+        from fastprompt.eval.sts import load_sts_tasks, scores_from_pairs
 
-        run, ev = self.config.run, self.config.evaluation
-        show = run.progress_bar if run.progress_bar is not None else sys.stderr.isatty()
+        ev = self.config.evaluation
+        data = self.test_data if self.test_data is not None else load_sts_tasks(ev.sts_dir)
         logger.info("final evaluation of %s on the STS test sets", checkpoint)
-        # without a progress bar (a log file, a batch job) the minutes of encoding are logged instead
-        model = self.encoder if show else LoggedEncoder(self.encoder, "final evaluation")
-        with self.encoder.using_weights(checkpoint), self.eval_autocast():
-            return evaluate_sts(model, ev.sts_dir, batch_size=ev.eval_batch_size, show_progress_bar=show)
+        with self.encoder.using_weights(checkpoint):
+            return scores_from_pairs(self._encode(self.encoder, data, known, what="final evaluation"), data)
 
-    def frozen_baseline(self) -> dict[str, Any]:
-        """STS-B dev and the seven test tasks of the base model as a user gets it: the run's pooler and template
-        (with its evaluation denoising and top-k), no prompt, no trained head (the BatchNorm-MLP pooler, which
-        exists only with a trained head, falls back to [CLS])."""
-        from fastprompt.eval.sts import evaluate_sts, score_sts
+    def _frozen_encoder(self, setting: FrozenSetting):
         from fastprompt.model import PromptEncoder
 
-        enc, tpl = self.config.encoder, self.config.templates
-        pooler = "cls" if enc.pooler == "bn_mlp" else enc.pooler
-        frozen = PromptEncoder.from_pretrained(enc.model, pooler=pooler, mlp="none", attn_backend=enc.attn_backend,
-                                               template=tpl.template, denoise=tpl.resolved_eval_denoise,
-                                               topk=tpl.topk, trust_remote_code=enc.trust_remote_code)
-        frozen.to(self.device).eval()
-        batch_size = self.config.evaluation.eval_batch_size
-        with self.eval_autocast():
-            dev = score_sts(frozen, self.dev_data, batch_size=batch_size, show_progress_bar=False)
-            test = evaluate_sts(frozen, self.config.evaluation.sts_dir, batch_size=batch_size)
-        logger.info("frozen %s (%s pooling): STS-B dev %.2f, seven-task average %.2f", enc.model, pooler,
-                    dev["stsb"], test["avg"])
-        return {"pooler": pooler, "stsb_dev": float(dev["stsb"]), "test": test}
+        enc = self.config.encoder
+        frozen = PromptEncoder.from_pretrained(enc.model, pooler=setting.pooler, mlp="none",
+                                               attn_backend=enc.attn_backend, template=setting.template,
+                                               denoise=setting.denoise, topk=setting.topk,
+                                               trust_remote_code=enc.trust_remote_code)
+        return frozen.to(self.device).eval()
 
-    def final(self, best_dir: Path) -> tuple[dict[str, float] | None, dict[str, Any] | None]:
+    def frozen_dev(self) -> list[dict[str, Any]]:
+        """STS-B dev of the base model as a user gets it, no prompt and no trained head, in each of
+        :func:`frozen_settings` (the bar the dev curve is drawn against). The vectors stay in memory for the
+        final evaluation."""
+        from fastprompt.eval.sts import scores_from_pairs, sentence_vectors
+
+        out = []
+        for setting in self.frozen_settings:
+            pairs = self._encode(self._frozen_encoder(setting), self.dev_data)
+            self._frozen_vectors[setting.key] = sentence_vectors(pairs, self.dev_data)
+            score = float(scores_from_pairs(pairs, self.dev_data)["stsb"])
+            logger.info("frozen %s, %s: STS-B dev %.2f", self.config.encoder.model, setting.source, score)
+            out.append({"key": setting.key, **setting.describe(), "stsb_dev": score})
+        return out
+
+    def frozen_baseline(self, dev: list[dict[str, Any]] | None = None) -> dict[str, Any]:
+        """The seven test tasks of the base model as a user gets it (see :meth:`frozen_dev`): the primary setting's
+        entry (``pooler``, ``template``, ``pooling_source``, ``stsb_dev``, ``test``) with the run's own pooling under
+        ``same_pooling`` when it differs (else None). ``dev``: :meth:`frozen_dev`'s scores (computed now, in the
+        same encoding pass as the test sets, when not given)."""
+        from fastprompt.eval.sts import load_sts_tasks, scores_from_pairs
+
+        ev = self.config.evaluation
+        data = self.test_data if self.test_data is not None else load_sts_tasks(ev.sts_dir)
+        known_dev = {d["key"]: d["stsb_dev"] for d in dev or []}
+        entries = []
+        for setting in self.frozen_settings:
+            # without the dev score, the dev sentences join the test sets' encoding pass
+            datasets = data if setting.key in known_dev else {**data, "_dev": self.dev_data["stsb"]}
+            pairs = self._encode(self._frozen_encoder(setting), datasets, self._frozen_vectors.get(setting.key),
+                                 what=f"frozen model, {setting.pooler} pooling")
+            test = scores_from_pairs({k: pairs[k] for k in data}, data)
+            dev_score = (known_dev[setting.key] if setting.key in known_dev
+                         else scores_from_pairs({"stsb": pairs["_dev"]}, self.dev_data)["stsb"])
+            logger.info("frozen %s, %s: STS-B dev %.2f, seven-task average %.2f", self.config.encoder.model,
+                        setting.source, dev_score, test["avg"])
+            entries.append({"key": setting.key, **setting.describe(), "stsb_dev": dev_score, "test": test})
+        return frozen_summary(entries)
+
+    def final(self, best_dir: Path, frozen_dev: list[dict[str, Any]] | None = None
+              ) -> tuple[dict[str, float] | None, dict[str, Any] | None]:
         """The end of a completed run: the test table of ``best_dir`` and, with ``frozen_baseline``, the frozen
         model's scores; (None, None) when the config asks for no final evaluation or there is no best/."""
         ev = self.config.evaluation
         if ev.sts_dir is None or not ev.final_eval or not best_dir.is_dir():
             return None, None
-        test = self.test(best_dir)
-        return test, (self.frozen_baseline() if ev.frozen_baseline else None)
+        test = self.test(best_dir, known=self._best_vectors)  # best/ holds the weights of that dev evaluation
+        return test, (self.frozen_baseline(frozen_dev) if ev.frozen_baseline else None)

@@ -59,8 +59,12 @@ def window_row(window: Sequence, *, step: int, epoch: int, lrs: Sequence[float],
 def run_summary(status: str, state, *, total_steps: int, run_dir, config, test: dict | None,
                 frozen: dict | None) -> dict[str, Any]:
     """What ``Trainer.train()`` returns and writes to ``summary.json``: how the run ended, its dev history and
-    best step, the final test table (and the frozen baseline's), where its files are, and its flat config."""
+    best step, the final test table (and the frozen baseline's, with the ``comparison`` of the two: its ``message``
+    says which is better), where its files are (``report``: report.png, once drawn), and its flat config."""
+    from fastprompt.train.evaluation import compare_with_frozen
+
     best = run_dir.best
+    frozen_test = frozen is not None and frozen.get("test") is not None
     return {
         "status": status,
         "global_step": state.global_step,
@@ -71,6 +75,8 @@ def run_summary(status: str, state, *, total_steps: int, run_dir, config, test: 
         "dev_history": state.dev_history,
         "test": test,
         "frozen_baseline": frozen,
+        "comparison": (compare_with_frozen(test, frozen, config.encoder.model) if test and frozen_test else None),
+        "report": None,
         "nonfinite_steps": state.nonfinite_total,
         "train_seconds": round(state.train_seconds, 2),
         "output_dir": str(run_dir.root),

@@ -35,15 +35,16 @@ def check_output_dir(path: str | os.PathLike) -> Path:
     return root
 
 
-def check_sts_files(cfg: TrainConfig) -> None:
+def check_sts_files(cfg: TrainConfig):
     """Read every STS file the run will evaluate on (the dev split is loaded by the trainer itself): a missing
-    or corrupt test file fails now, not after training."""
+    or corrupt test file fails now, not after training. Returns the seven test tasks (None without a final
+    evaluation), for the final evaluation to use."""
     ev = cfg.evaluation
     if ev.sts_dir is None or not ev.final_eval:
-        return
+        return None
     from fastprompt.eval.sts import load_sts_tasks
 
-    load_sts_tasks(ev.sts_dir)
+    return load_sts_tasks(ev.sts_dir)
 
 
 def check_max_length(cfg: TrainConfig, encoder) -> None:

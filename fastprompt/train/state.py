@@ -43,6 +43,7 @@ class TrainerState:
     train_seconds: float = 0.0
     dev_history: list[tuple[int, float]] = field(default_factory=list)  # [[step, stsb_dev], ...]
     probe_spread_start: float | None = None  # emb_spread of the collapse probe before the first step
+    frozen_dev: list | None = None  # the frozen model's STS-B dev scores (Evaluator.frozen_dev), taken before step 1
 
 
 # ---------------------------------------------------------------------- the schema of training_state.json

@@ -37,7 +37,7 @@ from fastprompt.train.checkpoints import RunDirectory, data_fingerprint
 from fastprompt.train.collapse import SPREAD_STAT, CollapseMonitor
 from fastprompt.train.config import TrainConfig, load_config, save_config
 from fastprompt.train.distributed import init_distributed
-from fastprompt.train.evaluation import Evaluator, probe_sentences
+from fastprompt.train.evaluation import Evaluator, frozen_summary, probe_sentences
 from fastprompt.train.logs import (
     MetricsLog,
     NullLog,
@@ -194,9 +194,10 @@ class Trainer:
                              embed=build.build_embed(cfg, self.encoder, self.examples, self.method))
         self.step = build.build_step(cfg, loss_side)
         eval_autocast = build.autocast_factory(cfg, self.device, precision=cfg.evaluation.eval_precision)
+        # the final evaluation's files are read now, so a missing or corrupt one fails before training
         self.evaluator = Evaluator(cfg, self.encoder, self.autocast, eval_autocast=eval_autocast, device=self.device,
-                                   dev_data=build.load_dev_data(cfg), probe=probe_sentences(self.examples.rows))
-        preflight.check_sts_files(cfg)  # the final evaluation's files, read now rather than after training
+                                   dev_data=build.load_dev_data(cfg), probe=probe_sentences(self.examples.rows),
+                                   test_data=preflight.check_sts_files(cfg))
 
         if resume_dir is not None:
             self.state = self.run_dir.restore(resume_dir, method=self.method, optimizer=self.optimizer,
@@ -329,6 +330,9 @@ class Trainer:
         self._collapsed = False
         try:
             with GracefulInterrupt() as self.interrupt:
+                if (cfg.evaluation.frozen_baseline and st.frozen_dev is None and self.dist.is_main
+                        and self.evaluator.dev_data is not None):  # the bar the dev scores are compared with
+                    st.frozen_dev = self.evaluator.frozen_dev()
                 if cfg.evaluation.eval_at_start and st.global_step == 0:
                     self._evaluate_and_select(bar)
                 while st.global_step < self.total_steps and status == "completed":
@@ -399,18 +403,41 @@ class Trainer:
         st = self.state
         if self.evaluator.dev_data is None and status == "completed":
             self.save_best(None)  # no dev set: the final prompt is the one we have
-        test, frozen = (self.evaluator.final(self.best_dir) if status == "completed" and self.dist.is_main
-                        else (None, None))
+        test, frozen = (self.evaluator.final(self.best_dir, st.frozen_dev) if status == "completed"
+                        and self.dist.is_main else (None, None))
+        if frozen is None and st.frozen_dev:  # no final evaluation: the frozen model's dev scores still count
+            frozen = frozen_summary(st.frozen_dev)
         summary = run_summary(status, st, total_steps=self.total_steps, run_dir=self.run_dir, config=self.config,
                               test=test, frozen=frozen)
         if self.dist.is_main:
+            if summary["comparison"] is not None:
+                log = logger.warning if summary["comparison"]["outcome"] == "worse" else logger.info
+                log("trained prompt: %s", summary["comparison"]["message"])
             self.run_dir.write_summary(summary)
+            if self.evaluator.dev_data is not None:  # a run with evaluation draws its report, then names it
+                summary["report"] = self._write_report()
+                if summary["report"] is not None:
+                    self.run_dir.write_summary(summary)
         self.dist.barrier()
         self.dist.shutdown()  # the encoder stays usable, e.g. for evaluation
         self._close_logs()
         logger.info("training %s at step %d/%d; best: %s; last: %s; log: %s; summary: %s", status, st.global_step,
                     self.total_steps, summary["best_checkpoint"], self.last_dir, self.log_path, self.summary_path)
         return summary
+
+    def _write_report(self) -> str | None:
+        """``report.png`` from the run's summary.json and train_log.csv (:mod:`fastprompt.eval.report`, what
+        ``fastprompt report`` draws). A report that cannot be drawn (matplotlib missing, a full disk) is a warning,
+        not a failed run: the results are in summary.json already."""
+        from fastprompt.eval.report import write_report
+
+        try:
+            path = write_report(self.output_dir)
+        except Exception as exc:  # the results are in summary.json already; the picture is extra
+            logger.warning("report.png not drawn: %s: %s", type(exc).__name__, exc)
+            return None
+        logger.info("report: %s", path)
+        return str(path)
 
     def _close_logs(self) -> None:
         if self._setup_done:

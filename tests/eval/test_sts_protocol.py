@@ -13,6 +13,7 @@ from fastprompt.eval.sts import (
     format_sts_table,
     load_sts_tasks,
     score_sts,
+    sentence_vectors,
     spearman_x100,
 )
 
@@ -103,6 +104,33 @@ def test_encode_pairs_encodes_each_unique_sentence_once():
         e1, e2 = out[name]
         np.testing.assert_allclose(e1, [enc.vector(s) for s in data.sentences1], rtol=1e-6)
         np.testing.assert_allclose(e2, [enc.vector(s) for s in data.sentences2], rtol=1e-6)
+
+
+def test_encode_pairs_reuses_known_vectors_and_encodes_only_the_rest():
+    """``known`` (a training run's dev vectors): only the other sentences reach ``encode``, in one call; the known
+    vectors land in their pairs as given; everything known means no call at all."""
+    datasets = {
+        "a": STSData("a", ["x y", "p q", "x y"], ["p q", "z", "w"], np.array([1.0, 2.0, 3.0])),
+        "b": STSData("b", ["z", "new one"], ["x y", "x y"], np.array([0.0, 5.0])),
+    }
+    enc = HashEncoder()
+    full = encode_pairs(enc, datasets, show_progress_bar=False)
+    table = sentence_vectors(full, datasets)
+    assert set(table) == {"x y", "p q", "z", "w", "new one"}
+    marked = {s: -v for s, v in table.items() if s in ("x y", "z")}  # a vector only reuse can produce
+    enc.calls.clear()
+    out = encode_pairs(enc, datasets, known=marked, show_progress_bar=False)
+    assert len(enc.calls) == 1 and sorted(enc.calls[0][0]) == ["new one", "p q", "w"]
+    for name, data in datasets.items():
+        for sents, vecs in zip((data.sentences1, data.sentences2), out[name]):
+            for s, v in zip(sents, vecs):
+                np.testing.assert_array_equal(v, marked[s] if s in marked else table[s])
+    enc.calls.clear()
+    again = encode_pairs(enc, datasets, known=table, show_progress_bar=False)
+    assert enc.calls == []
+    for name in datasets:
+        np.testing.assert_array_equal(again[name][0], full[name][0])
+        np.testing.assert_array_equal(again[name][1], full[name][1])
 
 
 @pytest.mark.parametrize("as_tensor", [False, True], ids=["numpy", "torch"])

@@ -243,7 +243,7 @@ def test_draw_seed_uses_torch_generator():
     "case, match",
     [
         ("q3d", "must be \\(B, H, S, D\\)"),
-        ("kshape", "same \\(B, H, S, D\\) shape"),
+        ("kshape", "same \\(B, Hkv, S, D\\) shape"),
         ("dtype", "cast the prefix"),
         ("prefix_heads", "prefix_k must be"),
         ("prefix_shapes", "differ in shape"),

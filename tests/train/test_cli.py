@@ -73,9 +73,15 @@ def test_summary_compares_with_the_frozen_base_model(base_config, tiny_sts_dir, 
     assert frozen["pooler"] == "mean" and set(frozen["test"]) == set(summary["test"])
     direct = evaluate_sts(PromptEncoder.from_pretrained(cfg["model"], pooler="mean").eval(), tiny_sts_dir)
     assert frozen["test"] == pytest.approx(direct, abs=1e-9)
+    # the tiny model has no sentence-transformers configuration: the run's pooling, and the summary says why
+    assert frozen["key"] == "run_pooling" and frozen["same_pooling"] is None
+    assert frozen["pooling_source"].startswith("the prompt's pooling; the model's own is not known: no "
+                                               "sentence-transformers pooling configuration in ")
+    assert (f"the frozen base model, mean pooling ({frozen['pooling_source']}), no prompt: STS-B dev "
+            f"{frozen['stsb_dev']:.2f}, seven-task average {frozen['test']['avg']:.2f}") in printed
+    assert f"trained prompt: {summary['comparison']['message']}" in printed
     gain = summary["test"]["avg"] - frozen["test"]["avg"]
-    assert (f"the frozen base model (mean pooling, no prompt): STS-B dev {frozen['stsb_dev']:.2f}, seven-task "
-            f"average {frozen['test']['avg']:.2f}; trained prompt: {gain:+.2f} points") in printed
+    assert summary["comparison"]["gain"] == pytest.approx(gain if abs(gain) >= 0.005 else 0.0)
 
 
 def test_binary_config_file_is_named(tmp_path, capsys):

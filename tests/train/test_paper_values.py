@@ -23,7 +23,7 @@ DATA = script.load()
 RECIPES = DATA["recipes"]
 PINNED = json.loads((Path(__file__).with_name("recipe_values.json")).read_text(encoding="utf-8"))
 #: the recipes sized for a 2-core CPU (fastprompt's own settings on all-MiniLM-L6-v2, docs/results-minilm.md)
-CPU_RECIPES = ("quickstart.yaml",)
+CPU_RECIPES = ("quickstart.yaml", "quickstart-unsup.yaml")
 
 
 def mismatches(values: dict, resolved: dict) -> list[str]:

@@ -112,13 +112,13 @@ def test_evaluations_run_in_fp32_whatever_the_training_precision(base_config, ti
     import fastprompt.eval.sts as sts
 
     seen = []
-    original = sts.score_sts
+    original = sts.encode_pairs  # every evaluation encodes through it
 
     def recording(*args, **kwargs):
         seen.append(torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") else None)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(sts, "score_sts", recording)
+    monkeypatch.setattr(sts, "encode_pairs", recording)
     summary = Trainer(base_config(precision="bf16", max_steps=2, eval_steps=1, sts_dir=str(tiny_sts_dir),
                                   eval_precision=eval_precision)).train()
     assert summary["status"] == "completed" and summary["test"] is not None
