@@ -51,8 +51,8 @@ def test_two_datasets_log_each_ones_loss(base_config, tiny_corpus, tiny_triplets
 def test_train_files_resume_bit_identical(base_config, tiny_corpus, query_rows, tmp_path):
     """Proportional sampling over a corpus and query/pos/neg rows, interrupted and resumed: the same prompt as
     the uninterrupted run (the sampler's plan resumes at the saved (epoch, batch))."""
-    keys = dict(train_file=WIKI, train_files=[str(tiny_corpus), str(query_rows)], dataset_sampling="proportional", max_steps=12,
-                save_steps=2, batch_size=8, negatives_per_row=1)
+    keys = dict(train_file=WIKI, train_files=[str(tiny_corpus), str(query_rows)], dataset_sampling="proportional",
+                max_steps=12, save_steps=2, batch_size=8, negatives_per_row=1)
     ref = base_config(**keys, output_dir=str(tmp_path / "ref"))
     Trainer(ref).train()
     cfg = base_config(**keys, output_dir=str(tmp_path / "run"))
