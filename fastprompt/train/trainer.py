@@ -409,6 +409,8 @@ class Trainer:
             frozen = frozen_summary(st.frozen_dev)
         summary = run_summary(status, st, total_steps=self.total_steps, run_dir=self.run_dir, config=self.config,
                               test=test, frozen=frozen)
+        if self.evaluator.matryoshka_test is not None:
+            summary["test_matryoshka"] = {str(d): t for d, t in self.evaluator.matryoshka_test.items()}
         if self.dist.is_main:
             if summary["comparison"] is not None:
                 log = logger.warning if summary["comparison"]["outcome"] == "worse" else logger.info

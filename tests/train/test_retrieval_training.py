@@ -106,13 +106,13 @@ def ragged_rows(tmp_path_factory):
     return path
 
 
-def test_trainer_trains_padded_k_negatives_under_the_gradient_cache(base_config, ragged_rows):
+def test_trainer_trains_padded_k_negatives_under_the_gradient_cache(base_config, ragged_rows, tiny_sts_dir):
     """k = 3 negatives with padding, the gradient cache, hardness weighting, GISTEmbed's margin and Matryoshka from
-    the config: batches carry 5 views and the padding's text ids, the options reach the op, and the run trains
-    (finite losses, the prompt moves)."""
+    the config: batches carry 5 views and the padding's text ids, the options reach the op, the run trains (finite
+    losses, the prompt moves), and the final STS table is scored at each Matryoshka dimension."""
     cfg = base_config(train_file=str(ragged_rows), negatives_per_row=3, pad_negatives=True, micro_batch_size=8,
-                      max_steps=3, hardness_mode="all_negatives", hardness_strength=5.0, fn_margin=0.5,
-                      matryoshka_dims=[32, 16])
+                      max_steps=3, eval_steps=3, sts_dir=str(tiny_sts_dir), hardness_mode="all_negatives",
+                      hardness_strength=5.0, fn_margin=0.5, matryoshka_dims=[32, 16])
     trainer = Trainer(cfg)
     trainer.setup()
     assert trainer.examples.columns == NAMES
@@ -125,7 +125,11 @@ def test_trainer_trains_padded_k_negatives_under_the_gradient_cache(base_config,
     before = {k: v.clone() for k, v in trainer.encoder.prompt_state_dict().items()}
     seen = []
     trainer.callbacks.append(lambda t, out: seen.append(out))
-    assert trainer.train()["status"] == "completed"
+    summary = trainer.train()
+    assert summary["status"] == "completed"
+    tables = summary["test_matryoshka"]
+    assert list(tables) == ["32", "16"] and tables["32"] == pytest.approx(summary["test"])
+    assert tables["16"] != tables["32"]
     assert len(seen) == 3 and all(math.isfinite(out.loss) and not out.skipped for out in seen)
     after = trainer.encoder.prompt_state_dict()
     assert any(not torch.equal(before[k], after[k].cpu()) for k in before)
