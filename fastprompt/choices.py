@@ -60,6 +60,13 @@ RTD_AVERAGES = ("tokens", "positions")
 SKI2_DENOMINATORS = ("printed", "ski")
 #: Reductions of the contrastive loss over anchors.
 REDUCTIONS = ("mean", "sum", "none")
+#: Hardness weighting of the contrastive loss's negative logits (sentence-transformers' ``hardness_mode``): which
+#: negatives get ``hardness_strength * stop_grad(cos)`` added.
+HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
+#: How the symmetric contrastive loss normalises its two directions: a softmax each, averaged, or one joint softmax.
+PARTITION_MODES = ("per_direction", "joint")
+#: GISTEmbed's false-negative threshold below the positive's score: ``pos - margin`` or ``pos - |pos| * margin``.
+MARGIN_STRATEGIES = ("absolute", "relative")
 #: Training-file formats: a text corpus, pairs/triplets (or query/positive/negative columns) with a header, comma- or
 #: tab-separated, or query/pos/neg JSON lines (FlagEmbedding's).
 TRAIN_FORMATS = ("auto", "text", "csv", "tsv", "jsonl")

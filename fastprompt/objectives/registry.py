@@ -31,4 +31,9 @@ def objective_from_config(config: ObjectiveConfig) -> SentenceObjective:
                            hard_negative_weight=config.hard_negative_weight, hinge_margin=config.hinge_margin,
                            hinge_weight=config.resolved_hinge_weight, backend=config.loss_backend,
                            ski_weight=config.ski_weight, ski1_weight=config.ski1_weight,
-                           ski2_weight=config.ski2_weight, ski2_denominator=config.ski2_denominator)
+                           ski2_weight=config.ski2_weight, ski2_denominator=config.ski2_denominator,
+                           hardness_mode=config.hardness_mode, hardness_strength=config.hardness_strength,
+                           fn_margin=config.fn_margin, fn_margin_strategy=config.fn_margin_strategy,
+                           matryoshka_dims=tuple(config.matryoshka_dims) if config.matryoshka_dims else None,
+                           matryoshka_weights=(tuple(config.matryoshka_weights) if config.matryoshka_weights
+                                               else None))

@@ -143,6 +143,10 @@ def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> 
         from fastprompt.objectives.crtd import build_crtd_term
 
         terms.append(build_crtd_term(cfg.rtd, encoder))
+    dims = cfg.loss.matryoshka_dims
+    if dims and max(dims) > encoder.hidden_size:
+        raise ValueError(f"matryoshka_dims {dims} go beyond the {encoder.hidden_size} dimensions of "
+                         f"{cfg.encoder.model}'s embeddings")
     return Method(objective_from_config(cfg.loss), terms)
 
 

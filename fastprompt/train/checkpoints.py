@@ -48,7 +48,8 @@ RUN_IDENTITY_KEYS = ("model", "pooler", "mlp", "pooler_head", "prompt_length", "
                      "rtd_masking_ratio", "rtd_generator", "rtd_discriminator", "rtd_condition", "rtd_average",
                      "ski_weight", "ski1_weight", "ski2_weight", "ski2_denominator", "template", "second_template",
                      "denoise", "eval_denoise", "topk", "train_backbone", "train_files",
-                     "dataset_sampling", "negatives_per_row", "pad_negatives")
+                     "dataset_sampling", "negatives_per_row", "pad_negatives", "hardness_mode",
+                     "hardness_strength", "fn_margin", "fn_margin_strategy", "matryoshka_dims", "matryoshka_weights")
 #: Keys that only say how to start, never what the run is.
 _START_KEYS = ("resume", "overwrite_output_dir")
 METHOD_FILE = "method.safetensors"
