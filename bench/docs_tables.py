@@ -22,6 +22,7 @@ RESULTS = ROOT / "bench" / "results"
 DOCS = ROOT / "docs"
 ST_LOSS = ("st_loss_cpu_loss.json", "st_loss_cpu_loss_4096x3.json")
 ST_STEP = ("st_loss_cpu_step.json", "st_loss_cpu_step_minilm.json")
+ST_HARDNESS = ("st_loss_cpu_hardness.json",)
 PEFT = ("peft_prefix_cpu.json", "peft_prefix_cpu_projection.json")
 TRAIN_STEP = ("train_step_cpu.json",)
 ST_NAMES = {"fastprompt": "fastprompt MNRL", "mnrl": "sentence-transformers MNRL",
@@ -72,17 +73,21 @@ def _footer(rows, commands, machine) -> list[str]:
 
 
 def st_table(names) -> str:
+    """The sentence-transformers losses' table; with a ``hardness`` column where a result sets it."""
     rows, commands, machine, _ = _load(names)
     if not rows:
         return "(not measured)"
     step = any(r["part"] == "step" for r in rows)
-    rows.sort(key=lambda r: (r.get("encoder") or "", r["columns"], r["batch"], list(ST_NAMES).index(r["provider"])))
-    head = "| encoder | batch | columns | loss |" if step else "| batch | columns | loss |"
-    lines = [f"{head} ms / step | time × MNRL | peak extra MB | memory × MNRL |",
-             ("|---|" if step else "|") + "---:|---:|---|---:|---:|---:|---:|"]
+    hardness = any(r.get("hardness") for r in rows)
+    rows.sort(key=lambda r: (r.get("encoder") or "", r["columns"], r.get("hardness") or "", r["batch"],
+                             list(ST_NAMES).index(r["provider"])))
+    head = ("| encoder | batch | columns |" if step else "| batch | columns |") + (" hardness |" if hardness else "")
+    lines = [f"{head} loss | ms / step | time × MNRL | peak extra MB | memory × MNRL |",
+             ("|---|" if step else "|") + "---:|---:|" + ("---|" if hardness else "") + "---|---:|---:|---:|---:|"]
     for r in rows:
         encoder = f"| {ENCODERS.get(r['encoder'], r.get('model') or r['encoder'])} " if step else ""
-        lines.append(f"{encoder}| {r['batch']:,} | {r['columns']} | {ST_NAMES[r['provider']]} | "
+        weighting = f" {r.get('hardness') or 'none'} |" if hardness else ""
+        lines.append(f"{encoder}| {r['batch']:,} | {r['columns']} |{weighting} {ST_NAMES[r['provider']]} | "
                      f"{_ms(r['median_ms'])} | {r['time_vs_baseline']:.2f} | {r['peak_mb']:,.1f} | "
                      f"{r['mem_vs_baseline']:.2f} |")
     return "\n".join(lines + _footer(rows, commands, machine))
@@ -159,7 +164,8 @@ def profile_table() -> str:
 
 
 TABLES = {
-    "dropin.md": {"st_loss": lambda: st_table(ST_LOSS), "st_step": lambda: st_table(ST_STEP), "peft": peft_table},
+    "dropin.md": {"st_loss": lambda: st_table(ST_LOSS), "st_step": lambda: st_table(ST_STEP),
+                  "st_hardness": lambda: st_table(ST_HARDNESS), "peft": peft_table},
     "speed.md": {"train_step": train_step_table, "train_step_profile": profile_table},
 }
 

@@ -7,7 +7,8 @@ Public API (imported lazily so ``import fastprompt`` stays cheap):
 - :func:`contrastive_loss`, :func:`prefix_attention` — the fused ops (``fastprompt.ops``)
 - :class:`Trainer`, :class:`TrainConfig` — the training loop (``fastprompt.train``)
 - :func:`evaluate_sts` — the STS evaluation protocol (``fastprompt.eval``)
-- :func:`accelerate_peft` — fused prefix attention under a PEFT prefix-tuning model (``fastprompt.integrations``)
+- :func:`accelerate_peft`, :func:`restore_peft` — fused prefix attention under a PEFT prefix-tuning model, and back
+  (``fastprompt.integrations``)
 """
 from fastprompt._lazy import lazy_getattr
 
@@ -23,6 +24,7 @@ _LAZY = {
     "TrainConfig": "fastprompt.train",
     "evaluate_sts": "fastprompt.eval",
     "accelerate_peft": "fastprompt.integrations",
+    "restore_peft": "fastprompt.integrations",
 }
 
 __all__ = sorted(_LAZY) + ["__version__"]

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from fastprompt.constants import COSINE_EPS  # noqa: F401  (one norm floor: reference, Triton; csrc checks it)
+from fastprompt.constants import COSINE_EPS  # noqa: F401  (the one norm floor of every backend; csrc checks it)
 
 #: torch dtype -> Triton type name (the pointer types of ahead-of-time signatures); also the dtypes the
 #: kernels take.

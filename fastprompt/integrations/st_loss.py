@@ -17,9 +17,14 @@ Drop-in replacements, same constructors and same values as sentence-transformers
   w.r.t. the embeddings, re-embed mini-batch by mini-batch with the RNG replayed, from a hook on the returned
   loss's backward). The loss stage needs no chunking: the fused op is O(N·d) for any batch.
 
-Both accept PromCSE's energy-based hinge on top (``hinge_weight``, ``hinge_margin``: ``relu(margin +
-cos(anchor, hardest negative) - cos(anchor, positive))`` averaged over the anchors, the hardest negative taken
-over all the anchor's candidates but its positive); 0 (the default) gives sentence-transformers' loss exactly.
+Both take every setting of sentence-transformers' ``MultipleNegativesRankingLoss`` that a cosine InfoNCE over
+the anchors' candidates is: ``scale``, ``gather_across_devices``, ``hardness_mode`` / ``hardness_strength`` (the
+penalty ``strength * stop_grad(cos)`` on the selected negatives' logits, in the op), the symmetric directions
+``("query_to_doc", "doc_to_query")`` with ``partition_mode`` "per_direction" or "joint", and ``similarity_fct``
+cosine however it is spelt (``util.cos_sim``, ``util.pytorch_cos_sim``, a ``functools.partial`` of either that
+binds nothing). They add PromCSE's energy-based hinge on top (``hinge_weight``, ``hinge_margin``: ``relu(margin +
+cos(anchor, hardest negative) - cos(anchor, positive))`` averaged over the anchors, the hardest negative taken over
+all the anchor's candidates but its positive); 0 (the default) gives sentence-transformers' loss exactly.
 
 Each class subclasses sentence-transformers' class of the same name, so ``isinstance`` checks see
 sentence-transformers' loss. The symmetric classes inherit from fastprompt's base variant and from
@@ -30,13 +35,20 @@ is silenced here because it is not about the user's code, and once sentence-tran
 symmetric classes derive from the base variant only.
 
 What the fused op cannot express is refused at construction with a one-line error rather than computed
-differently: a similarity other than cosine, the ``query_to_query`` / ``doc_to_doc`` directions, a joint
-softmax over two directions, and hardness weighting. Use sentence-transformers' own loss for those.
+differently: a similarity other than cosine and the ``query_to_query`` / ``doc_to_doc`` directions (same-type
+columns with their own exclusions, which the op's blocks do not have). Use sentence-transformers' own loss for
+those.
+
+Precision: the fused op computes in float32 whatever the embeddings' dtype, so under bf16 / fp16 autocast the
+loss is a float32 tensor (closer to the float32 loss), where sentence-transformers' returns the autocast dtype;
+the gradients reaching the embeddings have their dtype.
 
 sentence-transformers (>= 6) is an optional dependency: this module imports it, ``import fastprompt`` does not.
 """
 from __future__ import annotations
 
+import functools
+import math
 import warnings
 from typing import Any
 
@@ -50,12 +62,13 @@ try:
     from sentence_transformers.sentence_transformer.losses import (
         MultipleNegativesRankingLoss as _STMNRL,
     )
-    from sentence_transformers.util import all_gather_with_grad, cos_sim, get_rank
+    from sentence_transformers.util import all_gather_with_grad, cos_sim, get_rank, pytorch_cos_sim
 except ImportError as exc:  # pragma: no cover - exercised only without sentence-transformers
     raise ImportError("fastprompt.integrations.st_loss needs sentence-transformers >= 6: "
                       "pip install 'fastprompt[sentence-transformers]'") from exc
 
 from fastprompt.ops import contrastive_loss
+from fastprompt.ops.reference import contrastive_loss_reference
 
 __all__ = [
     "MultipleNegativesRankingLoss",
@@ -72,27 +85,39 @@ def _symmetric_base(name: str) -> tuple[type, ...]:
 
 _FORWARD = ("query_to_doc",)
 _SYMMETRIC = ("query_to_doc", "doc_to_query")
+#: sentence-transformers' cosine-similarity functions (pytorch_cos_sim is its older name, calling cos_sim).
+_COSINE = (cos_sim, pytorch_cos_sim)
+
+
+def is_cosine(similarity_fct) -> bool:
+    """Whether ``similarity_fct`` is sentence-transformers' cosine similarity: ``cos_sim`` or ``pytorch_cos_sim``,
+    possibly wrapped in ``functools.partial`` objects that bind no argument (a partial that binds one, or any other
+    callable, is not recognised: the fused op could not tell what it computes)."""
+    while isinstance(similarity_fct, functools.partial) and not similarity_fct.args and not similarity_fct.keywords:
+        similarity_fct = similarity_fct.func
+    return any(similarity_fct is f for f in _COSINE)
 
 
 def _check_supported(loss) -> None:
     """Raise ValueError for the sentence-transformers settings the fused op does not compute."""
     name = type(loss).__name__
-    if loss.similarity_fct is not cos_sim:
-        raise ValueError(f"{name}: fastprompt's fused loss scores by cosine similarity only (similarity_fct=cos_sim); "
-                         "use sentence_transformers.losses for other similarities")
+    if not is_cosine(loss.similarity_fct):
+        raise ValueError(f"{name}: fastprompt's fused loss scores by cosine similarity only (similarity_fct=cos_sim, "
+                         f"got {loss.similarity_fct!r}); use sentence_transformers.losses for other similarities")
     directions = tuple(loss.directions)
     if set(directions) not in (set(_FORWARD), set(_SYMMETRIC)):
         raise ValueError(f"{name}: fastprompt's fused loss supports directions {_FORWARD} or {_SYMMETRIC}, got "
                          f"{directions}; use sentence_transformers.losses for the others")
-    if set(directions) == set(_SYMMETRIC) and loss.partition_mode != "per_direction":
-        raise ValueError(f"{name}: the symmetric directions {_SYMMETRIC} need partition_mode='per_direction' "
-                         "(a joint softmax over both directions is not supported)")
-    if loss.hardness_mode is not None and loss.hardness_strength > 0.0:
-        raise ValueError(f"{name}: hardness weighting (hardness_mode={loss.hardness_mode!r}) is not supported by "
-                         "fastprompt's fused loss; use sentence_transformers.losses")
     if isinstance(loss.hinge_weight, bool) or not isinstance(loss.hinge_weight, (int, float)) \
             or loss.hinge_weight < 0:
         raise ValueError(f"{name}: hinge_weight must be a number >= 0, got {loss.hinge_weight!r}")
+
+
+def _hinge_config(loss) -> dict[str, Any]:
+    """The hinge's keys for the model card, only when the hinge is on (0 is sentence-transformers' loss)."""
+    if not loss.hinge_weight:
+        return {}
+    return {"hinge_weight": loss.hinge_weight, "hinge_margin": loss.hinge_margin}
 
 
 class MultipleNegativesRankingLoss(_STMNRL):
@@ -129,38 +154,37 @@ class MultipleNegativesRankingLoss(_STMNRL):
             raise ValueError(f"every column needs as many rows as the anchors ({n}), got "
                              f"{[c.shape[0] for c in candidates]}")
         offset = 0
+        symmetric = "doc_to_query" in self.directions
+        anchors_all = None
         if self.gather_across_devices:
-            # this process's anchors against the candidates of every process (gathered with gradient)
+            # this process's anchors against the candidates of every process (gathered with gradient); the reverse
+            # term's columns are every process's anchors
             candidates = [all_gather_with_grad(c) for c in candidates]
+            anchors_all = all_gather_with_grad(anchors) if symmetric else None
             offset = get_rank() * n
-        # negative columns are appended as more candidates: columns = cat(positives, negatives_1, ...)
-        columns = torch.cat(candidates) if len(candidates) > 1 else candidates[0]
-        temperature, hinge_weight = 1.0 / self.scale, float(self.hinge_weight)
-
-        def infonce(queries, keys, hinge_weight=0.0, symmetric=False):
-            if keys.shape[0] < 2 or (symmetric and queries.shape[0] < 2):
-                # a single candidate: its softmax is 1, so sentence-transformers' loss is exactly 0 (zero
-                # gradient); the op refuses it (no negative), and a last batch of one pair must not crash
-                return 0.0 * (queries.sum() + keys.sum())
-            return contrastive_loss(queries, keys, temperature=temperature, hinge_weight=hinge_weight,
-                                    hinge_margin=float(self.hinge_margin), symmetric=symmetric,
-                                    positive_offset=offset)
-
-        if "doc_to_query" not in self.directions:
-            return infonce(anchors, columns, hinge_weight)
-        if not self.gather_across_devices and n >= 2:
-            # the op's symmetric term: positive i against the anchors, label i (per-direction softmax, averaged)
-            return infonce(anchors, columns, hinge_weight, symmetric=True)
-        # gathered, the reverse term's columns are the anchors of every process, which the op's symmetric term
-        # (local anchors only) does not cover, so it is a second call (also for a single local anchor, which
-        # the op's symmetric term refuses). The hinge weight is doubled inside the halved forward term so that
-        # it counts once, as with symmetric=True.
-        anchors_all = all_gather_with_grad(anchors) if self.gather_across_devices else anchors
-        positives = candidates[0][offset:offset + n]
-        return 0.5 * (infonce(anchors, columns, 2.0 * hinge_weight) + infonce(positives, anchors_all))
+        positives, negatives = candidates[0], candidates[1:]
+        if positives.shape[0] < 2 and not negatives:
+            # a single candidate: its softmax is 1, so sentence-transformers' loss is exactly 0 (the joint symmetric
+            # softmax holds the positive twice: log 2), with a zero gradient; the op refuses it (no negative), and a
+            # last batch of one pair must not crash
+            constant = math.log(2.0) if symmetric and self.partition_mode == "joint" else 0.0
+            return 0.0 * (anchors.sum() + positives.sum()) + constant
+        kw = dict(temperature=1.0 / self.scale, hinge_weight=float(self.hinge_weight),
+                  hinge_margin=float(self.hinge_margin), symmetric=symmetric,
+                  partition_mode=self.partition_mode if symmetric else "per_direction", reverse_columns=anchors_all,
+                  hardness_mode=self.hardness_mode, hardness_strength=float(self.hardness_strength),
+                  positive_offset=offset)
+        z3 = torch.stack(negatives) if negatives else None
+        if symmetric and anchors_all is None and n < 2:
+            # one anchor: the reverse term has a single column (cross-entropy 0 per direction; joint: the positive
+            # twice), which the op refuses as an in-batch loss; its 1 x M scores are the reference's to compute
+            return contrastive_loss_reference(anchors, positives, z3, **kw)
+        # negative columns are appended as more candidates: columns = cat(positives, negatives_1, ...), which is
+        # the op's z2, z3 (k, M2, d) layout
+        return contrastive_loss(anchors, positives, z3, **kw)
 
     def get_config_dict(self) -> dict[str, Any]:
-        return {**super().get_config_dict(), "hinge_weight": self.hinge_weight, "hinge_margin": self.hinge_margin}
+        return {**super().get_config_dict(), **_hinge_config(self)}
 
 
 with warnings.catch_warnings():
@@ -226,7 +250,7 @@ class CachedMultipleNegativesRankingLoss(_STCachedMNRL):
         return loss
 
     def get_config_dict(self) -> dict[str, Any]:
-        return {**super().get_config_dict(), "hinge_weight": self.hinge_weight, "hinge_margin": self.hinge_margin}
+        return {**super().get_config_dict(), **_hinge_config(self.loss)}
 
 
 with warnings.catch_warnings():

@@ -3,11 +3,28 @@
 These functions are deliberately simple (they materialise everything) and are used by the tests
 and as the last-resort fallback backend. Autograd differentiates them.
 """
-import torch  # noqa: F401
+import torch
 
 from fastprompt.constants import COSINE_EPS
 
 # --- contrastive loss ----------------------------------------------------------------------------
+
+
+def hardness_coefficients(hardness_mode, hardness_strength):
+    """``(alpha_in_batch, alpha_own)``: the hardness penalty ``alpha * stop_grad(cos)`` on the in-batch negatives
+    (every column that is not the anchor's own positive or own negative) and on the anchor's own negatives, for
+    sentence-transformers' ``hardness_mode`` (``MultipleNegativesRankingLoss``, Lan et al. 2025 Eq. 5)."""
+    if hardness_mode is None or hardness_strength == 0.0:
+        return 0.0, 0.0
+    a = float(hardness_strength)
+    return {"in_batch_negatives": (a, 0.0), "hard_negatives": (0.0, a), "all_negatives": (a, a)}[hardness_mode]
+
+
+def fn_threshold(pos_score, fn_margin, fn_margin_strategy):
+    """GISTEmbed's false-negative threshold per anchor: a column scoring above it is not a negative."""
+    if fn_margin_strategy == "relative":
+        return pos_score - pos_score.abs() * fn_margin
+    return pos_score - fn_margin
 
 
 def contrastive_loss_reference(
@@ -20,51 +37,131 @@ def contrastive_loss_reference(
     hinge_margin=0.2,
     hinge_weight=0.0,
     symmetric=False,
+    partition_mode="per_direction",
+    reverse_columns=None,
+    hardness_mode=None,
+    hardness_strength=0.0,
+    column_ids=None,
+    anchor_ids=None,
+    fn_margin=None,
+    fn_margin_strategy="absolute",
+    guide=None,
+    matryoshka_dims=None,
+    matryoshka_weights=None,
     reduction="mean",
     return_stats=False,
     positive_offset=0,
 ):
-    """In-batch cosine InfoNCE + PromCSE energy-based hinge, materialising the N x M similarity matrix.
+    """In-batch cosine InfoNCE with every option of :func:`fastprompt.ops.contrastive_loss`, materialising the
+    N x M similarity matrix (and one per Matryoshka dimension). Computed in float32 (float64 stays float64).
 
-    Columns are ``cat(z2, z3)``; the positive of anchor ``i`` is column ``positive_offset + i``.
-    Per row: ``ce_i = logsumexp_j(l_ij) - l_i,pos`` with ``l_ij = cos_ij / temperature`` plus
-    ``hard_negative_weight`` on column ``m2 + positive_offset + i`` (the anchor's own hard negative
-    ``z3[positive_offset + i]``; the other z3 rows are plain negatives, as in SimCSE); with ``symmetric``
-    the row loss is ``(ce_i + ce_sym_i) / 2`` where ``ce_sym_i`` is the cross-entropy of positive ``z2[pos_i]``
-    against the columns ``z1``. ``hinge_i = relu(hinge_margin + cos(z1_i, h_i) - cos(z1_i, z2[pos_i]))`` with
-    ``h_i`` the column of largest cosine other than the positive (on cosines, without the hard-negative bias, as in
-    PromCSE). Row loss = ce + hinge_weight * hinge. Computation is in float32 (float64 stays float64).
+    Columns are ``cat(z2, z3[0], ..., z3[k-1])`` (z3 is (M2, d), k = 1, or (k, M2, d)); anchor ``i``'s positive
+    is column ``p(i) = positive_offset + i``, its own negatives are the columns ``M2 * (1 + j) + p(i)``. Per
+    Matryoshka dimension ``d_t`` (all of d without ``matryoshka_dims``) on the re-normalised prefixes:
+
+    - logits ``l_ij = cos_ij / temperature`` plus ``hard_negative_weight`` on the own negatives, plus the hardness
+      penalty ``alpha * cos_ij`` taken as a constant (no gradient) on the negatives ``hardness_mode`` selects;
+    - false negatives are left out of the softmax (logit -inf): a column whose ``column_ids`` entry equals the
+      positive's (the same text), a column with a negative id (no text: padding), and with ``fn_margin`` a column
+      whose score exceeds the positive's score minus the margin (GISTEmbed: scored by ``guide``'s cosines if
+      given, else by the model's own); the positive itself never is;
+    - ``ce_i = logsumexp_j l_ij - l_i,p(i)``; with ``symmetric`` the reverse term scores the positive ``z2[p(i)]``
+      against the columns ``reverse_columns`` (default z1; its target is row ``p(i)`` of reverse_columns, or
+      ``i`` of z1), masked alike with ``anchor_ids``: ``per_direction`` averages the two cross-entropies,
+      ``joint`` takes one softmax over both blocks (sentence-transformers' ``partition_mode``);
+    - PromCSE's hinge ``relu(hinge_margin + cos(h) - cos(p))`` on the hardest negative: the largest cosine over
+      the columns left in the softmax other than the positive (index -1 and no hinge when none is left).
+
+    The row loss is ``sum_t w_t (ce_t + hinge_weight * hinge_t)``. Autograd differentiates it.
     """
     import torch.nn.functional as F
 
     cdt = torch.promote_types(z1.dtype, torch.float32)
-    n, m2 = z1.shape[0], z2.shape[0]
-    a = F.normalize(z1.to(cdt), dim=-1, eps=COSINE_EPS)
-    cols = z2 if z3 is None else torch.cat([z2, z3], 0)
-    b = F.normalize(cols.to(cdt), dim=-1, eps=COSINE_EPS)
-    sim = a @ b.T  # (N, M) cosines
-    logits = sim / temperature
-    rows = torch.arange(n, device=z1.device)
+    n, d = z1.shape
+    m2 = z2.shape[0]
+    dev = z1.device
+    negatives = None if z3 is None else (z3 if z3.dim() == 3 else z3.unsqueeze(0))
+    k = 0 if negatives is None else negatives.shape[0]
+    cols = z2 if k == 0 else torch.cat([z2, negatives.reshape(k * m2, -1)], 0)
+    m = cols.shape[0]
+    rows = torch.arange(n, device=dev)
     pos = rows + positive_offset
-    if z3 is not None and hard_negative_weight != 0.0:  # only each anchor's own hard negative, as SimCSE
-        bias = torch.zeros_like(logits)
-        bias[rows, m2 + pos] = hard_negative_weight
-        logits = logits + bias
-    lse = torch.logsumexp(logits, dim=1)
-    loss = lse - logits[rows, pos]
-    lse_sym = None
-    if symmetric:
-        sym_logits = sim[:, positive_offset:positive_offset + n].T / temperature  # rows: positives, cols: z1
-        lse_sym = torch.logsumexp(sym_logits, dim=1)
-        loss = 0.5 * (loss + lse_sym - sym_logits.diagonal())
-    pos_sim = sim[rows, pos]
-    hard_sim = hard_idx = None
-    if hinge_weight != 0.0 or return_stats:  # the hardest negative costs another N x M pass
-        is_pos = torch.zeros_like(sim, dtype=torch.bool)
-        is_pos[rows, pos] = True
-        hard_sim, hard_idx = sim.masked_fill(is_pos, float("-inf")).max(dim=1)
-    if hinge_weight != 0.0:
-        loss = loss + hinge_weight * torch.relu(hinge_margin + hard_sim - pos_sim)
+    col = torch.arange(m, device=dev)[None, :]
+    is_pos = col == pos[:, None]
+    own = (col >= m2) & ((col - m2) % m2 == pos[:, None])
+    a_in, a_own = hardness_coefficients(hardness_mode, hardness_strength)
+    own_f, in_batch_f = own.to(cdt), (~own & ~is_pos).to(cdt)
+    penalty = a_own * own_f + a_in * in_batch_f  # (computed in cdt: a float32 constant would round the weights)
+    bias = float(hard_negative_weight) * own_f
+
+    rev = z1 if reverse_columns is None else reverse_columns
+    rlabel = rows if reverse_columns is None else pos
+    rcol = torch.arange(rev.shape[0], device=dev)[None, :]
+    r_is_target = rcol == rlabel[:, None]
+
+    id_mask = torch.zeros(n, m, dtype=torch.bool, device=dev)
+    r_id_mask = torch.zeros(n, rev.shape[0], dtype=torch.bool, device=dev)
+    if column_ids is not None:
+        id_mask = (column_ids[None, :] == column_ids[pos][:, None]) | (column_ids[None, :] < 0)
+    if anchor_ids is not None:
+        r_id_mask = (anchor_ids[None, :] == anchor_ids[rlabel][:, None]) | (anchor_ids[None, :] < 0)
+
+    def cosines(x, y, dim=None):
+        x, y = (x if dim is None else x[:, :dim]), (y if dim is None else y[:, :dim])
+        return F.normalize(x.to(cdt), dim=-1, eps=COSINE_EPS) @ F.normalize(y.to(cdt), dim=-1, eps=COSINE_EPS).T
+
+    guide_sim = guide_rsim = None
+    if fn_margin is not None and guide is not None:
+        g1, g2, g3, grev = (tuple(guide) + (None, None))[:4]
+        gneg = None if g3 is None else (g3 if g3.dim() == 3 else g3.unsqueeze(0))
+        gcols = g2 if gneg is None else torch.cat([g2, gneg.reshape(-1, g2.shape[1])], 0)
+        guide_sim = cosines(g1, gcols)
+        if symmetric:
+            guide_rsim = cosines(g2[pos], g1 if grev is None else grev)
+
+    dims = list(matryoshka_dims) if matryoshka_dims is not None else [d]
+    weights = list(matryoshka_weights) if matryoshka_weights is not None else [1.0] * len(dims)
+    total = 0.0
+    per_dim = {key: [] for key in ("lse", "pos_sim", "hardest_neg_sim", "hardest_neg_index", "lse_sym")}
+    for dim, weight in zip(dims, weights):
+        sim = cosines(z1, cols, dim)  # (N, M) cosines of the prefixes
+        mask = id_mask
+        thr = None
+        if fn_margin is not None:
+            score = guide_sim if guide_sim is not None else sim.detach()
+            thr = fn_threshold(score[rows, pos], fn_margin, fn_margin_strategy)
+            mask = mask | (score > thr[:, None])
+        mask = mask & ~is_pos
+        logits = sim / temperature + bias + penalty * sim.detach()
+        logits = logits.masked_fill(mask, float("-inf"))
+        lse = torch.logsumexp(logits, dim=1)
+        pos_logit = sim[rows, pos] / temperature
+        loss = lse - pos_logit
+        lse_sym = None
+        if symmetric:
+            rsim = cosines(z2[pos], rev, dim)  # rows: the positives, columns: the anchors
+            rmask = r_id_mask
+            if fn_margin is not None:
+                rscore = guide_rsim if guide_rsim is not None else rsim.detach()
+                rmask = rmask | (rscore > thr[:, None])
+            rlogits = (rsim / temperature).masked_fill(rmask & ~r_is_target, float("-inf"))
+            lse_sym = torch.logsumexp(rlogits, dim=1)
+            if partition_mode == "joint":
+                loss = torch.logaddexp(lse, lse_sym) - pos_logit
+            else:
+                loss = 0.5 * (loss + lse_sym - rlogits[rows, rlabel])
+        pos_sim = sim[rows, pos]
+        hard_sim = hard_idx = None
+        if hinge_weight != 0.0 or return_stats:  # the hardest negative costs another N x M pass
+            hard_sim, hard_idx = sim.masked_fill(mask | is_pos, float("-inf")).max(dim=1)
+            hard_idx = torch.where(torch.isinf(hard_sim), -1, hard_idx)
+        if hinge_weight != 0.0:
+            loss = loss + hinge_weight * torch.relu(hinge_margin + hard_sim - pos_sim)
+        total = total + weight * loss
+        for key, value in (("lse", lse), ("pos_sim", pos_sim), ("hardest_neg_sim", hard_sim),
+                           ("hardest_neg_index", hard_idx), ("lse_sym", lse_sym)):
+            per_dim[key].append(value)
+    loss = total
     if reduction == "mean":
         loss = loss.mean()
     elif reduction == "sum":
@@ -75,14 +172,15 @@ def contrastive_loss_reference(
         return loss
     from fastprompt.ops.contrastive import ContrastiveStats
 
-    stats = ContrastiveStats(
-        lse=lse.detach(),
-        pos_sim=pos_sim.detach(),
-        hardest_neg_sim=hard_sim.detach(),
-        hardest_neg_index=hard_idx,
-        lse_sym=None if lse_sym is None else lse_sym.detach(),
-    )
-    return loss, stats
+    def stat(key):  # (N,) without matryoshka_dims, else (N, D), column t for matryoshka_dims[t]
+        values = per_dim[key]
+        if values[0] is None:
+            return None
+        values = [v.detach() for v in values]
+        return values[0] if matryoshka_dims is None else torch.stack(values, 1)
+
+    return loss, ContrastiveStats(stat("lse"), stat("pos_sim"), stat("hardest_neg_sim"), stat("hardest_neg_index"),
+                                  stat("lse_sym"))
 
 
 # --- prefix attention ----------------------------------------------------------------------------

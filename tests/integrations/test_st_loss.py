@@ -11,6 +11,7 @@ magnitude. Gradients of a model's weights after a backward through the tiny BERT
 the same tolerance: the backward through the encoder is the same code on both sides, and amplifies the
 embedding-gradient difference only by the layers' norms (of order 1 at initialisation).
 """
+import functools
 import os
 import socket
 import time
@@ -67,15 +68,61 @@ def _assert_same(ours, theirs):
 # ---------------------------------------------------------------- the loss on given embeddings
 
 
+DIRECTIONS = {"mnrl": {}, "symmetric": SYMMETRIC,
+              "joint": dict(directions=("query_to_doc", "doc_to_query"), partition_mode="joint")}
+
+
 @pytest.mark.parametrize("negatives", [0, 1, 2])
 @pytest.mark.parametrize("n", [1, 2, 7, 64])
-@pytest.mark.parametrize("symmetric", [False, True], ids=["mnrl", "symmetric"])
-def test_same_loss_and_gradients_as_sentence_transformers(negatives, n, symmetric):
-    kw = SYMMETRIC if symmetric else {}
+@pytest.mark.parametrize("directions", DIRECTIONS.values(), ids=DIRECTIONS.keys())
+def test_same_loss_and_gradients_as_sentence_transformers(negatives, n, directions):
     embs = _embeddings(n, 24, 2 + negatives, seed=n + negatives)
-    theirs = _loss_and_grads(st_losses.MultipleNegativesRankingLoss(None, scale=20.0, **kw), embs)
-    ours = _loss_and_grads(st_loss.MultipleNegativesRankingLoss(None, scale=20.0, **kw), embs)
+    theirs = _loss_and_grads(st_losses.MultipleNegativesRankingLoss(None, scale=20.0, **directions), embs)
+    ours = _loss_and_grads(st_loss.MultipleNegativesRankingLoss(None, scale=20.0, **directions), embs)
     _assert_same(ours, theirs)
+
+
+@pytest.mark.parametrize("mode", ["in_batch_negatives", "hard_negatives", "all_negatives"])
+@pytest.mark.parametrize("negatives", [0, 2])
+@pytest.mark.parametrize("directions", DIRECTIONS.values(), ids=DIRECTIONS.keys())
+def test_hardness_weighting_equals_sentence_transformers(mode, negatives, directions):
+    """hardness_mode / hardness_strength: the same values and gradients as sentence-transformers' loss (the
+    penalty strength · stop_grad(cos) enters the softmax, not the gradient). Strength 9 (Lan et al.'s) makes the
+    penalty as large as the scaled cosines, so a misplaced or differentiated penalty moves the loss by O(1)."""
+    embs = _embeddings(7, 24, 2 + negatives, seed=5 + negatives)
+    kw = dict(scale=20.0, hardness_mode=mode, hardness_strength=9.0, **directions)
+    theirs = _loss_and_grads(st_losses.MultipleNegativesRankingLoss(None, **kw), embs)
+    ours = _loss_and_grads(st_loss.MultipleNegativesRankingLoss(None, **kw), embs)
+    _assert_same(ours, theirs)
+    plain = _loss_and_grads(st_loss.MultipleNegativesRankingLoss(None, **directions), embs)
+    if mode != "hard_negatives" or negatives:  # hard_negatives without negatives weights nothing
+        assert abs(float(ours[0]) - float(plain[0])) > 0.1
+
+
+@pytest.mark.parametrize("similarity_fct", [functools.partial(st.util.cos_sim), st.util.pytorch_cos_sim,
+                                            functools.partial(functools.partial(st.util.pytorch_cos_sim))],
+                         ids=["partial", "pytorch_cos_sim", "nested-partial"])
+def test_cosine_is_recognised_however_it_is_spelt(similarity_fct):
+    embs = _embeddings(5, 24, 3)
+    theirs = _loss_and_grads(st_losses.MultipleNegativesRankingLoss(None, similarity_fct=similarity_fct), embs)
+    ours = _loss_and_grads(st_loss.MultipleNegativesRankingLoss(None, similarity_fct=similarity_fct), embs)
+    _assert_same(ours, theirs)
+
+
+def test_bf16_autocast_gives_a_float32_loss_closer_to_the_float32_one():
+    """Under bf16 autocast sentence-transformers' loss is bf16 (its cosine matrix product runs in bf16); the fused
+    op computes in float32 whatever the autocast, so its loss is float32 and equals the float32 loss (1e-5, the
+    tolerance above), while sentence-transformers' is off by bf16 rounding (2^-8 relative on the cosines, times the
+    scale)."""
+    embs = _embeddings(16, 24, 3, seed=4)
+    reference = st_losses.MultipleNegativesRankingLoss(None).compute_loss_from_embeddings(embs, None).detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        theirs = st_losses.MultipleNegativesRankingLoss(None).compute_loss_from_embeddings(embs, None)
+        ours = st_loss.MultipleNegativesRankingLoss(None).compute_loss_from_embeddings(embs, None)
+    assert theirs.dtype == torch.bfloat16 and ours.dtype == torch.float32
+    torch.testing.assert_close(ours.detach(), reference, **TOL)
+    assert abs(float(theirs) - float(reference)) > 10 * abs(float(ours.detach()) - float(reference))
+    assert all(g.dtype == torch.float32 for g in torch.autograd.grad(ours, embs))
 
 
 @pytest.mark.parametrize("scale", [1.0, 50.0])
@@ -113,13 +160,31 @@ def test_hinge_adds_promcse_energy_term(symmetric):
     assert float(torch.relu(m + hardest - positive).mean().detach()) > 1e-2  # the hinge is active on this batch
 
 
+@pytest.mark.parametrize("directions", [SYMMETRIC, DIRECTIONS["joint"]], ids=["symmetric", "joint"])
+def test_hinge_on_a_single_anchor_symmetric_batch(directions):
+    """One anchor, symmetric: the reverse term has a single column (the reference computes the 1 x M scores); the
+    hinge is added once, with its full gradient."""
+    n, w, m = 1, 10.0, 0.9
+    embs = _embeddings(n, 24, 4, seed=8)
+    cos = torch.nn.functional.normalize(embs[0], dim=1) @ torch.nn.functional.normalize(torch.cat(embs[1:]), dim=1).T
+    hinge = torch.relu(m + cos[0, 1:].max() - cos[0, 0])
+    expected = (st_losses.MultipleNegativesRankingLoss(None, **directions).compute_loss_from_embeddings(embs, None)
+                + w * hinge)
+    assert float(hinge) > 0.1
+    ours = _loss_and_grads(st_loss.MultipleNegativesRankingLoss(None, hinge_weight=w, hinge_margin=m, **directions),
+                           embs)
+    _assert_same(ours, (expected.detach(), torch.autograd.grad(expected, embs)))
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(similarity_fct=dot_score), "cosine"),
+    (dict(similarity_fct=functools.partial(dot_score)), "cosine"),
+    (dict(similarity_fct=lambda a, b: st.util.cos_sim(a, b)), "cosine"),  # cannot be told from another function
     (dict(directions=("query_to_doc", "query_to_query")), "directions"),
-    (dict(directions=("query_to_doc", "doc_to_query")), "per_direction"),
-    (dict(hardness_mode="hard_negatives", hardness_strength=5.0), "hardness"),
+    (dict(directions=("query_to_doc", "doc_to_query", "doc_to_doc")), "directions"),
     (dict(hinge_weight=-1.0), "hinge_weight"),
     (dict(scale=0.0), "positive"),  # sentence-transformers' own validation still runs
+    (dict(hardness_mode="hard"), "hardness_mode"),  # and so does its check of the hardness mode
 ])
 def test_unsupported_settings_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -152,6 +217,31 @@ def test_config_dict_and_exports():
     assert loss.loss.hinge_weight == 3.0 and loss.temperature == 0.1
     assert integrations.CachedMultipleNegativesRankingLoss is st_loss.CachedMultipleNegativesRankingLoss
     assert isinstance(loss, st_losses.CachedMultipleNegativesRankingLoss)  # sentence-transformers' checks apply
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["mnrl", "cached"])
+def test_config_dict_is_sentence_transformers_when_the_hinge_is_off(cached):
+    """The model card of a run with the hinge off lists exactly sentence-transformers' settings."""
+    kw = dict(scale=30.0, hardness_mode="all_negatives", hardness_strength=5.0, **DIRECTIONS["joint"])
+    if cached:
+        ours = st_loss.CachedMultipleNegativesRankingLoss(_TinyModelStub(), mini_batch_size=4, **kw)
+        theirs = st_losses.CachedMultipleNegativesRankingLoss(_TinyModelStub(), mini_batch_size=4, **kw)
+    else:
+        ours = st_loss.MultipleNegativesRankingLoss(None, **kw)
+        theirs = st_losses.MultipleNegativesRankingLoss(None, **kw)
+    assert ours.get_config_dict() == theirs.get_config_dict()
+    ours.hinge_weight = 1.5
+    assert ours.get_config_dict() == {**theirs.get_config_dict(), "hinge_weight": 1.5, "hinge_margin": 0.2}
+
+
+def test_restore_peft_is_importable_where_the_docs_lead():
+    """docs/dropin.md: ``fastprompt.accelerate_peft(model)``, undone by ``restore_peft(model)``."""
+    import fastprompt
+    from fastprompt.integrations import peft_attention
+
+    assert fastprompt.accelerate_peft is peft_attention.accelerate_peft
+    assert fastprompt.restore_peft is peft_attention.restore_peft
+    assert "restore_peft" in fastprompt.__all__
 
 
 @pytest.mark.parametrize("name", st_loss.__all__)
@@ -207,12 +297,17 @@ def _model_step(model, loss_fn, negatives, seed=1):
     return loss.detach(), _grads(model)
 
 
+CACHED_SETTINGS = {"mnrl": {}, "symmetric": SYMMETRIC,
+                   "joint-hardness": dict(hardness_mode="in_batch_negatives", hardness_strength=9.0,
+                                          **DIRECTIONS["joint"])}
+
+
 @pytest.mark.parametrize("negatives", [0, 1, 2])
-@pytest.mark.parametrize("symmetric", [False, True], ids=["mnrl", "symmetric"])
-def test_cached_matches_sentence_transformers_cached(tiny_st_dir, negatives, symmetric):
+@pytest.mark.parametrize("setting", CACHED_SETTINGS.values(), ids=CACHED_SETTINGS.keys())
+def test_cached_matches_sentence_transformers_cached(tiny_st_dir, negatives, setting):
     """GradCache inside the loss (mini-batches of 3 over 8 rows, dropout replayed): same loss and weight
     gradients as sentence-transformers' CachedMultipleNegativesRankingLoss, and as the plain MNRL in eval mode."""
-    kw = dict(mini_batch_size=3, **(SYMMETRIC if symmetric else {}))
+    kw = dict(mini_batch_size=3, **setting)
     model = _st_model(tiny_st_dir)
     theirs = _model_step(model, st_losses.CachedMultipleNegativesRankingLoss(model, **kw), negatives)
     ours = _model_step(model, st_loss.CachedMultipleNegativesRankingLoss(model, **kw), negatives)
@@ -315,14 +410,16 @@ def _gather_worker(rank, world, port, out_dir):
     torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
     try:
         results = {}
-        for symmetric in (False, True):
+        for setting, directions in DIRECTIONS.items():
             for negatives in (0, 1):
-                kw = dict(gather_across_devices=True, **(SYMMETRIC if symmetric else {}))
+                kw = dict(gather_across_devices=True, **directions)
+                if negatives:  # hardness weighting with the gathered offsets (own vs in-batch columns)
+                    kw.update(hardness_mode="all_negatives", hardness_strength=5.0)
                 embs = _embeddings(5, 24, 2 + negatives, seed=10 * rank + negatives)
                 for name, module in (("ours", st_loss), ("st", st_losses)):
                     loss, grads = _loss_and_grads(module.MultipleNegativesRankingLoss(None, **kw), embs)
                     for i, g in enumerate((loss.reshape(1),) + grads):
-                        results[f"{name}_{symmetric}_{negatives}_{i}"] = g.contiguous()
+                        results[f"{name}_{setting}_{negatives}_{i}"] = g.contiguous()
         from safetensors.torch import save_file
 
         save_file(results, os.path.join(out_dir, f"rank{rank}.safetensors"))
@@ -337,7 +434,8 @@ def _free_port():
 
 
 def test_gather_across_devices_matches_sentence_transformers(tmp_path):
-    """Two gloo processes: each rank's loss and gradients equal sentence-transformers' gathered loss."""
+    """Two gloo processes: each rank's loss and gradients equal sentence-transformers' gathered loss (forward,
+    symmetric per direction and joint; with a negative column, hardness-weighted)."""
     from safetensors.torch import load_file
 
     ctx = mp.spawn(_gather_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False)
@@ -350,6 +448,6 @@ def test_gather_across_devices_matches_sentence_transformers(tmp_path):
     for rank in range(2):
         res = load_file(str(tmp_path / f"rank{rank}.safetensors"))
         ours = {k[5:]: v for k, v in res.items() if k.startswith("ours_")}
-        assert len(ours) == 2 * (3 + 4)
+        assert len(ours) == 3 * (3 + 4)
         for key, value in ours.items():
             torch.testing.assert_close(value, res["st_" + key], **TOL, msg=f"rank {rank} {key}")

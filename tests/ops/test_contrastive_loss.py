@@ -341,9 +341,18 @@ def test_cpu_backward_is_deterministic():
 @needs_cpp
 @pytest.mark.parametrize("symmetric,grad_weight", [(True, 0.0), (False, 0.25)])
 def test_opcheck_forward_op(symmetric, grad_weight):
-    """Schema, fake tensors, autograd registration; grad_weight > 0 is the fused forward+backward."""
+    """Schema, fake tensors, autograd registration; grad_weight > 0 is the fused forward+backward. Every optional
+    input is present: two negatives per row, reverse columns, text ids, a guide, two Matryoshka dimensions."""
     z1, z2, z3 = make_inputs(6, 9, 5, True)
-    args = (z1, z2, z3, 0.1, 0.3, 0.2, 2.0, symmetric, 1, "cpu", False, grad_weight)
+    z3 = torch.stack([z3.detach(), z3.detach().flip(0)]).requires_grad_()
+    g = torch.Generator().manual_seed(2)
+    rev = torch.randn(9, 5, generator=g).requires_grad_() if symmetric else None
+    ids = torch.randint(0, 20, (27,), generator=g)
+    anchor_ids = torch.arange(9) if symmetric else None
+    guide = (torch.randn(6, 4, generator=g), torch.randn(9, 4, generator=g), torch.randn(2, 9, 4, generator=g),
+             torch.randn(9, 4, generator=g) if symmetric else None)
+    args = (z1, z2, z3, rev, ids, anchor_ids, *guide, [3, 5], [0.5, 1.0], 0.1, 0.3, 1.0, 2.0, 0.2, False, 0.2, 2.0,
+            symmetric, symmetric, 1, "cpu", False, grad_weight)
     torch.library.opcheck(torch.ops.fastprompt.contrastive_loss_fwd.default, args)
 
 
@@ -393,7 +402,7 @@ def test_auto_falls_back_to_reference_with_one_warning(monkeypatch, caplog):
 def test_auto_on_cpu_uses_the_cpp_kernel(monkeypatch):
     calls = []
     real = cl_mod._kernel_fwd
-    monkeypatch.setattr(cl_mod, "_kernel_fwd", lambda *a: calls.append(a[9]) or real(*a))
+    monkeypatch.setattr(cl_mod, "_kernel_fwd", lambda *a: calls.append(a[7].backend) or real(*a))
     contrastive_loss(*make_inputs(4, 4, 3, False))
     assert calls == ["cpu"]
 

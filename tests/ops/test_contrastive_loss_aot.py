@@ -15,7 +15,7 @@ from fastprompt.kernels import aot  # noqa: E402
 from fastprompt.kernels import contrastive_loss as tk  # noqa: E402
 
 MODULE = "fastprompt.kernels.contrastive_loss"
-FLAGS = ("NSEG", "TRACK_HARD", "SYMMETRIC", "SEG")
+FLAGS = ("NSEG", "SEG", "DPAD")
 
 
 def assert_all_fit(rows, specs):
@@ -53,24 +53,27 @@ class _Recorder:
 @pytest.mark.skipif(not tk.interpreting(), reason="records launches through the interpreter")
 def test_spec_list_covers_every_launch_configuration(monkeypatch):
     """Every (kernel, flags) the launchers produce, for every dtype / dot precision, has a full spec with
-    the launch configuration the CUDA path uses."""
-    fn_name = {id(getattr(tk, n)): n for n in ("_fwd_kernel", "_bwd_rows_kernel", "_bwd_cols_kernel")}
+    the launch configuration the CUDA path uses (up to 8 Matryoshka dimensions: DPAD 1 or 8)."""
+    names = ("_stats_kernel", "_bwd_rows_kernel", "_bwd_cols_kernel")
+    fn_name = {id(getattr(tk, n)): n for n in names}
     specs = {(fn_name[id(s.fn)], s.constexprs["UPCAST"], s.constexprs["DOT_PREC"],
               tuple(sorted((k, v) for k, v in s.constexprs.items() if k in FLAGS)),
               tuple(sorted((k, v) for k, v in s.constexprs.items() if k.startswith("BLOCK_"))),
-              s.num_warps, s.num_stages, s.maxnreg, "stride_x" in s.divisible_by_16 or "stride_z1" in s.divisible_by_16)
+              s.num_warps, s.num_stages, s.maxnreg, "stride_x" in s.divisible_by_16)
              for s in tk.aot_specs(full=True)}
     launches = set()
-    for name in ("_fwd_kernel", "_bwd_rows_kernel", "_bwd_cols_kernel"):
+    for name in names:
         monkeypatch.setattr(tk, name, _Recorder(name, getattr(tk, name), launches))
     g = torch.Generator().manual_seed(0)
-    for z3 in (False, True):
-        for symmetric in (False, True):
-            for hinge in (0.0, 1.0):
-                zs = [torch.randn(3, 4, generator=g) for _ in range(3 if z3 else 2)] + ([] if z3 else [None])
-                out = tk.forward(*zs, 0.1, 0.0, 0.2, hinge, symmetric, 0, track_hard=hinge != 0)
-                tk.backward(torch.ones(3), *zs, *out[1:], 0.1, 0.0, 0.2, hinge, symmetric, 0)
-    assert len(launches) == 4 + 4 + 4  # fwd: segments x hardest (incl. the symmetric pass); rows, cols: 2 x 2
+    for nseg in (1, 2):
+        for dims in ([4], [2, 4], [1, 2, 3, 4]):
+            x, *cols = (torch.randn(3, 4, generator=g) for _ in range(1 + nseg))
+            r = [torch.stack([1 / z[:, :t].norm(dim=1) for t in dims]) for z in [x, *cols]]
+            problem = (x, r[0], cols, r[1:], dims, None, [None] * nseg, None, [None] * nseg, None, 0, 10.0, 0.0, 0.0,
+                       0.0)
+            st = tk.stats(*problem, True)
+            tk.grads(*problem, st[0], *(torch.ones(len(dims), 3) for _ in range(3)), st[3])
+    assert len(launches) == 4 + 4 + 4  # (segments or segment) x DPAD for each kernel
     for dtype, precs in ((torch.float16, ["ieee"]), (torch.bfloat16, ["ieee"]), (torch.float32, ["ieee", "tf32"])):
         cfg = tk.config(dtype, interpret=False)
         blocks = tuple(sorted(cfg.tiles.items()))

@@ -12,6 +12,8 @@ from fastprompt.kernels import contrastive_loss as tk  # noqa: E402
 
 from fastprompt.ops import contrastive_loss  # noqa: E402
 
+from .test_contrastive_loss_features import assert_same, case_args, run  # noqa: E402
+
 pytestmark = pytest.mark.skipif(not tk.interpreting(), reason="needs TRITON_INTERPRET=1 at import (tests/conftest.py)")
 
 
@@ -97,14 +99,22 @@ def test_triton_ties_pick_the_lowest_index():
 
 
 def test_triton_stats_outputs_are_written_everywhere():
-    """The launchers poison outputs with NaN / -1: every row must be overwritten by the kernels."""
-    zs = [z.detach() for z in make_inputs(19, 19, 9, True)]
-    loss, lse, lse_sym, pos, hard, idx = tk.forward(*zs, 0.05, 0.0, 0.2, 1.0, True, 0)
-    for t in (loss, lse, lse_sym, pos, hard):
+    """The launchers poison outputs with NaN / -1: every entry must be overwritten by the kernels (two segments,
+    two Matryoshka dimensions, text ids and a model-scored margin on)."""
+    z1, z2, z3 = (z.detach() for z in make_inputs(19, 19, 9, True))
+    dims = [4, 9]
+    r = [torch.stack([1 / z[:, :t].norm(dim=1) for t in dims]) for z in (z1, z2, z3)]
+    ids = torch.arange(38)
+    thr = torch.full((2, 19), 0.5)
+    problem = (z1, r[0], [z2, z3], r[1:], dims, ids[:19], [ids[:19], ids[19:]], None, [None, None], thr, 0, 20.0,
+               0.3, 1.0, 2.0)
+    lse, pos, hard, idx = tk.stats(*problem, True)
+    for t in (lse, pos, hard):
         assert torch.isfinite(t).all()
     assert (idx >= 0).all()
-    d1, d2, d3 = tk.backward(torch.ones(19), *zs, lse, lse_sym, pos, hard, idx, 0.05, 0.0, 0.2, 1.0, True, 0)
-    assert all(torch.isfinite(t).all() for t in (d1, d2, d3))
+    coefficients = (lse, torch.ones(2, 19), torch.ones(2, 19), torch.ones(2, 19), idx)
+    for t in tk.grads(*problem, *coefficients):
+        assert torch.isfinite(t).all()
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-3)])
@@ -125,3 +135,53 @@ def test_triton_zero_rows_stay_finite(dtype, tol):
         if dtype == torch.float16:  # the zero row's dA / eps amplifies half-precision rounding 1e8-fold
             a, b = torch.cat([a[:zero], a[zero + 1:]]), torch.cat([b[:zero], b[zero + 1:]])
         torch.testing.assert_close(a.float(), b.float(), atol=tol, rtol=tol)
+
+
+# ------------------------------------------------------------------------------------------------
+# the embedding-training options (tests/ops/test_contrastive_loss_features.py has their reference checks)
+
+FEATURE_CASES = [
+    # n, m2, d, k, options: partial blocks in every direction, both segments, each option at least once
+    (9, 20, 13, 2, dict(positive_offset=7, hard_negative_weight=0.4, hardness_mode="all_negatives",
+                        hardness_strength=5.0, hinge_weight=2.0)),
+    (17, 17, 10, 1, dict(hardness_mode="in_batch_negatives", hardness_strength=9.0, symmetric=True,
+                         partition_mode="joint")),
+    (6, 14, 8, 1, dict(symmetric=True, rev=True, positive_offset=8, hardness_mode="hard_negatives",
+                       hardness_strength=5.0)),
+    (12, 12, 9, 2, dict(ids=True, symmetric=True, hinge_weight=3.0, hinge_margin=0.9)),
+    (10, 10, 12, 1, dict(fn_margin=0.05, fn_margin_strategy="relative", hinge_weight=1.0)),
+    (10, 16, 12, 2, dict(fn_margin=0.0, dg=7, positive_offset=6, symmetric=True, rev=True)),
+    (9, 9, 37, 2, dict(matryoshka_dims=[37, 5, 20], matryoshka_weights=[1.0, 0.25, 2.0], hinge_weight=1.0,
+                       ids=True)),
+    (9, 9, 17, 1, dict(matryoshka_dims=[4, 9], fn_margin=0.1, symmetric=True)),
+]
+
+
+def _feature_case(n, m2, d, k, kw, dtype):
+    zs, guide, kw = case_args(n, m2, d, k, kw, dtype=torch.float32)
+    zs = [None if z is None else z.detach().to(dtype).requires_grad_() for z in zs]
+    if guide is not None:
+        guide = type(guide)(*(None if g is None else g.to(dtype) for g in guide))
+    return zs, guide, kw
+
+
+@pytest.mark.parametrize("case", FEATURE_CASES, ids=lambda c: "-".join(sorted(c[4])))
+def test_triton_options_match_reference_fp32(case):
+    """fp32, 1e-5 x the Matryoshka weights' sum (each dimension's loss carries the fp32 error of the cases
+    above). Statistics too: hardest-negative indices compared exactly (random inputs: no near ties)."""
+    zs, guide, kw = _feature_case(*case, torch.float32)
+    tol = 1e-5 * sum(kw.get("matryoshka_weights", [1.0]))
+    assert_same(run(zs, "triton", guide, **kw), run(zs, "reference", guide, **kw), dict(atol=tol, rtol=tol))
+
+
+def test_triton_options_half_precision():
+    """fp16 with every option at once, against the reference on the same rounded inputs (1e-3 per dimension's
+    loss, the fp16 tolerance above). The guide is scored in fp16 too; the margin is wide enough that no
+    guide cosine lies within fp16 rounding of a threshold."""
+    kw = dict(ids=True, dg=6, fn_margin=0.3, hardness_mode="all_negatives", hardness_strength=3.0,
+              matryoshka_dims=[16, 6], hinge_weight=1.0, hard_negative_weight=0.5, symmetric=True, rev=True,
+              positive_offset=4, temperature=0.1)
+    zs, guide, kw = _feature_case(12, 16, 16, 2, kw, torch.float16)
+    tol = 2e-3
+    assert_same(run(zs, "triton", guide, **kw), run(zs, "reference", guide, **kw), dict(atol=tol, rtol=tol),
+                check_index=False)

@@ -16,7 +16,7 @@ from fastprompt.kernels import contrastive_loss as cl  # noqa: E402
 from fastprompt.kernels import prefix_attention as pa  # noqa: E402
 
 from fastprompt import constants  # noqa: E402
-from fastprompt.ops import _cpp, reference  # noqa: E402
+from fastprompt.ops import _cpp, contrastive, reference  # noqa: E402
 
 
 def test_named_constants():
@@ -26,7 +26,8 @@ def test_named_constants():
 
 
 def test_one_cosine_epsilon_for_reference_triton_and_cpp():
-    assert _common.COSINE_EPS is constants.COSINE_EPS and cl.COSINE_EPS is constants.COSINE_EPS
+    # the op computes the inverse norms the contrastive-loss kernels take (C++ and Triton alike)
+    assert _common.COSINE_EPS is constants.COSINE_EPS and contrastive.COSINE_EPS is constants.COSINE_EPS
     assert reference.COSINE_EPS is constants.COSINE_EPS
     if not _cpp.available():
         pytest.skip("fastprompt._C (the C++ extension) is not built")
@@ -94,7 +95,8 @@ def test_launchers_refuse_cpu_tensors_without_the_interpreter(monkeypatch):
     monkeypatch.setattr(_common, "INTERPRETED", False)
     z = torch.randn(4, 8)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        cl.forward(z, z, None, 0.05, 0.0, 0.2, 0.0, False, 0, track_hard=False)
+        r = torch.ones(1, 4)
+        cl.stats(z, r, [z], [r], [8], None, [None], None, [None], None, 0, 20.0, 0.0, 0.0, 0.0, False)
     q = torch.randn(1, 1, 4, 8)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         pa.forward(q, q, q, torch.randn(1, 2, 8), torch.randn(1, 2, 8), scale=0.3)
@@ -102,6 +104,6 @@ def test_launchers_refuse_cpu_tensors_without_the_interpreter(monkeypatch):
 
 @pytest.mark.skipif(not _common.interpreting(), reason="needs TRITON_INTERPRET=1 at import (tests/conftest.py)")
 def test_interpreter_flag_matches_the_kernels():
-    assert type(pa._fwd_kernel).__name__ == type(cl._fwd_kernel).__name__ == "InterpretedFunction"
+    assert type(pa._fwd_kernel).__name__ == type(cl._stats_kernel).__name__ == "InterpretedFunction"
     with pytest.raises(ImportError, match="TRITON_INTERPRET changed"):
         _common.check_interpreted(lambda: None)  # a plain function: what a non-interpreted import would see

@@ -335,3 +335,56 @@ def test_contrastive_loss_backward_is_deterministic():
     assert torch.equal(a[0], b[0])
     for x, y in zip(a[2], b[2]):
         assert torch.equal(x, y)
+
+
+# (n, m2, d, k, options): the embedding-training options of tests/ops/test_contrastive_loss_features.py on the GPU
+LOSS_OPTION_CASES = [
+    (33, 70, 100, 3, dict(positive_offset=20, hardness_mode="all_negatives", hardness_strength=5.0,
+                          hard_negative_weight=0.4, hinge_weight=2.0)),
+    (65, 65, 96, 1, dict(symmetric=True, partition_mode="joint", hardness_mode="in_batch_negatives",
+                         hardness_strength=9.0)),
+    (40, 100, 64, 2, dict(symmetric=True, reverse=True, positive_offset=60, ids=True)),
+    (50, 50, 128, 2, dict(fn_margin=0.05, fn_margin_strategy="relative", guide=48, hinge_weight=1.0)),
+    (70, 70, 768, 1, dict(matryoshka_dims=[768, 64, 256, 128], matryoshka_weights=[1.0, 0.5, 1.0, 2.0],
+                          fn_margin=0.1, hardness_mode="hard_negatives", hardness_strength=5.0)),
+]
+
+
+def option_inputs(n, m2, d, k, kw, dtype):
+    g = torch.Generator().manual_seed(0)
+    kw = dict(kw)
+    rnd = lambda *shape: torch.randn(*shape, generator=g).to("cuda", dtype)  # noqa: E731
+    zs = [rnd(n, d), rnd(m2, d), rnd(k, m2, d) if k else None, rnd(m2, d) if kw.pop("reverse", False) else None]
+    if kw.pop("ids", False):
+        kw["column_ids"] = torch.randint(0, m2, (m2 * (1 + k),), generator=g).cuda()
+        kw["anchor_ids"] = torch.randint(0, m2 // 2, (m2,), generator=g).cuda()
+    dg = kw.pop("guide", None)
+    if dg:
+        kw["guide"] = (rnd(n, dg), rnd(m2, dg), rnd(k, m2, dg) if k else None)
+    return zs, kw
+
+
+def option_loss_and_grads(zs, backend, **kw):
+    leaves = [z.detach().requires_grad_() if z is not None else None for z in zs]
+    loss, stats = contrastive_loss(*leaves[:3], reverse_columns=leaves[3], backend=backend, return_stats=True, **kw)
+    w = torch.rand(loss.shape, generator=torch.Generator().manual_seed(1)).to("cuda", loss.dtype) + 0.5
+    present = [z for z in leaves if z is not None]
+    return loss.detach(), stats, torch.autograd.grad((loss * w).sum(), present)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", LOSS_OPTION_CASES, ids=lambda c: "-".join(sorted(c[4])))
+def test_contrastive_loss_options_match_reference(case, dtype):
+    """Tolerances as above, times the Matryoshka weights' sum (each dimension's loss carries its own error). In
+    half precision a guide or model cosine within rounding of a false-negative threshold may fall either side, so
+    the margins are wide (0.05-0.1) and only the loss and gradients are compared."""
+    zs, kw = option_inputs(*case, dtype)
+    ref = option_loss_and_grads(zs, "reference", **kw)
+    out = option_loss_and_grads(zs, "triton", **kw)
+    tol = LOSS_TOL[dtype] * sum(kw.get("matryoshka_weights", [1.0]))
+    close("loss", out[0], ref[0], tol)
+    if dtype == torch.float32:
+        close("lse", out[1].lse, ref[1].lse, tol)
+        assert torch.equal(out[1].hardest_neg_index, ref[1].hardest_neg_index)
+    for i, (a, b) in enumerate(zip(out[2], ref[2])):
+        close(f"grad {i}", a, b, tol)

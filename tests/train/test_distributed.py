@@ -24,7 +24,9 @@ from fastprompt.objectives import Method, SimCSE, WeightSchedule
 from fastprompt.objectives.config import CRTDConfig
 from fastprompt.objectives.crtd import build_crtd_term
 from fastprompt.objectives.mlm import MLMTerm
+from fastprompt.ops import contrastive_loss
 from fastprompt.train.distributed import DistributedContext
+from fastprompt.train.grad_cache import grad_cache_step
 from fastprompt.train.steps import CachedStep, LossSide, PlainStep, extras_generators
 
 from .numerics import assert_same_gradients, batchnorm_amplification, conditioning
@@ -260,3 +262,99 @@ def test_shutdown_leaves_a_group_it_did_not_create_alone():
     ctx = DistributedContext(rank=0, world_size=2)  # e.g. a group the user initialised
     assert not ctx.owns_group
     ctx.shutdown()  # must not try to destroy anything
+
+
+# ------------------------------------------------------------------------------------------------
+# the loss's options across processes: each process's anchors against every process's columns
+
+#: A second hard negative per row; "a cat" and "the car is red" repeat positives' texts (false negatives by id).
+NEGS2 = ["a cat", "it rains", "the car is red", "green", "a boy", "birds", "one chair", "a lamp"]
+OPTION_TEXTS = [[a for a, _ in PAIRS], [p for _, p in PAIRS], NEGS, NEGS2]
+#: Every option of the op at once (no hinge: its switch is discontinuous, and the two sides compute the cosines in
+#: other orders; the text-id mask is exact). Temperature 0.1 and prefixes of >= 16 of the tiny BERT's 32 dimensions
+#: keep the step well conditioned (at 0.05, or with an 8-dimensional prefix, whose cosines reach 0.99, the rounding
+#: estimate exceeds 1e-3).
+OPTION_TEMPERATURE = 0.1
+LOSS_OPTIONS = dict(hardness_mode="all_negatives", hardness_strength=5.0, hard_negative_weight=0.3, symmetric=True,
+                    partition_mode="joint", matryoshka_dims=[32, 16], matryoshka_weights=[1.0, 0.5],
+                    temperature=OPTION_TEMPERATURE)
+
+
+def _option_ids():
+    """Text ids of the global batch's views (one id per distinct text): (column ids of views 1..3, anchor ids)."""
+    flat = [t for view in OPTION_TEXTS for t in view]
+    ids = torch.tensor([flat.index(t) for t in flat]).view(4, -1)
+    return ids[1:].reshape(-1), ids[0]
+
+
+def _option_batch(enc):
+    tok = enc.tokenize([t for view in OPTION_TEXTS for t in view])
+    return Batch(tok["input_ids"], tok["attention_mask"], tok.get("token_type_ids"), n_views=4, batch_size=len(PAIRS))
+
+
+def _options_loss(ctx, b):
+    """This process's share of the global loss from its (4 b, H) embeddings: its anchors against the gathered
+    positives and negatives (positive_offset = rank · b), the reverse term against every process's anchors."""
+    column_ids, anchor_ids = _option_ids()
+
+    def loss_fn(reps):
+        views = reps.view(4, b, -1)
+        gathered = ctx.gather_batch(views)
+        total = gathered.shape[1]
+        loss = contrastive_loss(views[0], gathered[1], gathered[2:], reverse_columns=gathered[0], backend="cpu",
+                                column_ids=column_ids, anchor_ids=anchor_ids, positive_offset=ctx.rank * b,
+                                **LOSS_OPTIONS)
+        return loss * (b / total)
+
+    return loss_fn
+
+
+def _options_worker(rank, world, model_dir, port, out_dir):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        torch.set_num_threads(1)
+        ctx = DistributedContext(rank=rank, world_size=world)
+        for cached in (False, True):
+            enc, _ = _setup(model_dir, with_term=False)
+            local = _shard(_option_batch(enc), rank, world)
+            loss_fn = _options_loss(ctx, local.batch_size)
+            if cached:
+                loss = grad_cache_step(enc, local.model_inputs(), loss_fn, micro_batch_size=3).loss
+            else:
+                loss = loss_fn(enc(**local.model_inputs()))
+                loss.backward()
+            ctx.all_reduce_gradients(enc.trainable_parameters())
+            state = {"grad.prompt.prefix": enc.prompt.prefix.grad, "loss": ctx.sum(loss.detach()).reshape(1)}
+            save_file(state, os.path.join(out_dir, f"options-{'cached' if cached else 'plain'}-rank{rank}.safetensors"))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def gloo_option_runs(tiny_bert_dir, tmp_path_factory):
+    out = tmp_path_factory.mktemp("gloo-options")
+    _spawn(_options_worker, (2, str(tiny_bert_dir), _free_port(), str(out)))
+    return out
+
+
+@pytest.mark.parametrize("cached", [False, True], ids=["plain", "grad-cache"])
+def test_two_processes_match_one_with_loss_options(tiny_bert_dir, gloo_option_runs, cached):
+    """k = 2 negatives per row, hardness weighting, the text-id false-negative mask, the joint symmetric loss (its
+    reverse term over the gathered anchors) and two Matryoshka dimensions: two processes, with and without the
+    gradient cache, give the loss and prompt gradient of one process on the global batch. The rtol is the
+    "different forward" one (tests/train/numerics.py) of the most ill-conditioned prefix, at the logits' effective
+    temperature 1 / (1 / τ + hardness_strength)."""
+    enc, _ = _setup(tiny_bert_dir, with_term=False)
+    batch = _option_batch(enc)
+    column_ids, anchor_ids = _option_ids()
+    emb = enc(**batch.model_inputs()).view(4, len(PAIRS), -1)
+    loss = contrastive_loss(emb[0], emb[1], emb[2:], backend="reference", column_ids=column_ids,
+                            anchor_ids=anchor_ids, **LOSS_OPTIONS)
+    loss.backward()
+    ref = {"loss": loss.detach().reshape(1), "grad.prompt.prefix": enc.prompt.prefix.grad}
+    effective = 1.0 / (1.0 / OPTION_TEMPERATURE + LOSS_OPTIONS["hardness_strength"])
+    rtol = max(conditioning(emb.detach()[..., :dim], effective) for dim in LOSS_OPTIONS["matryoshka_dims"])
+    for rank in range(2):
+        got = load_file(str(gloo_option_runs / f"options-{'cached' if cached else 'plain'}-rank{rank}.safetensors"))
+        assert_same_gradients(ref, got, rtol)

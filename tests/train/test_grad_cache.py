@@ -10,6 +10,7 @@ import torch
 
 from fastprompt.model import PromptConfig, PromptEncoder
 from fastprompt.objectives import SimCSE
+from fastprompt.ops import contrastive_loss
 from fastprompt.train.grad_cache import grad_cache_step, make_micro_batches, plan_micro_batches
 
 from .numerics import CHAIN_ULPS, U32, GradientContributions, assert_same_gradients, conditioning
@@ -38,8 +39,9 @@ def _prompt_grads(enc):
     return {n: p.grad.clone() for n, p in enc.named_parameters() if p.requires_grad and p.grad is not None}
 
 
-def _full_batch_with_same_chunks(enc, tok, objective, groups):
-    """Reference: the same micro-batches embedded WITH a graph (same RNG consumption), one backward."""
+def _full_batch_with_same_chunks(enc, tok, loss_fn, groups):
+    """Reference: the same micro-batches embedded WITH a graph (same RNG consumption), one backward of
+    ``loss_fn`` (of the (rows, H) embeddings)."""
     enc.zero_grad(set_to_none=True)
     micro = make_micro_batches(tok, groups)
     reps = [None] * tok["input_ids"].shape[0]
@@ -47,9 +49,13 @@ def _full_batch_with_same_chunks(enc, tok, objective, groups):
         emb = enc(**mb.inputs)
         for j, r in enumerate(mb.rows.tolist()):
             reps[r] = emb[j]
-    loss = objective(torch.stack(reps).view(2, len(SENTENCES), -1)).loss
+    loss = loss_fn(torch.stack(reps))
     loss.backward()
     return loss.detach(), _prompt_grads(enc)
+
+
+def _objective_loss(objective, n):
+    return lambda reps: objective(reps.view(2, n, -1)).loss
 
 
 @pytest.mark.parametrize("budget", [dict(micro_batch_size=3), dict(max_tokens=40), dict(micro_batch_size=1)])
@@ -58,7 +64,7 @@ def test_grad_cache_equals_full_batch_gradients_with_dropout_on(tiny_model_dir, 
     groups = plan_micro_batches(tok["attention_mask"], budget.get("micro_batch_size"), budget.get("max_tokens"))
     assert len(groups) > 1
     torch.manual_seed(42)
-    ref_loss, ref = _full_batch_with_same_chunks(enc, tok, objective, groups)
+    ref_loss, ref = _full_batch_with_same_chunks(enc, tok, _objective_loss(objective, len(SENTENCES)), groups)
     state_after_ref = torch.get_rng_state()
 
     torch.manual_seed(42)
@@ -76,6 +82,62 @@ def test_grad_cache_equals_full_batch_gradients_with_dropout_on(tiny_model_dir, 
     assert torch.equal(torch.get_rng_state(), state_after_ref)
 
 
+#: Two hard negatives per row for the loss-option tests; "a cat" and "the car is red" repeat positives' texts, so the
+#: text-id mask has false negatives to remove.
+NEGATIVES = [["the cat runs", "nobody plays", "a table", "blue", "a man sits", "the dog eats", "two cars", "food"],
+             ["a cat", "it rains", "the car is red", "green", "a boy", "birds", "one chair", "a lamp"]]
+
+LOSS_OPTIONS = {
+    "k-negatives-hardness": dict(hardness_mode="all_negatives", hardness_strength=5.0, hard_negative_weight=0.3,
+                                 hinge_weight=1.0),
+    "text-ids-joint-symmetric": dict(ids=True, symmetric=True, partition_mode="joint"),
+    "gist-margin-model-scored": dict(fn_margin=0.05, hardness_mode="in_batch_negatives", hardness_strength=9.0),
+    "matryoshka": dict(matryoshka_dims=[32, 8, 16], matryoshka_weights=[1.0, 0.5, 0.25], ids=True),
+}
+
+
+def options_loss(options: dict, n: int):
+    """The loss of (rows, H) embeddings laid out as anchors, positives, then the two negatives per row, with the
+    op's options (the C++ kernels: the fused forward+backward or the recomputing backward under symmetric)."""
+    kw = dict(options)
+    if kw.pop("ids", False):
+        texts = SENTENCES + POSITIVES + NEGATIVES[0] + NEGATIVES[1]
+        ids = torch.tensor([texts.index(t) for t in texts])  # one id per distinct text
+        kw["column_ids"] = ids[n:]
+        if kw.get("symmetric"):
+            kw["anchor_ids"] = ids[:n]
+
+    def loss_fn(reps):
+        z1, z2, z3 = reps[:n], reps[n:2 * n], reps[2 * n:].view(2, n, -1)
+        return contrastive_loss(z1, z2, z3, temperature=0.05, backend="cpu", **kw)
+
+    return loss_fn
+
+
+@pytest.mark.parametrize("options", LOSS_OPTIONS.values(), ids=LOSS_OPTIONS.keys())
+def test_grad_cache_equals_full_batch_gradients_with_loss_options(tiny_bert_dir, options):
+    """k = 2 negatives per anchor, hardness weighting, text-id and GISTEmbed (model-scored) false-negative masks,
+    the joint symmetric loss, Matryoshka dimensions: the gradient cache gives the loss and prompt gradients of the
+    same micro-batches embedded with a graph (dropout on), as for SimCSE above: the same loss bit for bit, the
+    gradients within the summation-order bound."""
+    enc, _, _ = _setup(tiny_bert_dir)
+    n = len(SENTENCES)
+    tok = enc.tokenize(SENTENCES + POSITIVES + NEGATIVES[0] + NEGATIVES[1])
+    loss_fn = options_loss(options, n)
+    groups = plan_micro_batches(tok["attention_mask"], 5)
+    torch.manual_seed(42)
+    ref_loss, ref = _full_batch_with_same_chunks(enc, tok, loss_fn, groups)
+
+    torch.manual_seed(42)
+    enc.zero_grad(set_to_none=True)
+    with GradientContributions(dict(enc.named_parameters())) as contributions:
+        res = grad_cache_step(enc, tok, loss_fn, micro_batch_size=5)
+    assert res.backpropagated and torch.equal(res.loss, ref_loss)
+    got = _prompt_grads(enc)
+    assert len(got) == 3 and all(contributions.count[name] == len(groups) for name in got)
+    contributions.assert_equal_up_to_summation_order(got, ref)
+
+
 def test_without_dropout_replay_the_gradients_differ(tiny_bert_dir, monkeypatch):
     """Negative control: dropout really is on, and replaying it is what makes the gradients exact."""
     import fastprompt.train.grad_cache as gc
@@ -83,7 +145,7 @@ def test_without_dropout_replay_the_gradients_differ(tiny_bert_dir, monkeypatch)
     enc, tok, objective = _setup(tiny_bert_dir)
     groups = plan_micro_batches(tok["attention_mask"], 4)
     torch.manual_seed(42)
-    _, ref = _full_batch_with_same_chunks(enc, tok, objective, groups)
+    _, ref = _full_batch_with_same_chunks(enc, tok, _objective_loss(objective, len(SENTENCES)), groups)
     monkeypatch.setattr(gc.RandState, "restore", lambda self: None)
     torch.manual_seed(42)
     enc.zero_grad(set_to_none=True)
