@@ -48,6 +48,9 @@ def test_k_negatives_with_padding_equal_the_masked_reference(options):
     ids[4, 1] = ids[3, 2] = -1  # two padding negatives
     ids[2, 3] = ids[1, 3]  # a row whose first negative repeats its positive's text
     obj = SimCSE(temperature=0.1, backend="reference", **options)
+    # float64, the same function summed in another order: the bound of tests/ops/test_contrastive_loss_features.py,
+    # (2·7·√M + 2(d + 3)/τ + 16)·u ≈ 3e-14 relative here (M = 24 columns, d = 8, τ = 0.1); 1e-10 is far above it
+    # and far below any masking or layout error (a column more or less moves the loss by ~1e-2)
     got = obj(Views(NAMES, z, z, 0, ids)).loss
     want = masked_infonce(z, ids, 0.1, *[list(v) for v in options.values()])
     assert torch.allclose(got, want, rtol=1e-10, atol=0)
