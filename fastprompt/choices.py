@@ -67,8 +67,11 @@ HARDNESS_MODES = ("in_batch_negatives", "hard_negatives", "all_negatives")
 PARTITION_MODES = ("per_direction", "joint")
 #: GISTEmbed's false-negative threshold below the positive's score: ``pos - margin`` or ``pos - |pos| * margin``.
 MARGIN_STRATEGIES = ("absolute", "relative")
-#: Training-file formats: a text corpus, or pairs/triplets with a header, comma- or tab-separated.
-TRAIN_FORMATS = ("auto", "text", "csv", "tsv")
+#: Training-file formats: a text corpus, pairs/triplets (or query/positive/negative columns) with a header, comma- or
+#: tab-separated, or query/pos/neg JSON lines (FlagEmbedding's).
+TRAIN_FORMATS = ("auto", "text", "csv", "tsv", "jsonl")
+#: How several training datasets (``train_files``) share a run's batches (fastprompt.data.multi).
+DATASET_SAMPLING = ("round_robin", "proportional")
 #: What to do with lines of a text corpus that are not UTF-8.
 DECODE_ERROR_MODES = ("error", "skip")
 #: Weights dtype names accepted on the command line.

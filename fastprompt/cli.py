@@ -40,6 +40,7 @@ SUBCOMMANDS: list[str] = [
     "fastprompt.data.ski.cli:add_generate_ski_parser",
     "fastprompt.data.ski.join_cli:add_join_ski_parser",
     "fastprompt.train.replacements_cli:add_make_replacements_parser",
+    "fastprompt.mining_cli:add_mine_negatives_parser",
 ]
 
 
@@ -153,6 +154,9 @@ def add_eval_parser(subparsers) -> argparse.ArgumentParser:
                    help="senteval: Moses-tokenise (and lower-case STS12-16/STS-B) as SentEval's download script "
                         "does, the papers' inputs; none: raw sentences (also for folders SentEval already tokenised)")
     g.add_argument("--output", metavar="FILE.json", help='write {"sts12": ..., "avg": ...} (two decimals) here')
+    g.add_argument("--dims", type=_k_list, metavar="LIST",
+                   help="also score the first D coordinates of each embedding (re-normalised; a Matryoshka prompt's "
+                        "dimensions), for each D of the comma-separated list, from the same encoding")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     x = p.add_argument_group("extras (papers' diagnostics; on the STS-B --split for --geometry and --plot)")
     x.add_argument("--geometry", action="store_true",
@@ -180,6 +184,7 @@ def run_eval(args: argparse.Namespace) -> int:
         format_sts_table,
         load_sts_tasks,
         load_stsb,
+        scores_at_dims,
         scores_from_pairs,
     )
 
@@ -206,6 +211,12 @@ def run_eval(args: argparse.Namespace) -> int:
         titles["sickr"] = f"SICK-R ({args.sick_split})"
     print(format_sts_table(results, titles=titles))
     output = {k: round(v, 2) for k, v in results.items()}
+    if args.dims:
+        by_dim = scores_at_dims({k: pairs[k] for k in datasets}, datasets, args.dims)
+        for dim, scores in by_dim.items():
+            print(f"first {dim} dimensions:")
+            print(format_sts_table(scores, titles=titles))
+        output["dims"] = {str(dim): {k: round(v, 2) for k, v in scores.items()} for dim, scores in by_dim.items()}
     if args.bootstrap:
         from fastprompt.eval.geometry import bootstrap_spearman
 
@@ -250,6 +261,8 @@ def add_encode_parser(subparsers) -> argparse.ArgumentParser:
     g.add_argument("--input", required=True, metavar="FILE", help="UTF-8 text, one sentence per line")
     g.add_argument("--output", required=True, metavar="FILE.npy|FILE.safetensors", help="embeddings (float32, N x dim)")
     g.add_argument("--no-normalize", action="store_true", help="raw pooled vectors instead of unit-length ones")
+    g.add_argument("--dim", type=positive_int, metavar="D",
+                   help="keep the first D coordinates (then normalise): a Matryoshka prompt's smaller embedding")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run_encode)
     return p
@@ -276,7 +289,7 @@ def run_encode(args: argparse.Namespace) -> int:
     sentences = read_sentences(args.input)
     encoder = load_encoder(args)
     emb = encoder.encode(sentences, batch_size=args.batch_size, normalize=not args.no_normalize,
-                         show_progress_bar=_progress(args))
+                         show_progress_bar=_progress(args), dim=args.dim)
     emb = np.ascontiguousarray(emb, dtype=np.float32)
     with atomic_file(out, "--output") as tmp:
         if out.suffix == ".npy":

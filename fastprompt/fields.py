@@ -69,9 +69,10 @@ def validate_fields(obj) -> None:
         if value is None:
             continue
         meta = f.metadata
-        if meta.get("choices") is not None:
-            check_choice(name, value, meta["choices"])
-        check_bounds(name, value, ge=meta.get("ge"), gt=meta.get("gt"), le=meta.get("le"), lt=meta.get("lt"))
+        for item in value if isinstance(value, list) else [value]:  # a list's rules are its items'
+            if meta.get("choices") is not None:
+                check_choice(name, item, meta["choices"])
+            check_bounds(name, item, ge=meta.get("ge"), gt=meta.get("gt"), le=meta.get("le"), lt=meta.get("lt"))
 
 
 class Section:
@@ -124,11 +125,18 @@ def type_name(tp) -> str:
     args = typing.get_args(tp)
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return " | ".join(type_name(a) for a in args)
+    if typing.get_origin(tp) is list:
+        return f"list[{type_name(args[0])}]"
     return "null" if tp is type(None) else getattr(tp, "__name__", str(tp))
 
 
+#: The most items a list-valued config key holds (Matryoshka dimensions, training files).
+MAX_LIST_ITEMS = 64
+
+
 def coerce(name: str, value: Any, tp) -> Any:
-    """Check/convert one value against its annotation (YAML reads 3e-2 as a string, so numbers may be str)."""
+    """Check/convert one value against its annotation (YAML reads 3e-2 as a string, so numbers may be str). A
+    ``list[T]`` key takes a YAML list or a comma-separated string (``--set matryoshka_dims=384,128``)."""
     origin = typing.get_origin(tp)
     if origin in (typing.Union, types.UnionType):
         args = typing.get_args(tp)
@@ -137,6 +145,15 @@ def coerce(name: str, value: Any, tp) -> Any:
         tp = next(a for a in args if a is not type(None))
     if value is None:
         raise ValueError(f"{name} must not be null")
+    if typing.get_origin(tp) is list:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",")] if value.strip() else []
+        if not isinstance(value, (list, tuple)):
+            raise ValueError(f"{name} must be a list, got {shown(value)}")
+        if len(value) > MAX_LIST_ITEMS:
+            raise ValueError(f"{name} has {len(value)} items; at most {MAX_LIST_ITEMS}")
+        (item,) = typing.get_args(tp)
+        return [coerce(f"{name}[{i}]", v, item) for i, v in enumerate(value)]
     if tp is bool:
         if isinstance(value, bool):
             return value

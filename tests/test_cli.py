@@ -13,7 +13,7 @@ def test_help_lists_the_subcommands(capsys):
         cli.main(["--help"])
     assert exc.value.code == 0
     out = capsys.readouterr().out
-    for name in ("eval", "encode", "report", "generate-ski", "join-ski", "make-replacements"):
+    for name in ("eval", "encode", "report", "generate-ski", "join-ski", "make-replacements", "mine-negatives"):
         assert re.search(rf"^    {name}\b", out, re.M), name
 
 
@@ -22,7 +22,8 @@ def test_help_imports_neither_torch_nor_transformers():
     code = ("import sys, contextlib, io\n"
             "from fastprompt import cli\n"
             "for argv in (['-h'], ['train', '-h'], ['eval', '-h'], ['encode', '-h'], ['report', '-h'],\n"
-            "             ['generate-ski', '-h'], ['join-ski', '-h'], ['make-replacements', '-h']):\n"
+            "             ['generate-ski', '-h'], ['join-ski', '-h'], ['make-replacements', '-h'],\n"
+            "             ['mine-negatives', '-h']):\n"
             "    with contextlib.suppress(SystemExit), contextlib.redirect_stdout(io.StringIO()):\n"
             "        cli.main(argv)\n"
             "print(sorted(m for m in ('torch', 'transformers', 'yaml', 'matplotlib') if m in sys.modules))\n")

@@ -245,3 +245,19 @@ def test_encode_on_a_real_full_disk_is_one_line(small_disk, fill_disk, tmp_path,
     rc, _, err = _run(capsys, *argv)  # numpy reports its short write without an errno: the free space tells
     assert rc == 2 and "No space left on device; nothing was written" in err, err
     assert sorted(p.name for p in small_disk.iterdir()) == [filler.name]
+
+
+def test_encode_dim_truncates_then_normalises(tmp_path, capsys, input_file, tiny_bert_dir, encoder):
+    """Matryoshka: the first D coordinates of the raw vector, re-normalised (not a prefix of the unit vector)."""
+    out = tmp_path / "emb.npy"
+    rc, stdout, err = _run(capsys, "--model", tiny_bert_dir, "--pooler", "mean", "--input", input_file,
+                           "--output", out, "--dim", 8)
+    assert rc == 0, err
+    assert "wrote 5 x 8 embeddings" in stdout
+    raw = encoder.encode(LINES, normalize=False)[:, :8]
+    np.testing.assert_allclose(np.load(out), raw / np.linalg.norm(raw, axis=1, keepdims=True), atol=1e-5)
+    np.testing.assert_allclose(encoder.encode(LINES, dim=8, normalize=False), raw, atol=1e-6)
+    rc, _, err = _run(capsys, "--model", tiny_bert_dir, "--input", input_file, "--output", out, "--dim", 33)
+    assert rc == 2 and "dim=33 is more than the 32 dimensions" in err
+    with pytest.raises(ValueError, match="dim must be a positive integer"):
+        encoder.encode(LINES, dim=0)

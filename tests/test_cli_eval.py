@@ -181,3 +181,30 @@ def test_eval_geometry_retrieval_options(tmp_path, capsys, sts_dir, tiny_bert_di
         assert geo[k] == pytest.approx(v, abs=2e-4), k
     with pytest.raises(SystemExit):
         cli.main(["eval", "--model", str(tiny_bert_dir), "--sts-dir", str(sts_dir), "--retrieval-k", "0,3"])
+
+
+def test_eval_dims_scores_each_matryoshka_prefix(tmp_path, capsys, sts_dir, tiny_bert_dir):
+    """--dims 32,8: the full table, then one per dimension from the same encoding, equal to encoding with
+    ``dim=`` (truncate, re-normalise) through the Python API."""
+    from fastprompt.eval.sts import score_sts
+    from fastprompt.model import PromptEncoder
+
+    out_json = tmp_path / "results.json"
+    rc, out, err = _run(capsys, "--model", tiny_bert_dir, "--pooler", "mean", "--sts-dir", sts_dir,
+                        "--preprocess", "none", "--tasks", "sts12,sts13", "--dims", "32,8", "--output", out_json)
+    assert rc == 0, err
+    assert "first 8 dimensions:" in out
+    saved = json.loads(out_json.read_text())
+    assert saved["dims"]["32"] == {k: v for k, v in saved.items() if k != "dims"}
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, pooler="mean")
+
+    class Truncated:
+        def encode(self, sentences, **kw):
+            return enc.encode(sentences, dim=8, **kw)
+
+    from fastprompt.eval.sts import load_sts_tasks
+
+    expected = score_sts(Truncated(), load_sts_tasks(sts_dir, "sts12,sts13", preprocess="none"))
+    assert saved["dims"]["8"] == pytest.approx({k: round(v, 2) for k, v in expected.items()}, abs=0.011)
+    rc, _, err = _run(capsys, "--model", tiny_bert_dir, "--sts-dir", sts_dir, "--preprocess", "none", "--dims", "64")
+    assert rc == 2 and "outside 1..32" in err

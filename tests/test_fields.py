@@ -56,3 +56,25 @@ def test_the_decay_rates_use_the_upper_bound():
             TrainConfig(**{key: 1.5})
         with pytest.raises(ValueError, match=rf"{key} must be in \(0, 1\], got 0.0"):
             TrainConfig(**{key: 0})
+
+
+def test_list_fields_take_yaml_lists_or_comma_separated_text_with_per_item_rules():
+    from fastprompt.fields import MAX_LIST_ITEMS, type_name
+
+    @dataclass
+    class Dims:
+        dims: list[int] | None = option(None, "dimensions", ge=1)
+
+    d = Dims(dims="384, 128,64")
+    validate_fields(d)
+    assert d.dims == [384, 128, 64]
+    d.dims = [32.0, "8"]
+    validate_fields(d)
+    assert d.dims == [32, 8]
+    for bad, message in (([0], r"dims\[0\] must be >= 1|dims must be >= 1"), ([1.5], r"dims\[0\] must be an integer"),
+                         (3, "dims must be a list"), (list(range(1, MAX_LIST_ITEMS + 2)), "at most")):
+        d.dims = bad
+        with pytest.raises(ValueError, match=message):
+            validate_fields(d)
+    assert type_name(fields(Dims)[0].type if not isinstance(fields(Dims)[0].type, str) else list[int] | None) == \
+        "list[int] | null"

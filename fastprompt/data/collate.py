@@ -9,10 +9,13 @@ batch, truncated at ``max_length`` tokens (32 by default, as in SimCSE/DCPCSE/Pr
 """
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from fastprompt.data.retrieval import PAD_TEXT
 
 #: Column names of rows with 1, 2 and 3 sentences when the data does not name them.
 DEFAULT_COLUMNS = {1: ("sent0",), 2: ("sent0", "sent1"), 3: ("sent0", "sent1", "hard_neg")}
@@ -28,6 +31,10 @@ class Batch:
 
     ``template_index``: (rows,) which of the run's templates each row was wrapped in, when views use different
     templates (PromptBERT); it travels with the model inputs, so a micro-batch knows its rows' templates.
+
+    ``text_ids``: (rows,) int64, view-major, when the collator was asked for them: a 63-bit hash of each row's text
+    (:func:`text_id`; equal texts, equal ids, on every process) or -1 for a padding negative. The loss side reads
+    them (the fused loss's false-negative mask); they are not model inputs.
     """
 
     input_ids: torch.Tensor
@@ -38,6 +45,7 @@ class Batch:
     view_names: tuple[str, ...] = ()
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     template_index: torch.Tensor | None = None
+    text_ids: torch.Tensor | None = None
 
     def __post_init__(self):
         self.view_names = tuple(self.view_names) or self.default_view_names(self.n_views)
@@ -66,7 +74,8 @@ class Batch:
         tt = self.token_type_ids.to(device) if self.token_type_ids is not None else None
         return Batch(self.input_ids.to(device), self.attention_mask.to(device), tt, self.n_views, self.batch_size,
                      self.view_names, {k: v.to(device) for k, v in self.extras.items()},
-                     self.template_index.to(device) if self.template_index is not None else None)
+                     self.template_index.to(device) if self.template_index is not None else None,
+                     self.text_ids.to(device) if self.text_ids is not None else None)
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
@@ -79,6 +88,15 @@ class Batch:
     @property
     def num_tokens(self) -> int:
         return int(self.attention_mask.sum())
+
+
+def text_id(text: str) -> int:
+    """A text's id for the false-negative mask: the first 63 bits of its BLAKE2b hash (the same on every process
+    and in every run; two distinct texts share one with probability 2^-63), -1 for a padding negative."""
+    if text == PAD_TEXT:
+        return -1
+    digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def hf_tokenize(tokenizer) -> Callable[[list[str], int], dict]:
@@ -104,11 +122,14 @@ class Collator:
     view_tokenize: per view, a tokenize function replacing ``tokenize`` (None keeps it), e.g. a different
         prompt template per view; views tokenised apart are right-padded to a common width with
         ``pad_token_id``.
+    text_ids: also give the batch its rows' text ids (``Batch.text_ids``). A padding negative
+        (:data:`~fastprompt.data.retrieval.PAD_TEXT`) is tokenised as an empty text.
     """
 
     def __init__(self, tokenize: Callable[[list[str], int], dict], max_length: int = 32, *,
                  columns: Sequence[str] | None = None, views: Sequence[str] | None = None,
-                 view_tokenize: Sequence[Callable | None] | None = None, pad_token_id: int = 0):
+                 view_tokenize: Sequence[Callable | None] | None = None, pad_token_id: int = 0,
+                 text_ids: bool = False):
         if max_length < 2:
             raise ValueError(f"max_length must be >= 2 (room for the special tokens), got {max_length}")
         if not callable(tokenize):
@@ -123,6 +144,7 @@ class Collator:
         if self.view_tokenize is not None and (self.views is None or len(self.view_tokenize) != len(self.views)):
             raise ValueError("view_tokenize needs views= and one entry (a function or None) per view")
         self.pad_token_id = pad_token_id
+        self.text_ids = text_ids
 
     def __call__(self, rows: Sequence[tuple[str, ...]]) -> Batch:
         if not rows:
@@ -145,7 +167,7 @@ class Collator:
         encoded: dict[tuple[str, Callable], dict[str, torch.Tensor]] = {}
         for fn, cols in groups.items():
             texts = [row[columns.index(c)] for c in cols for row in rows]
-            enc = fn(texts, self.max_length)
+            enc = fn([t if t != PAD_TEXT else "" for t in texts], self.max_length)
             for i, c in enumerate(cols):
                 encoded[c, fn] = {k: v[i * len(rows):(i + 1) * len(rows)] for k, v in enc.items()
                                   if k in ("input_ids", "attention_mask", "token_type_ids")}
@@ -154,8 +176,11 @@ class Collator:
         keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if all(k in p for p in parts)]
         out = {k: torch.cat([_pad_right(p[k], width_tokens, self.pad_token_id if k == "input_ids" else 0)
                              for p in parts]) for k in keys}
+        ids = None
+        if self.text_ids:
+            ids = torch.tensor([text_id(row[columns.index(col)]) for col in views for row in rows], dtype=torch.long)
         return Batch(out["input_ids"], out["attention_mask"], out.get("token_type_ids"), n_views=len(views),
-                     batch_size=len(rows), view_names=views)
+                     batch_size=len(rows), view_names=views, text_ids=ids)
 
 
 def _pad_right(x: torch.Tensor, width: int, value: int) -> torch.Tensor:

@@ -1,7 +1,9 @@
-"""Training-data readers: a text corpus (one sentence per line) and SimCSE-style CSV pairs/triplets.
+"""Training-data readers: a text corpus (one sentence per line), SimCSE-style CSV pairs/triplets, and query /
+positives / negatives rows (JSONL or CSV, :mod:`fastprompt.data.retrieval`).
 
-Both readers return a :class:`TrainExamples`: rows of 1 (unsupervised), 2 (pairs) or 3 (triplets with a
-hard negative) sentences, plus counts of what was skipped, so the trainer can log them.
+Every reader returns a :class:`TrainExamples`: rows of 1 (unsupervised), 2 (pairs), 3 (triplets with a hard
+negative) or 2 + k (a query, a positive and k negatives) sentences, plus counts of what was skipped, so the trainer
+can log them.
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fastprompt.choices import DECODE_ERROR_MODES, TRAIN_FORMATS, check_choice
+from fastprompt.data.retrieval import query_header, read_query_csv, read_query_jsonl
 from fastprompt.io import check_file, read_utf8_text, reject_binary
 from fastprompt.messages import shown
 
@@ -39,6 +42,8 @@ class TrainExamples:
     rows: list[tuple[str, ...]]
     source: str = ""
     skipped: dict[str, int] = field(default_factory=dict)
+    #: read from query/positive/negative rows (:mod:`fastprompt.data.retrieval`), which ``negatives_per_row`` shapes
+    query_rows: bool = False
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -51,6 +56,13 @@ class TrainExamples:
     @property
     def has_hard_negatives(self) -> bool:
         return "hard_neg" in self.columns
+
+    @property
+    def num_negatives(self) -> int:
+        """k: the negatives of each row (``hard_neg``, ``hard_neg_2``, ...)."""
+        from fastprompt.data.retrieval import is_negative_column
+
+        return sum(is_negative_column(c) for c in self.columns)
 
 
 def _check_not_empty(path: Path, n: int, what: str, skipped: dict[str, int]) -> None:
@@ -161,7 +173,8 @@ def read_pair_csv(path: str | Path, *, delimiter: str = ",") -> TrainExamples:
 
 
 def _table_format(path: Path) -> str | None:
-    """"csv" or "tsv" when the first line is a ``sent0,sent1...`` header (comma- or tab-separated), else None."""
+    """"csv" or "tsv" when the first line is a ``sent0,sent1...`` or ``query,positive...`` header (comma- or
+    tab-separated), else None."""
     with open(path, "rb") as f:
         first = f.readline(1 << 16).decode("utf-8-sig", errors="replace").strip()
     for fmt, delimiter in (("csv", ","), ("tsv", "\t")):
@@ -169,7 +182,7 @@ def _table_format(path: Path) -> str | None:
             cells = [c.strip() for c in next(csv.reader([first], delimiter=delimiter), [])]
         except csv.Error:
             continue
-        if cells[:2] in (list(PAIR_COLUMNS), ["sent0", SKI_COLUMN]):
+        if cells[:2] in (list(PAIR_COLUMNS), ["sent0", SKI_COLUMN]) or (len(cells) > 1 and query_header(cells)):
             return fmt
     return None
 
@@ -184,13 +197,28 @@ def _refuse_tab_separated_corpus(examples: TrainExamples) -> None:
                          "sentence")
 
 
-def load_train_file(path: str | Path, *, fmt: str = "auto", on_decode_error: str = "error") -> TrainExamples:
-    """Load ``path`` as a text corpus or a pair/triplet CSV.
+def _refuse_json_corpus(examples: TrainExamples) -> None:
+    """A corpus whose every line is a JSON object is query/positive/negative rows (or another JSON file), not
+    sentences: read as text, each JSON line would become one "sentence", silently."""
+    if all(row[0].startswith("{") and row[0].endswith("}") for row in examples.rows):
+        raise ValueError(f"{examples.source}: every line is a JSON object, so it looks like query/pos/neg rows, "
+                         "which a text corpus would read as one sentence per line; name it .jsonl or set "
+                         "train_format=jsonl to read the rows, or train_format=text to train on each line as one "
+                         "sentence")
 
-    ``fmt="auto"`` decides by extension (``.csv`` -> CSV, ``.tsv`` -> tab-separated), otherwise (``.txt`` too) by
-    whether the first line is a ``sent0,sent1...`` header, comma- or tab-separated; a text corpus whose every line
-    holds a tab is refused (pairs without a header) unless ``fmt="text"``. ``path == "builtin:gensim-wiki"`` loads
-    the embedded corpus.
+
+def load_train_file(path: str | Path, *, fmt: str = "auto", on_decode_error: str = "error",
+                    negatives_per_row: int | None = None, pad_negatives: bool = False, seed: int = 0) -> TrainExamples:
+    """Load ``path`` as a text corpus, a pair/triplet CSV, or query/positive/negative rows (JSONL or CSV).
+
+    ``fmt="auto"`` decides by extension (``.csv`` -> CSV, ``.tsv`` -> tab-separated, ``.jsonl`` -> JSONL rows),
+    otherwise (``.txt`` too) by whether the first line is a ``sent0,sent1...`` or ``query,positive...`` header, comma-
+    or tab-separated; a CSV whose header names a ``query`` (or ``anchor``) and a ``positive`` column is read as
+    query/positive/negative rows. A text corpus whose every line holds a tab (pairs without a header) or is a JSON
+    object (JSONL rows) is refused unless ``fmt="text"``. ``negatives_per_row``, ``pad_negatives`` and ``seed``: how
+    query rows become k negatives each (:meth:`fastprompt.data.retrieval.QueryRows.to_examples`; other files ignore
+    them, and the trainer refuses ``negatives_per_row`` when no file of the run has query rows).
+    ``path == "builtin:gensim-wiki"`` loads the embedded corpus.
     """
     if str(path) == BUILTIN_WIKI:
         from fastprompt.data.builtin import builtin_wiki_corpus
@@ -205,11 +233,59 @@ def load_train_file(path: str | Path, *, fmt: str = "auto", on_decode_error: str
         )
     check_file(path, "training file")
     auto = fmt == "auto"
-    if auto:
-        fmt = {".csv": "csv", ".tsv": "tsv"}.get(path.suffix.lower()) or _table_format(path) or "text"
+    fmt = _resolve_format(path, fmt)
+    query_rows = _read_query_rows(path, fmt)
+    if query_rows is not None:
+        return query_rows.to_examples(negatives_per_row, pad_negatives=pad_negatives, seed=seed)
     if fmt in ("csv", "tsv"):
         return read_pair_csv(path, delimiter="," if fmt == "csv" else "\t")
     examples = read_text_corpus(path, on_decode_error=on_decode_error)
     if auto:
         _refuse_tab_separated_corpus(examples)
+        _refuse_json_corpus(examples)
     return examples
+
+
+def _resolve_format(path: Path, fmt: str) -> str:
+    if fmt != "auto":
+        return fmt
+    return {".csv": "csv", ".tsv": "tsv", ".jsonl": "jsonl"}.get(path.suffix.lower()) or _table_format(path) or "text"
+
+
+def _read_query_rows(path: Path, fmt: str):
+    """The :class:`~fastprompt.data.retrieval.QueryRows` of ``path`` when its format holds them, else None."""
+    if fmt == "jsonl":
+        return read_query_jsonl(path)
+    if fmt in ("csv", "tsv") and _csv_has_query_header(path, "," if fmt == "csv" else "\t"):
+        return read_query_csv(path, delimiter="," if fmt == "csv" else "\t")
+    return None
+
+
+def load_query_rows(path: str | Path, *, fmt: str = "auto"):
+    """``path`` as :class:`~fastprompt.data.retrieval.QueryRows` (every positive of a row kept together): query/pos/neg
+    rows as they are, ``sent0,sent1[,hard_neg]`` rows as a query (sent0) with one positive (sent1) and their hard
+    negative. A file of sentences alone is an error (it has no positives)."""
+    from fastprompt.data.retrieval import QueryRows
+
+    check_choice("train_format", fmt, TRAIN_FORMATS)
+    path = check_file(path, "input file")
+    fmt = _resolve_format(path, fmt)
+    rows = _read_query_rows(path, fmt)
+    if rows is not None:
+        return rows
+    ex = load_train_file(path, fmt=fmt)
+    if len(ex.columns) < 2:
+        raise ValueError(f"{path} holds sentences only; this needs a query and its positive per row: query/pos JSONL, "
+                         "a query,positive CSV, or a sent0,sent1[,hard_neg] CSV")
+    return QueryRows([r[0] for r in ex.rows], [(r[1],) for r in ex.rows],
+                     [(r[2],) if ex.has_hard_negatives else () for r in ex.rows], source=ex.source)
+
+
+def _csv_has_query_header(path: Path, delimiter: str) -> bool:
+    with open(path, "rb") as f:
+        first = f.readline(1 << 16).decode("utf-8-sig", errors="replace").strip()
+    try:
+        cells = next(csv.reader([first], delimiter=delimiter), [])
+    except csv.Error:
+        return False
+    return query_header(cells)

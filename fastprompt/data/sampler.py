@@ -19,11 +19,14 @@ logger = logging.getLogger(__name__)
 
 
 def sentence_keys(rows: Sequence[tuple[str, ...]]) -> list[tuple[int, ...]]:
-    """Map every distinct sentence to an integer id; returns the ids of each row (duplicates within a row removed)."""
+    """Map every distinct sentence to an integer id; returns the ids of each row (duplicates within a row removed).
+    A padding negative (:data:`~fastprompt.data.retrieval.PAD_TEXT`) is no sentence: it has no id."""
+    from fastprompt.data.retrieval import PAD_TEXT
+
     ids: dict[str, int] = {}
     out = []
     for row in rows:
-        out.append(tuple(dict.fromkeys(ids.setdefault(s, len(ids)) for s in row)))
+        out.append(tuple(dict.fromkeys(ids.setdefault(s, len(ids)) for s in row if s != PAD_TEXT)))
     return out
 
 

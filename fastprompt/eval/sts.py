@@ -444,6 +444,28 @@ def evaluate_sts(
     return score_sts(model, datasets, batch_size=batch_size, show_progress_bar=show_progress_bar)
 
 
+def scores_at_dims(pairs: Mapping[str, tuple[np.ndarray, np.ndarray]], datasets: Mapping[str, STSData],
+                   dims: Sequence[int]) -> dict[int, dict[str, float]]:
+    """:func:`scores_from_pairs` of each Matryoshka dimension: the cosines of the first ``d`` coordinates of each
+    embedding (re-normalised, which the cosine does: what ``encode(..., dim=d)`` gives), from one encoding."""
+    width = next(iter(pairs.values()))[0].shape[1]
+    bad = [d for d in dims if not 1 <= d <= width]
+    if bad:
+        raise ValueError(f"Matryoshka dimensions {bad} are outside 1..{width}, the embeddings' size")
+    return {int(d): scores_from_pairs({k: (e1[:, :d], e2[:, :d]) for k, (e1, e2) in pairs.items()}, datasets)
+            for d in dims}
+
+
+def evaluate_sts_dims(model, sts_dir: str | Path, dims: Sequence[int], tasks: str | Iterable[str] | None = None, *,
+                      batch_size: int = 64, show_progress_bar: bool | None = None,
+                      **load_options) -> dict[int, dict[str, float]]:
+    """:func:`evaluate_sts` at each of ``dims`` (Matryoshka dimensions), encoding every sentence once:
+    ``{384: {"sts12": ..., "avg": ...}, 128: {...}}``."""
+    datasets = load_sts_tasks(sts_dir, tasks, **load_options)
+    pairs = encode_pairs(model, datasets, batch_size=batch_size, show_progress_bar=show_progress_bar)
+    return scores_at_dims(pairs, datasets, dims)
+
+
 def format_sts_table(results: Mapping[str, float], titles: Mapping[str, str] | None = None) -> str:
     """SimCSE-style table: one column per task (in the given order), scores with two decimals.
 

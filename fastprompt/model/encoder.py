@@ -679,8 +679,12 @@ class PromptEncoder(nn.Module):
     def encode(self, sentences: list[str], batch_size: int = 64, normalize: bool = True,
                show_progress_bar: bool | None = None, max_length: int | None = None,
                convert_to_numpy: bool = True, *, task_metadata=None, hf_split: str | None = None,
-               hf_subset: str | None = None, prompt_type=None, precision: str | None = None, **kwargs):
+               hf_subset: str | None = None, prompt_type=None, precision: str | None = None, dim: int | None = None,
+               **kwargs):
         """Embed sentences; returns (N, hidden) vectors in input order (L2-normalised by default).
+
+        ``dim``: keep the first ``dim`` coordinates of each vector (then L2-normalise, by default): a Matryoshka
+        embedding of a prompt trained with ``matryoshka_dims`` (sentence-transformers' ``truncate_dim``).
 
         Batches are formed over sentences sorted by length, so little padding is computed.
         The keywords evaluation harnesses pass are accepted: MTEB's ``task_metadata``, ``hf_split``, ``hf_subset``
@@ -694,6 +698,8 @@ class PromptEncoder(nn.Module):
         _check_sentences(sentences)
         if batch_size < 1:
             raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        if dim is not None and (isinstance(dim, bool) or not isinstance(dim, int) or dim < 1):
+            raise ValueError(f"dim must be a positive integer (the coordinates to keep), got {shown(dim)}")
         if show_progress_bar is None:
             show_progress_bar = len(sentences) > batch_size and sys.stderr.isatty()
         was_training = self.training
@@ -705,6 +711,10 @@ class PromptEncoder(nn.Module):
                 batch = [sentences[i] for i in order[start:start + batch_size]]
                 inputs = {k: v.to(self.device) for k, v in self.tokenize(batch, max_length).items()}
                 emb = self(inputs["input_ids"], inputs["attention_mask"], inputs.get("token_type_ids")).float()
+                if dim is not None:
+                    if dim > emb.shape[1]:
+                        raise ValueError(f"dim={dim} is more than the {emb.shape[1]} dimensions of the embeddings")
+                    emb = emb[:, :dim]
                 chunks.append(F.normalize(emb, dim=-1) if normalize else emb)
             out = torch.empty(len(sentences), chunks[0].shape[1], dtype=torch.float32, device=chunks[0].device)
             out[torch.as_tensor(order, device=out.device)] = torch.cat(chunks)

@@ -72,13 +72,16 @@ class Views:
 
     local: (n_views, B_local, H), this process's rows. gathered: (n_views, B_global, H), every process's
     rows in process order (``local is gathered`` in a single process). positive_offset: where this process's
-    rows start in ``gathered``'s batch dimension. names: the view names of the batch.
+    rows start in ``gathered``'s batch dimension. names: the view names of the batch. ids: (n_views, B_global)
+    int64 text ids of the gathered rows (``Batch.text_ids``; -1: a padding negative), or None when the batch has
+    none; the objective passes them to the fused loss's false-negative mask.
     """
 
     names: tuple[str, ...]
     local: torch.Tensor
     gathered: torch.Tensor
     positive_offset: int = 0
+    ids: torch.Tensor | None = None
 
     def __post_init__(self):
         if self.local.dim() != 3 or self.gathered.dim() != 3:
@@ -87,6 +90,9 @@ class Views:
         if len(self.names) != self.local.shape[0] or self.gathered.shape[0] != self.local.shape[0]:
             raise ValueError(f"{len(self.names)} view names {self.names} for local {tuple(self.local.shape)} and "
                              f"gathered {tuple(self.gathered.shape)} embeddings")
+        if self.ids is not None and tuple(self.ids.shape) != tuple(self.gathered.shape[:2]):
+            raise ValueError(f"text ids of shape {tuple(self.ids.shape)} for gathered embeddings "
+                             f"{tuple(self.gathered.shape)}: one id per gathered row")
 
     @classmethod
     def single(cls, embeddings: torch.Tensor, names: Sequence[str] | None = None) -> "Views":

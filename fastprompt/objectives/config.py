@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from fastprompt.choices import (
     BACKENDS,
+    HARDNESS_MODES,
+    MARGIN_STRATEGIES,
     MLM_HEADS,
     RTD_AVERAGES,
     RTD_CONDITIONS,
@@ -93,6 +95,23 @@ class ObjectiveConfig(Section):
                                         "(simcse 0, promcse_eh 10)", ge=0.0, identity=True)
     loss_backend: str = option("auto", "implementation of the fused contrastive_loss op", choices=BACKENDS,
                                identity=False)
+    hardness_mode: str | None = option(None, "hardness weighting (sentence-transformers' hardness_mode): the "
+                                       "negatives whose logits get hardness_strength * stop_grad(cos) added; null: "
+                                       "none", choices=HARDNESS_MODES, identity=True)
+    hardness_strength: float = option(0.0, "the hardness weighting's strength (sentence-transformers: 9 for "
+                                      "in_batch_negatives, 5 for hard_negatives)", ge=0.0, identity=True)
+    fn_margin: float | None = option(None, "GISTEmbed's false-negative mask, scored by the model's own cosines: a "
+                                     "column above the positive's cosine minus this leaves the softmax; null: off",
+                                     ge=0.0, identity=True)
+    fn_margin_strategy: str = option("absolute", "fn_margin below the positive's cosine: absolute (pos - margin) or "
+                                     "relative (pos - |pos| * margin)", choices=MARGIN_STRATEGIES,
+                                     identity=True)
+    matryoshka_dims: list[int] | None = option(None, "Matryoshka: the loss summed over these re-normalised prefixes "
+                                               "of the embedding (e.g. [384, 128, 64]), in one fused pass; the "
+                                               "final STS table is also scored at each; null: off", ge=1,
+                                               identity=True)
+    matryoshka_weights: list[float] | None = option(None, "Matryoshka: each dimension's weight (null: 1 each)",
+                                                    ge=0.0, identity=True)
     ski_weight: float = option(0.15, "skicse, sent0,ski rows: weight λ of L_ski in (1 - λ) L_simcse + λ L_ski",
                                ge=0.0, le=1.0, identity=True)
     ski1_weight: float = option(0.1, "skicse, NLI rows with a ski column: weight λ1 of L_ski1 (SKICSE Eq. 5: "
@@ -106,11 +125,28 @@ class ObjectiveConfig(Section):
     def validate(self) -> "ObjectiveConfig":
         super().validate()
         check_hinge_weight(self.name, self.resolved_hinge_weight)
+        self._check_loss_options()
         if self.name == "skicse":
             if self.resolved_hinge_weight:
                 raise ValueError("skicse has no hinge term: leave hinge_weight unset (or 0)")
+            options = [k for k in ("hardness_mode", "fn_margin", "matryoshka_dims") if getattr(self, k) is not None]
+            if options:
+                raise ValueError(f"objective=skicse does not take {', '.join(options)} (simcse and promcse_eh do)")
             check_ski_weights(self.ski_weight, self.ski1_weight, self.ski2_weight)
         return self
+
+    def _check_loss_options(self) -> None:
+        if (self.hardness_mode is None) != (self.hardness_strength == 0.0):
+            raise ValueError(f"hardness_mode and hardness_strength go together (got {self.hardness_mode} and "
+                             f"{self.hardness_strength}): set both, or neither")
+        dims, weights = self.matryoshka_dims, self.matryoshka_weights
+        if dims is not None:
+            if not dims or len(set(dims)) != len(dims):
+                raise ValueError(f"matryoshka_dims must list distinct dimensions, got {dims}")
+            if weights is not None and len(weights) != len(dims):
+                raise ValueError(f"matryoshka_weights needs one weight per dimension of {dims}, got {weights}")
+        elif weights is not None:
+            raise ValueError("matryoshka_weights without matryoshka_dims: set the dimensions too")
 
     @property
     def resolved_hinge_weight(self) -> float:

@@ -12,21 +12,23 @@ from dataclasses import dataclass
 
 import torch
 
+from fastprompt.data.retrieval import is_negative_column
 from fastprompt.objectives.base import HARD_NEGATIVE_VIEW, SKI_VIEW, ObjectiveOutput, SentenceObjective, Views
 from fastprompt.objectives.config import OBJECTIVE_REGISTRY, objective_default
 from fastprompt.ops import contrastive_loss
 
 
 def split_views(views: Views) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Local anchors (view 0), gathered positives (view 1) and gathered hard negatives (the ``hard_neg``
-    view, or None)."""
+    """Local anchors (view 0), gathered positives (view 1) and gathered hard negatives: the ``hard_neg`` view
+    (B_global, H), k >= 2 views ``hard_neg``, ``hard_neg_2``, ... as one (k, B_global, H) block (the view-major
+    layout makes it a slice, no copy), or None."""
     n = len(views.names)
-    if n not in (2, 3) or (n == 3 and views.names[2] != HARD_NEGATIVE_VIEW):
-        raise ValueError(f"simcse needs 2 or 3 views (anchor, positive[, {HARD_NEGATIVE_VIEW}]), got {n}: "
-                         f"{views.names}")
+    if n < 2 or not all(is_negative_column(v) for v in views.names[2:]):
+        raise ValueError(f"simcse needs the views anchor, positive and k >= 0 negatives ({HARD_NEGATIVE_VIEW}, "
+                         f"{HARD_NEGATIVE_VIEW}_2, ...), got {n}: {views.names}")
     if n == 2 and views.gathered.shape[1] < 2:
         raise ValueError("a batch of one pair has no in-batch negative: use batch_size >= 2")
-    z3 = views.gathered[2] if n == 3 else None
+    z3 = None if n == 2 else views.gathered[2] if n == 3 else views.gathered[2:]
     return views.local[0], views.gathered[1], z3
 
 
@@ -39,6 +41,15 @@ class SimCSE(SentenceObjective):
     hinge_margin: float = objective_default("hinge_margin")
     hinge_weight: float = OBJECTIVE_REGISTRY["simcse"].default_hinge_weight
     backend: str = objective_default("backend")
+    #: sentence-transformers' hardness weighting: which negatives get ``hardness_strength * stop_grad(cos)`` added
+    hardness_mode: str | None = None
+    hardness_strength: float = 0.0
+    #: GISTEmbed's false-negative margin, scored by the model's own cosines (absolute or relative)
+    fn_margin: float | None = None
+    fn_margin_strategy: str = "absolute"
+    #: Matryoshka: the loss summed over these re-normalised prefixes of the embedding (weights default to 1)
+    matryoshka_dims: tuple[int, ...] | None = None
+    matryoshka_weights: tuple[float, ...] | None = None
 
     name = "simcse"
 
@@ -52,20 +63,42 @@ class SimCSE(SentenceObjective):
 
     def loss(self, views: Views) -> ObjectiveOutput:
         z1, z2, z3 = split_views(views)
-        return self.from_views(z1, z2, z3, positive_offset=views.positive_offset)
+        column_ids = views.ids[1:].reshape(-1) if views.ids is not None else None
+        return self.from_views(z1, z2, z3, positive_offset=views.positive_offset, column_ids=column_ids)
+
+    def loss_options(self) -> dict:
+        """The fused loss's options this objective sets (only those: the op's defaults stay its own)."""
+        options = {}
+        if self.hardness_mode is not None:
+            options.update(hardness_mode=self.hardness_mode, hardness_strength=self.hardness_strength)
+        if self.fn_margin is not None:
+            options.update(fn_margin=self.fn_margin, fn_margin_strategy=self.fn_margin_strategy)
+        if self.matryoshka_dims:
+            options["matryoshka_dims"] = list(self.matryoshka_dims)
+            if self.matryoshka_weights:
+                options["matryoshka_weights"] = list(self.matryoshka_weights)
+        return options
 
     def from_views(self, z1: torch.Tensor, z2: torch.Tensor, z3: torch.Tensor | None = None, *,
-                   positive_offset: int = 0) -> ObjectiveOutput:
+                   positive_offset: int = 0, column_ids: torch.Tensor | None = None) -> ObjectiveOutput:
         """Loss from anchors/positives/hard negatives. ``z2``/``z3`` may hold more rows than ``z1`` (columns
-        gathered from other processes), with the positives at ``z2[positive_offset:positive_offset+len(z1)]``."""
+        gathered from other processes), with the positives at ``z2[positive_offset:positive_offset+len(z1)]``;
+        ``z3`` is (M, d) (one negative per row) or (k, M, d). ``column_ids``: the text ids of the columns
+        ``cat(z2, z3...)`` (a column with its anchor's positive's id, or a negative id, leaves the softmax)."""
+        options = self.loss_options()
+        if column_ids is not None:
+            options["column_ids"] = column_ids
         # check_finite=False: a non-finite embedding must give a non-finite loss that the trainer skips,
         # not an exception in the middle of a step.
         loss, st = contrastive_loss(
             z1, z2, z3, temperature=self.temperature, hard_negative_weight=self.hard_negative_weight,
             hinge_margin=self.hinge_margin, hinge_weight=self.hinge_weight, positive_offset=positive_offset,
-            backend=self.backend, return_stats=True, check_finite=False,
+            backend=self.backend, return_stats=True, check_finite=False, **options,
         )
-        hinge = torch.relu(self.hinge_margin + st.hardest_neg_sim - st.pos_sim).mean()
+        # per Matryoshka dimension (columns of the stats) weighted as the loss weighs them; one column without
+        weights = torch.tensor(self.matryoshka_weights or [1.0] * st.pos_sim.reshape(len(z1), -1).shape[1])
+        hinge = (torch.relu(self.hinge_margin + st.hardest_neg_sim - st.pos_sim).reshape(len(z1), -1).mean(0).cpu()
+                 * weights).sum()
         stats = {
             "pos_cos": float(st.pos_sim.mean()),
             "hard_neg_cos": float(st.hardest_neg_sim.mean()),

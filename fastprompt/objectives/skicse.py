@@ -67,8 +67,9 @@ class SKICSE(SentenceObjective):
                              "fastprompt.data.join_ski (sent0,sent1,hard_neg,ski)")
         if columns == ("sent0", SKI_VIEW):
             return ("sent0", "sent0", SKI_VIEW)
-        if columns[:2] != ("sent0", "sent1"):
-            raise ValueError(f"objective=skicse reads sent0,ski or sent0,sent1[,hard_neg],ski rows, got {columns}")
+        if columns[:2] != ("sent0", "sent1") or any(c.startswith(HARD_NEGATIVE_VIEW + "_") for c in columns):
+            raise ValueError(f"objective=skicse reads sent0,ski or sent0,sent1[,hard_neg],ski rows (one hard negative "
+                             f"at most), got {columns}")
         return columns
 
     def _term(self, z1, z2, z3, offset):

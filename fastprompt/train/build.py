@@ -10,13 +10,16 @@ import contextlib
 import dataclasses
 import logging
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from fastprompt.data import Collator, TrainExamples, UniqueBatchSampler, load_train_file, sentence_keys
+from fastprompt.data.multi import MultiDatasetSampler
 from fastprompt.objectives.base import Method, TokenTerm
 from fastprompt.objectives.registry import objective_from_config
 from fastprompt.train.config import TrainConfig
@@ -28,18 +31,57 @@ logger = logging.getLogger(__name__)
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def load_examples(cfg: TrainConfig) -> TrainExamples:
-    ex = load_train_file(cfg.data.train_file, fmt=cfg.data.train_format, on_decode_error=cfg.data.on_decode_error)
+def load_examples(cfg: TrainConfig, path: str | None = None) -> TrainExamples:
+    """The rows of ``path`` (default: ``train_file``), read as the config's data section says."""
+    d = cfg.data
+    ex = load_train_file(path or d.train_file, fmt=d.train_format, on_decode_error=d.on_decode_error,
+                         negatives_per_row=d.negatives_per_row, pad_negatives=d.pad_negatives, seed=cfg.run.seed)
     logger.info("training data: %d rows of %s from %s", len(ex), "/".join(ex.columns), ex.source or "memory")
     return ex
 
 
-def build_sampler(cfg: TrainConfig, examples: TrainExamples, dist: DistributedContext) -> UniqueBatchSampler:
-    """Every process plans the same global batches (and trains on its own equal shard of each)."""
+def load_datasets(cfg: TrainConfig) -> list[TrainExamples]:
+    """The rows of every training file (``train_files``, or ``train_file``)."""
+    datasets = [load_examples(cfg, path) for path in cfg.data.files]
+    k = cfg.data.negatives_per_row
+    if k is not None and not any(ex.query_rows for ex in datasets):
+        raise ValueError(f"negatives_per_row={k} is for query/positive/negative rows (JSONL, or a CSV with query and "
+                         f"positive columns); no training file has them ({', '.join(cfg.data.files)})")
+    return datasets
+
+
+def dataset_names(datasets: Sequence[TrainExamples]) -> list[str]:
+    """Short distinct names of the datasets, for their ``loss_data_<name>`` log columns: each file's stem as an
+    identifier (``nli-pairs.csv`` -> ``nli_pairs``), numbered when two stems agree."""
+    names: list[str] = []
+    for i, ex in enumerate(datasets):
+        stem = re.sub(r"\W+", "_", Path(ex.source).stem if ex.source else "").strip("_") or f"data{i}"
+        name, n = stem, 2
+        while name in names:
+            name, n = f"{stem}_{n}", n + 1
+        names.append(name)
+    return names
+
+
+def build_sampler(cfg: TrainConfig, examples: TrainExamples | Sequence[TrainExamples],
+                  dist: DistributedContext) -> MultiDatasetSampler:
+    """Every process plans the same global batches (and trains on its own equal shard of each); several datasets are
+    interleaved by ``dataset_sampling``, each batch from one (:mod:`fastprompt.data.multi`)."""
+    datasets = [examples] if isinstance(examples, TrainExamples) else list(examples)
+    samplers = []
+    for d, ex in enumerate(datasets):
+        # dataset 0 keeps the run's seed (one dataset trains exactly as before); the others get their own streams
+        seed = cfg.run.seed if d == 0 else int(np.random.SeedSequence([cfg.run.seed, d]).generate_state(1)[0])
+        samplers.append(_dataset_sampler(cfg, ex, dist, seed))
+    return MultiDatasetSampler(samplers, mode=cfg.data.dataset_sampling, seed=cfg.run.seed)
+
+
+def _dataset_sampler(cfg: TrainConfig, examples: TrainExamples, dist: DistributedContext,
+                     seed: int) -> UniqueBatchSampler:
     if dist.enabled and cfg.optim.batch_size % dist.world_size:
         raise ValueError(f"batch_size={cfg.optim.batch_size} (the global batch) must be divisible by the "
                          f"{dist.world_size} processes")
-    sampler = UniqueBatchSampler(sentence_keys(examples.rows), cfg.optim.batch_size, seed=cfg.run.seed,
+    sampler = UniqueBatchSampler(sentence_keys(examples.rows), cfg.optim.batch_size, seed=seed,
                                  drop_last=cfg.data.drop_last or dist.enabled)
     if sampler.num_batches(0) == 0:
         distinct = len({s for row in examples.rows for s in row})
@@ -101,17 +143,31 @@ def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> 
         from fastprompt.objectives.crtd import build_crtd_term
 
         terms.append(build_crtd_term(cfg.rtd, encoder))
+    dims = cfg.loss.matryoshka_dims
+    if dims and max(dims) > encoder.hidden_size:
+        raise ValueError(f"matryoshka_dims {dims} go beyond the {encoder.hidden_size} dimensions of "
+                         f"{cfg.encoder.model}'s embeddings")
     return Method(objective_from_config(cfg.loss), terms)
 
 
 def build_collator(cfg: TrainConfig, encoder, examples: TrainExamples, method: Method) -> Collator:
+    """The collator of a dataset's rows; with text ids (``Batch.text_ids``) when the loss masks by them."""
+    views = method.sentence.views_for(examples.columns)
+    ids = needs_text_ids(cfg, examples)
     if cfg.uses_template:  # each view wrapped in its template (PromptBERT)
         from fastprompt.train.promptbert import template_collator
 
-        return template_collator(cfg, encoder, examples.columns, method.sentence.views_for(examples.columns))
+        return template_collator(cfg, encoder, examples.columns, views, text_ids=ids)
     pad = encoder.tokenizer.pad_token_id
-    return Collator(encoder.tokenize, cfg.data.max_length, columns=examples.columns,
-                    views=method.sentence.views_for(examples.columns), pad_token_id=pad if pad is not None else 0)
+    return Collator(encoder.tokenize, cfg.data.max_length, columns=examples.columns, views=views,
+                    pad_token_id=pad if pad is not None else 0, text_ids=ids)
+
+
+def needs_text_ids(cfg: TrainConfig, examples: TrainExamples) -> bool:
+    """Whether the loss reads the rows' text ids: padding negatives (masked by their id -1)."""
+    from fastprompt.data.retrieval import PAD_TEXT
+
+    return cfg.data.pad_negatives and any(PAD_TEXT in row for row in examples.rows)
 
 
 def build_embed(cfg: TrainConfig, encoder, examples: TrainExamples, method: Method) -> Callable | None:
@@ -124,7 +180,7 @@ def build_embed(cfg: TrainConfig, encoder, examples: TrainExamples, method: Meth
     return template_embedder(cfg, encoder, method.sentence.views_for(examples.columns))
 
 
-def count_total_steps(cfg: TrainConfig, sampler: UniqueBatchSampler) -> int:
+def count_total_steps(cfg: TrainConfig, sampler: MultiDatasetSampler) -> int:
     opt = cfg.optim
     if opt.max_steps > 0:
         return opt.max_steps

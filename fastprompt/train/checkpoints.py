@@ -70,6 +70,18 @@ class TrainerRecord:
 
 
 def data_fingerprint(examples) -> dict[str, Any]:
+    """:func:`rows_fingerprint` of one dataset; of several (``train_files``), their total row count and a hash of
+    their hashes in order."""
+    if not isinstance(examples, (list, tuple)):
+        return rows_fingerprint(examples)
+    if len(examples) == 1:
+        return rows_fingerprint(examples[0])
+    parts = [rows_fingerprint(ex) for ex in examples]
+    return {"rows": sum(p["rows"] for p in parts),
+            "sha256": hashlib.sha256("\n".join(p["sha256"] for p in parts).encode()).hexdigest()}
+
+
+def rows_fingerprint(examples) -> dict[str, Any]:
     """``{"rows": N, "sha256": hex}`` of a run's training rows: the text of every sentence, in order, hashed once
     after loading (the file itself is not read again). Measured: 105 MB of text (1M sentences) in 1.8 s on a
     2-core AMD EPYC under a load of 16, mostly the joins; SHA-256 runs on the CPU's SHA extensions. A run that

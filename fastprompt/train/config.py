@@ -24,6 +24,7 @@ import yaml
 
 from fastprompt.choices import (
     BACKENDS,
+    DATASET_SAMPLING,
     DECODE_ERROR_MODES,
     MLP_MODES,
     POOLER_HEADS,
@@ -82,9 +83,22 @@ class DataConfig(Section):
     """The training corpus and its tokenisation."""
 
     train_file: str = option("builtin:gensim-wiki", "a .txt corpus (one sentence per line), a "
-                             "sent0,sent1[,hard_neg] CSV, or builtin:gensim-wiki", identity=True)
+                             "sent0,sent1[,hard_neg] CSV, query/pos/neg rows (a .jsonl file, or a CSV with query and "
+                             "positive columns), or builtin:gensim-wiki", identity=True)
+    train_files: list[str] | None = option(None, "several training files in one run (each batch from one of them; "
+                                           "each one's loss in train_log.csv); replaces train_file", identity=True)
+    dataset_sampling: str = option("round_robin", "with train_files: which file each batch comes from: round_robin "
+                                   "(in turn, until the smallest is used up) or proportional (every batch of every "
+                                   "file once per epoch, in a seeded order)", choices=DATASET_SAMPLING,
+                                   identity=True)
     train_format: str = option("auto", "format of train_file (auto: by extension)", choices=TRAIN_FORMATS,
                                identity=False)
+    negatives_per_row: int | None = option(None, "query/pos/neg rows: negatives k per row (rows with more train on "
+                                           "a seeded sample of k); null: each row's own, whose counts must then be "
+                                           "equal", ge=0, le=1024, identity=True)
+    pad_negatives: bool = option(False, "query/pos/neg rows with fewer than negatives_per_row negatives: pad them "
+                                 "with columns masked out of the loss (false: such a row is an error)",
+                                  identity=True)
     on_decode_error: str = option("error", "what to do with lines of a text corpus that are not UTF-8",
                                   choices=DECODE_ERROR_MODES, identity=False)
     max_length: int = option(32, "tokens per sentence, special tokens included (longer ones are truncated); with a "
@@ -96,7 +110,23 @@ class DataConfig(Section):
         if not self.train_file:
             raise ValueError("train_file must be set (a .txt corpus, a sent0,sent1[,hard_neg] CSV, or "
                              "builtin:gensim-wiki)")
+        if self.train_files is not None:
+            if not self.train_files or not all(self.train_files):
+                raise ValueError(f"train_files must list one or more files, got {shown(self.train_files)}")
+            if len(set(self.train_files)) != len(self.train_files):
+                raise ValueError(f"train_files lists a file twice: {shown(self.train_files)}")
+            default = DataConfig.__dataclass_fields__["train_file"].default
+            if self.train_file != default:
+                raise ValueError(f"set train_files or train_file, not both (train_file={shown(self.train_file)}, "
+                                 f"train_files={shown(self.train_files)}); leave train_file at its default {default}")
+        if self.pad_negatives and self.negatives_per_row is None:
+            raise ValueError("pad_negatives pads rows up to negatives_per_row: set negatives_per_row too")
         return self
+
+    @property
+    def files(self) -> list[str]:
+        """The run's training files: train_files, or train_file alone."""
+        return list(self.train_files) if self.train_files is not None else [self.train_file]
 
 
 @dataclass

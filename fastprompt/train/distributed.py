@@ -57,6 +57,15 @@ class DistributedContext:
                              f"{[int(s) for s in sizes]}")
         return torch.cat(all_gather(x.contiguous()), dim=1)
 
+    def gather_ids(self, ids: torch.Tensor) -> torch.Tensor:
+        """(n_views, B_local) integer ids of every process -> (n_views, B_global), laid out as :meth:`gather_batch`
+        lays out the embeddings (no gradient: ids are labels)."""
+        if not self.enabled:
+            return ids
+        parts = [torch.empty_like(ids) for _ in range(self.world_size)]
+        dist.all_gather(parts, ids.contiguous())
+        return torch.cat(parts, dim=1)
+
     def local_rows(self, rows: list[int]) -> list[int]:
         """This process's equal shard of a global batch's rows (all of them in a single process)."""
         if not self.enabled:

@@ -137,6 +137,8 @@ class Evaluator:
         self._dev_vectors: dict[str, np.ndarray] | None = None  # the latest dev evaluation's, sentence -> vector
         self._best_vectors: dict[str, np.ndarray] | None = None  # those of the evaluation that saved best/
         self._frozen_vectors: dict[str, dict[str, np.ndarray]] = {}  # setting key -> the frozen dev vectors
+        #: with matryoshka_dims: the final test table at each dimension, {dim: {"sts12": ..., "avg": ...}}
+        self.matryoshka_test: dict[int, dict[str, float]] | None = None
 
     @property
     def frozen_settings(self) -> list[FrozenSetting]:
@@ -200,13 +202,19 @@ class Evaluator:
         """The seven-task STS test table of a prompt checkpoint, evaluated in this encoder (whose own weights
         are back in place afterwards). ``known``: vectors the checkpoint's weights already gave (its dev
         evaluation's), reused instead of encoded again."""
-        from fastprompt.eval.sts import load_sts_tasks, scores_from_pairs
+        from fastprompt.eval.sts import load_sts_tasks, scores_at_dims, scores_from_pairs
 
         ev = self.config.evaluation
         data = self.test_data if self.test_data is not None else load_sts_tasks(ev.sts_dir)
         logger.info("final evaluation of %s on the STS test sets", checkpoint)
         with self.encoder.using_weights(checkpoint):
-            return scores_from_pairs(self._encode(self.encoder, data, known, what="final evaluation"), data)
+            pairs = self._encode(self.encoder, data, known, what="final evaluation")
+        dims = self.config.loss.matryoshka_dims
+        if dims:  # the same vectors' prefixes: encode(..., dim=d) for each Matryoshka dimension
+            self.matryoshka_test = scores_at_dims(pairs, data, dims)
+            for dim, scores in self.matryoshka_test.items():
+                logger.info("Matryoshka dimension %d: %s", dim, ", ".join(f"{k} {v:.2f}" for k, v in scores.items()))
+        return scores_from_pairs(pairs, data)
 
     def _frozen_encoder(self, setting: FrozenSetting):
         from fastprompt.model import PromptEncoder

@@ -50,8 +50,9 @@ def window_row(window: Sequence, *, step: int, epoch: int, lrs: Sequence[float],
         norms = [w.grad_norm for w in finite if w.grad_norm is not None and math.isfinite(w.grad_norm)]
         if norms:
             row["grad_norm"] = float(np.mean(norms))
-        for key in finite[0].stats:
-            row[key] = float(np.mean([w.stats[key] for w in finite]))
+        # a statistic only some steps have (each dataset's loss, with train_files) is the mean over those steps
+        for key in dict.fromkeys(k for w in finite for k in w.stats):
+            row[key] = float(np.mean([w.stats[key] for w in finite if key in w.stats]))
     return row
 
 

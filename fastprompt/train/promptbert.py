@@ -58,10 +58,10 @@ class TemplateCollator(Collator):
     """A :class:`Collator` that wraps view ``v`` in ``templates[view_template[v]]`` and records it per row."""
 
     def __init__(self, encoder, templates: Sequence[str], view_template: Sequence[int], max_length: int, *,
-                 columns: Sequence[str] | None, views: Sequence[str], pad_token_id: int):
+                 columns: Sequence[str] | None, views: Sequence[str], pad_token_id: int, text_ids: bool = False):
         fns = [functools.partial(_tokenize, encoder, t) for t in templates]
         super().__init__(fns[0], max_length, columns=columns, views=views,
-                         view_tokenize=[fns[i] for i in view_template], pad_token_id=pad_token_id)
+                         view_tokenize=[fns[i] for i in view_template], pad_token_id=pad_token_id, text_ids=text_ids)
         self.view_template = torch.tensor(list(view_template), dtype=torch.long)
 
     def __call__(self, rows) -> Batch:
@@ -97,13 +97,14 @@ def check_token_budget(cfg, encoder, templates: Sequence[str]) -> None:
                          f"template adds {overhead}; set it >= {longest}")
 
 
-def template_collator(cfg, encoder, columns: Sequence[str] | None, views: Sequence[str]) -> TemplateCollator:
+def template_collator(cfg, encoder, columns: Sequence[str] | None, views: Sequence[str], *,
+                      text_ids: bool = False) -> TemplateCollator:
     """The collator of a run whose sentences are wrapped in templates (checks the micro-batch token budget)."""
     templates, per_view = view_templates(cfg, encoder, views)
     check_token_budget(cfg, encoder, templates)
     pad = encoder.tokenizer.pad_token_id
     return TemplateCollator(encoder, templates, per_view, cfg.data.max_length, columns=columns, views=views,
-                            pad_token_id=pad if pad is not None else 0)
+                            pad_token_id=pad if pad is not None else 0, text_ids=text_ids)
 
 
 def template_embedder(cfg, encoder, views: Sequence[str]) -> TemplateViewEmbedder:

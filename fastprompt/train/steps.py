@@ -109,7 +109,8 @@ class LossSide:
         total = gathered.shape[1]
         emb = self.encoder.pooler.apply_head(gathered.reshape(n * total, -1)).view(n, total, -1)
         offset = self.dist.rank * b
-        views = Views(batch.view_names, emb[:, offset:offset + b], emb, offset)
+        ids = self.dist.gather_ids(batch.text_ids.view(n, b)) if batch.text_ids is not None else None
+        views = Views(batch.view_names, emb[:, offset:offset + b], emb, offset, ids)
         out = self.method.sentence(views)
         return out.loss * (b / total), out, views.local.reshape(n * b, -1)
 

@@ -84,14 +84,15 @@ class Trainer:
         config: a :class:`TrainConfig`, a dict of its flat keys, or a YAML path.
         encoder: an already-built :class:`~fastprompt.model.PromptEncoder` to train (default: built from the
             config; on resume its prompt is reloaded from ``last``).
-        examples: training rows (default: read from ``config.train_file``).
+        examples: training rows (default: read from ``config.train_file``), or a list of datasets' rows (as
+            ``train_files``: each batch from one of them).
         terms: token-level objective terms (:class:`~fastprompt.objectives.TokenTerm`) added to the config's
             sentence-level objective.
         callbacks: functions ``fn(trainer, step_output)`` called after every step (for monitoring/tests).
     """
 
     def __init__(self, config: TrainConfig | dict | str | Path, *, encoder=None,
-                 examples: TrainExamples | None = None, terms: Sequence[TokenTerm] = (),
+                 examples: TrainExamples | Sequence[TrainExamples] | None = None, terms: Sequence[TokenTerm] = (),
                  callbacks: list[Callable[["Trainer", StepOutput], None]] | None = None):
         if isinstance(config, (str, Path)):
             config = load_config(config)
@@ -160,11 +161,16 @@ class Trainer:
         resume_dir = self.run_dir.resume_point_for(cfg)  # None: a fresh start
 
         if self.examples is None:
-            self.examples = build.load_examples(cfg)
-        self._data = data_fingerprint(self.examples)
+            self.datasets = build.load_datasets(cfg)
+        else:
+            self.datasets = [self.examples] if isinstance(self.examples, TrainExamples) else list(self.examples)
+        self.examples = self.datasets[0]
+        # with several datasets, each one's loss gets a train_log.csv column
+        self.dataset_names = build.dataset_names(self.datasets) if len(self.datasets) > 1 else []
+        self._data = data_fingerprint(self.datasets)
         if resume_dir is not None:
-            self.run_dir.check_same_data(resume_dir, self._data, self.examples.source)
-        self.sampler = build.build_sampler(cfg, self.examples, self.dist)
+            self.run_dir.check_same_data(resume_dir, self._data, ", ".join(ex.source for ex in self.datasets))
+        self.sampler = build.build_sampler(cfg, self.datasets, self.dist)
         self.total_steps = build.count_total_steps(cfg, self.sampler)
         build.check_warmup(cfg, self.total_steps)
 
@@ -172,10 +178,12 @@ class Trainer:
         given_encoder = self.encoder  # a user's encoder gets last/'s weights in restore(); a built one has them
         self._build_model(resume_dir)
         preflight.check_max_length(cfg, self.encoder)
-        self.collator = build.build_collator(cfg, self.encoder, self.examples, self.method)
+        self.collators = [build.build_collator(cfg, self.encoder, ex, self.method) for ex in self.datasets]
+        self.collator = self.collators[0]
         if cfg.large_batch.check_memory:
-            check_run_memory(cfg, self.encoder, len(self.method.sentence.views_for(self.examples.columns)),
-                             rows_available=len(self.examples), world_size=self.dist.world_size, device=self.device)
+            n_views = max(len(self.method.sentence.views_for(ex.columns)) for ex in self.datasets)
+            check_run_memory(cfg, self.encoder, n_views, rows_available=max(len(ex) for ex in self.datasets),
+                             world_size=self.dist.world_size, device=self.device)
         self.optimization = build.build_optimization(cfg, self.params, self.total_steps, self.device,
                                                      encoder=self.encoder)
         self.optimizer, self.scheduler, self.scaler = (self.optimization.optimizer, self.optimization.scheduler,
@@ -203,7 +211,7 @@ class Trainer:
             save_config(cfg, self.run_dir.config_yaml)
             self.metrics = MetricsLog(self.output_dir, resume_step=self.state.global_step if resume_dir else None,
                                       tensorboard=cfg.run.tensorboard,
-                                      columns=csv_columns(self.method.log_columns(),
+                                      columns=csv_columns(self.method.log_columns() + self._dataset_columns(),
                                                           backbone_lr=cfg.backbone.train_backbone))
         else:
             self.metrics = NullLog()
@@ -230,9 +238,14 @@ class Trainer:
         torch.manual_seed(seed)
         return seed
 
-    def make_batch(self, rows: list[int], seed: int) -> Batch:
-        """This process's shard of a global batch, collated with the token terms' extras, on the device."""
-        batch = self.collator([self.examples.rows[i] for i in self.dist.local_rows(rows)])
+    def _dataset_columns(self) -> tuple[str, ...]:
+        return tuple(f"loss_data_{name}" for name in self.dataset_names)
+
+    def make_batch(self, rows: list[int], seed: int, dataset: int = 0) -> Batch:
+        """This process's shard of a global batch of ``dataset``, collated with the token terms' extras, on the
+        device."""
+        data = self.datasets[dataset].rows
+        batch = self.collators[dataset]([data[i] for i in self.dist.local_rows(rows)])
         return self.method.add_extras(batch, extras_generators(self.method, seed)).to(self.device)
 
     def training_step(self, batch: Batch, seed: int) -> StepLosses:
@@ -245,9 +258,9 @@ class Trainer:
         """Unscale, clip, step. Returns (gradient norm, applied); a non-finite gradient skips the update."""
         return self.optimization.step(self.params, self.config.optim.max_grad_norm)
 
-    def _run_step(self, rows: list[int]) -> StepOutput:
+    def _run_step(self, rows: list[int], dataset: int = 0) -> StepOutput:
         seed = self.seed_step(self.state.global_step)
-        batch = self.make_batch(rows, seed)
+        batch = self.make_batch(rows, seed, dataset)
         self.optimizer.zero_grad(set_to_none=True)
         out = self.training_step(batch, seed)
         loss = out.loss  # the global-batch loss, the same on every process
@@ -268,7 +281,10 @@ class Trainer:
                            self.config.run.max_nonfinite_steps)
         else:
             self.state.nonfinite_streak = 0
-        return StepOutput(loss, out.stats, grad_norm, skipped=not applied, tokens=batch.num_tokens)
+        stats = dict(out.stats)
+        if self.dataset_names:
+            stats[f"loss_data_{self.dataset_names[dataset]}"] = loss
+        return StepOutput(loss, stats, grad_norm, skipped=not applied, tokens=batch.num_tokens)
 
     # ------------------------------------------------------------------ evaluation and checkpoints
     def save_last(self) -> Path:
@@ -320,9 +336,9 @@ class Trainer:
                 if cfg.evaluation.eval_at_start and st.global_step == 0:
                     self._evaluate_and_select(bar)
                 while st.global_step < self.total_steps and status == "completed":
-                    for b_idx, rows in self.sampler.iter_from(st.epoch, st.batch_in_epoch):
+                    for b_idx, (dataset, rows) in self.sampler.iter_from(st.epoch, st.batch_in_epoch):
                         t0 = time.perf_counter()
-                        out = self._run_step(rows)
+                        out = self._run_step(rows, dataset)
                         st.global_step += 1
                         st.batch_in_epoch = b_idx + 1
                         out.seconds = time.perf_counter() - t0
@@ -393,6 +409,8 @@ class Trainer:
             frozen = frozen_summary(st.frozen_dev)
         summary = run_summary(status, st, total_steps=self.total_steps, run_dir=self.run_dir, config=self.config,
                               test=test, frozen=frozen)
+        if self.evaluator.matryoshka_test is not None:
+            summary["test_matryoshka"] = {str(d): t for d, t in self.evaluator.matryoshka_test.items()}
         if self.dist.is_main:
             if summary["comparison"] is not None:
                 log = logger.warning if summary["comparison"]["outcome"] == "worse" else logger.info

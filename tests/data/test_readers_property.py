@@ -15,7 +15,8 @@ from fastprompt.data.ski.store import read_records
 from fastprompt.eval.sts import load_sickr, load_sts_year, load_stsb
 
 # Pieces that break naive readers: quotes, separators, NUL, CR, BOM, invalid UTF-8, line separators, long cells.
-_PIECES = st.sampled_from([b"sent0", b"sent1", b"hard_neg", b"ski", b",", b"\t", b'"', b"\n", b"\r\n", b"\r",
+_PIECES = st.sampled_from([b"sent0", b"sent1", b"hard_neg", b"ski", b"query", b"positive", b'"pos"', b'"neg"',
+                           b",", b"\t", b'"', b"\n", b"\r\n", b"\r",
                            b"\x00", b"\xef\xbb\xbf", b"\xff\xfe", b"\xc3", b"\xe2\x80\xa8", b"\x85", b"a b", b"5.0",
                            b"nan", b"-inf", b"{", b"}", b"[", b"]", b'"ids"', b'"replaced"', b":", b"1", b"-1",
                            b"99999999999", b"1e400", b"null"])
@@ -41,10 +42,12 @@ def _unchanged(path: Path, digest: str) -> None:
 
 
 @SETTINGS
-@given(_BYTES, st.sampled_from(["train.txt", "train.csv", "train.tsv", "train.dat"]),
-       st.sampled_from(["auto", "text", "csv", "tsv"]))
+@given(_BYTES, st.sampled_from(["train.txt", "train.csv", "train.tsv", "train.dat", "train.jsonl"]),
+       st.sampled_from(["auto", "text", "csv", "tsv", "jsonl"]))
 @example(_FIELD_LIMIT, "train.csv", "auto")
 @example(b"sent0\tsent1\na\tb\n", "train.txt", "auto")
+@example(b'{"query": "q", "pos": ["p"], "neg": ["n"]}\n', "train.jsonl", "auto")
+@example(b'{"query": "q", "pos": ["p"]}\n{"query": "r", "pos": ["s"]}\n', "train.txt", "auto")
 def test_any_training_file_is_rows_or_one_clear_error(tmp_path_factory, content, name, fmt):
     path, digest = _write(tmp_path_factory, name, content)
     try:

@@ -235,3 +235,31 @@ def test_every_key_decides_whether_it_is_part_of_the_run_identity():
         RUN_IDENTITY_KEYS)
     assert not {"learning_rate", "max_steps", "precision", "attn_backend", "micro_batch_size", "output_dir",
                 "resume", "sts_dir"} & set(RUN_IDENTITY_KEYS)
+
+
+@pytest.mark.parametrize("keys, message", [
+    (dict(hardness_mode="all_negatives"), "hardness_mode and hardness_strength go together"),
+    (dict(hardness_strength=5.0), "hardness_mode and hardness_strength go together"),
+    (dict(hardness_mode="hard", hardness_strength=5.0), "hardness_mode must be one of"),
+    (dict(matryoshka_dims=[64, 64]), "distinct dimensions"),
+    (dict(matryoshka_dims=[64, 0]), r"matryoshka_dims must be >= 1"),
+    (dict(matryoshka_dims=[64, 32], matryoshka_weights=[1.0]), "one weight per dimension"),
+    (dict(matryoshka_weights=[1.0]), "without matryoshka_dims"),
+    (dict(fn_margin=-0.1), "fn_margin must be >= 0"),
+    (dict(objective="skicse", matryoshka_dims=[8]), "objective=skicse does not take matryoshka_dims"),
+])
+def test_loss_options_are_checked(keys, message):
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**keys)
+
+
+def test_loss_options_reach_the_objective():
+    from fastprompt.objectives.registry import objective_from_config
+
+    cfg = TrainConfig(hardness_mode="in_batch_negatives", hardness_strength=9, fn_margin=0.1,
+                      fn_margin_strategy="relative", matryoshka_dims="384,128", matryoshka_weights=[1, 0.5])
+    obj = objective_from_config(cfg.loss)
+    assert obj.loss_options() == dict(hardness_mode="in_batch_negatives", hardness_strength=9.0, fn_margin=0.1,
+                                      fn_margin_strategy="relative", matryoshka_dims=[384, 128],
+                                      matryoshka_weights=[1.0, 0.5])
+    assert objective_from_config(TrainConfig().loss).loss_options() == {}
