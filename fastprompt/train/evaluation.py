@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from fastprompt.choices import TEMPLATE_POOLERS
 from fastprompt.train.collapse import embedding_spread
 from fastprompt.train.progress import LoggedEncoder
 
@@ -64,7 +65,7 @@ def frozen_settings(config) -> list[FrozenSetting]:
     # no trained head on the frozen model: the BatchNorm-MLP pooler falls back to its [CLS] state
     run_pooler = "cls" if enc.pooler == "bn_mlp" else enc.pooler
     template = tpl.template
-    if template is None and run_pooler in ("mask", "topk"):
+    if template is None and run_pooler in TEMPLATE_POOLERS:
         from fastprompt.model import DEFAULT_TEMPLATE
 
         template = DEFAULT_TEMPLATE
