@@ -55,12 +55,6 @@ def register_objective(name: str, target: str | type, *, default_hinge_weight: f
     OBJECTIVE_REGISTRY[name] = ObjectiveEntry(target, float(default_hinge_weight))
 
 
-register_objective("simcse", "fastprompt.objectives.simcse:SimCSE")
-# PromCSE's objective is L_CL + 10 L_EH; the others have no hinge term unless asked.
-register_objective("promcse_eh", "fastprompt.objectives.promcse_eh:PromCSEEH", default_hinge_weight=10.0)
-register_objective("skicse", "fastprompt.objectives.skicse:SKICSE")
-
-
 def check_hinge_weight(objective: str, hinge_weight: float) -> None:
     """The one rule on hinge_weight: promcse_eh is defined by its hinge term."""
     if objective == "promcse_eh" and hinge_weight <= 0:

@@ -1,0 +1,8 @@
+"""PromCSE's energy-based hinge (``objective: promcse_eh``): InfoNCE + hinge_weight * max(0, m + cos(h, hardest
+negative) - cos(h, h+)), with hinge_weight 10 unless set (PromCSE's L_CL + 10 L_EH). Keys: hinge_margin and
+hinge_weight of the objective section (run identity); the loss: :class:`fastprompt.objectives.promcse_eh.PromCSEEH`.
+Docs: ``docs/objectives.md``."""
+from fastprompt.methods.registry import MethodSpec, register_method
+
+register_method(MethodSpec("promcse_eh", doc="docs/objectives.md", default_hinge_weight=10.0,
+                           objective="fastprompt.objectives.promcse_eh:PromCSEEH"))
