@@ -1,11 +1,12 @@
-"""ObjectiveConfig: the training configuration's section for the sentence-level objective, and the objectives'
-registry.
+"""ObjectiveConfig: the training configuration's section for the sentence-level objective, the objectives'
+registry, and the MLM and CRTD terms' sections.
 
 Standard library only, so ``fastprompt train`` rejects a bad objective setting before torch loads. The
-objectives are registered here by name (:func:`register_objective`: where the class lives, imported only when
-one is built); the ``objective`` key's choices and the builder
-(:func:`fastprompt.objectives.objective_from_config`) read the registry. A token-level term (see
-:mod:`fastprompt.objectives.base`) adds its own section dataclass here, with flat keys prefixed by the term's
+objectives are registered by name (:func:`register_objective`: where the class lives, imported only when one is
+built), each by its method's one registration call (:func:`fastprompt.methods.register_method`, in
+``fastprompt/methods/<name>/``); the ``objective`` key's choices and the builder
+(:func:`fastprompt.objectives.objective_from_config`) read the registry. A token-level term's section is named
+by its method's registration (``MLMConfig``: ``fastprompt/methods/mlm/``), with flat keys prefixed by the term's
 name (``mlm_weight``, ...).
 """
 from __future__ import annotations
