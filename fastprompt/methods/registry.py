@@ -29,7 +29,9 @@ class MethodSpec:
     fields are ``option(..., identity=...)``), read as ``config.<attribute>`` and written as flat keys; None: the
     method has no keys of its own.
     objective: the sentence-level objective (a ``SentenceObjective`` dataclass or its ``"module:Class"``)
-    selectable as ``objective: <name>``; default_hinge_weight: its hinge_weight when the config leaves it null.
+    selectable as ``objective: <name>``; default_hinge_weight: its hinge_weight when the config leaves it null;
+    objective_check: ``(objective section) -> None``: its rules on the objective section's keys when it is the
+    chosen objective (standard library only).
     terms: ``(config, encoder) -> list of TokenTerm``: the token-level terms the config turns on (empty when off).
     check: ``(config) -> None``: the rules between its keys and other sections', raising ValueError (standard
     library only: it runs when a config is built).
@@ -45,6 +47,7 @@ class MethodSpec:
     section: tuple[str, type, str] | None = None
     objective: Target | None = None
     default_hinge_weight: float = 0.0
+    objective_check: Callable | None = None
     terms: Target | None = None
     check: Callable | None = None
     collator: Target | None = None
@@ -74,7 +77,10 @@ def register_method(spec: MethodSpec) -> MethodSpec:
     for what in ("terms", "collator", "embed"):
         _check_target(spec, what)
     if spec.objective is not None:
-        register_objective(spec.name, spec.objective, default_hinge_weight=spec.default_hinge_weight)
+        register_objective(spec.name, spec.objective, default_hinge_weight=spec.default_hinge_weight,
+                           check=spec.objective_check)
+    elif spec.objective_check is not None:
+        raise ValueError(f"method {spec.name!r}: objective_check without an objective")
     METHODS[spec.name] = spec
     return spec
 
