@@ -4,7 +4,9 @@ Code reads sections (``config.prompt`` is the model's :class:`~fastprompt.model.
 ``config.loss`` the objective's :class:`~fastprompt.objectives.config.ObjectiveConfig`, ``config.optim``
 ...); users write flat keys: a YAML recipe and ``--set key=value`` name ``learning_rate``, not
 ``optim.learning_rate``. Every flat key belongs to exactly one section, ``config.<key>`` reads it too, and
-:meth:`TrainConfig.to_dict` is flat (checkpoints, ``config.yaml`` and ``summary.json`` store that).
+:meth:`TrainConfig.to_dict` is flat (checkpoints, ``config.yaml`` and ``summary.json`` store that). The sections
+every run has are defined here; a method's own (``mlm``, ``rtd``, ``templates``, ...) come from its registration
+(:mod:`fastprompt.methods`), read at each access, so a method registered later adds its keys too.
 
 A recipe may start with ``base: other.yaml`` (a path relative to the recipe) to extend another recipe;
 bases chain, and a cycle is an error. The key reference, ``docs/config.md`` and ``fastprompt train
@@ -33,7 +35,6 @@ from fastprompt.choices import (
     POOLERS,
     PRECISIONS,
     PREFIX_MODES,
-    TEMPLATE_POOLERS,
     TRAIN_DEVICE_TYPES,
     TRAIN_FORMATS,
 )
@@ -42,6 +43,7 @@ from fastprompt.io import read_utf8_text, write_text_atomic
 from fastprompt.messages import shown
 from fastprompt.methods import METHODS
 from fastprompt.methods import sections as method_sections
+from fastprompt.methods.promptbert.config import uses_template
 from fastprompt.model.config import PromptConfig
 from fastprompt.model.device import parse_device
 from fastprompt.objectives.config import ObjectiveConfig
@@ -429,8 +431,9 @@ class TrainConfig:
 
     @property
     def uses_template(self) -> bool:
-        """Whether sentences are wrapped in a template (set, or the mask/topk poolers' default)."""
-        return self.templates.template is not None or self.encoder.pooler in TEMPLATE_POOLERS
+        """Whether sentences are wrapped in a template (set, or the mask/topk poolers' default): PromptBERT's rule,
+        :func:`fastprompt.methods.promptbert.config.uses_template`."""
+        return uses_template(self)
 
     @property
     def gradient_cache(self) -> bool:

@@ -54,6 +54,11 @@ class TemplateConfig(Section):
         return self.denoise if self.eval_denoise is None else self.eval_denoise
 
 
+def uses_template(config) -> bool:
+    """Whether a TrainConfig's sentences are wrapped in a template (set, or the mask/topk poolers' default)."""
+    return config.templates.template is not None or config.encoder.pooler in TEMPLATE_POOLERS
+
+
 def check_template_settings(config) -> None:
     """The rules between the template section and the others (``config``: a TrainConfig)."""
     tpl, pooler = config.templates, config.encoder.pooler
