@@ -12,6 +12,9 @@ Public API (imported lazily so ``import fastprompt`` stays cheap):
 """
 from typing import TYPE_CHECKING
 
+# Registers the built-in methods (their config sections, objectives and terms; standard library only), so a
+# config or an objective can be built from any entry point.
+from fastprompt import methods as _methods  # noqa: F401
 from fastprompt._lazy import lazy_getattr
 from fastprompt._version import __version__
 

@@ -1,16 +1,18 @@
-"""ObjectiveConfig: the training configuration's section for the sentence-level objective, and the objectives'
-registry.
+"""ObjectiveConfig: the training configuration's section for the sentence-level objective, the objectives'
+registry, and the MLM and CRTD terms' sections.
 
 Standard library only, so ``fastprompt train`` rejects a bad objective setting before torch loads. The
-objectives are registered here by name (:func:`register_objective`: where the class lives, imported only when
-one is built); the ``objective`` key's choices and the builder
-(:func:`fastprompt.objectives.objective_from_config`) read the registry. A token-level term (see
-:mod:`fastprompt.objectives.base`) adds its own section dataclass here, with flat keys prefixed by the term's
+objectives are registered by name (:func:`register_objective`: where the class lives, imported only when one is
+built), each by its method's one registration call (:func:`fastprompt.methods.register_method`, in
+``fastprompt/methods/<name>/``); the ``objective`` key's choices and the builder
+(:func:`fastprompt.objectives.objective_from_config`) read the registry. A token-level term's section is named
+by its method's registration (``MLMConfig``: ``fastprompt/methods/mlm/``), with flat keys prefixed by the term's
 name (``mlm_weight``, ...).
 """
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastprompt.choices import (
@@ -30,35 +32,36 @@ from fastprompt.fields import Section, option
 @dataclass(frozen=True)
 class ObjectiveEntry:
     """A registered sentence-level objective: its class (a ``SentenceObjective`` dataclass, or ``"module:Class"``,
-    imported when the objective is built) and its hinge_weight when the config leaves it null."""
+    imported when the objective is built), its hinge_weight when the config leaves it null, and its rules on the
+    objective section when it is the chosen one (``check(section)``, raising ValueError; standard library only)."""
 
     target: str | type
     default_hinge_weight: float = 0.0
+    check: Callable[["ObjectiveConfig"], None] | None = None
 
 
 #: name -> entry: the one list of sentence-level objectives, in the order of the ``objective`` key's choices.
 OBJECTIVE_REGISTRY: dict[str, ObjectiveEntry] = {}
 
 
-def register_objective(name: str, target: str | type, *, default_hinge_weight: float = 0.0) -> None:
+def register_objective(name: str, target: str | type, *, default_hinge_weight: float = 0.0,
+                       check: Callable[["ObjectiveConfig"], None] | None = None) -> None:
     """Make ``objective: name`` build ``target`` (a ``SentenceObjective`` dataclass or its ``"module:Class"``).
 
     Its constructor arguments are read from :class:`ObjectiveConfig`'s fields of the same names (``backend``
     from ``loss_backend``, ``hinge_weight`` resolved: the config's, else ``default_hinge_weight``); an argument
-    the config has no key for keeps the class's default. See ``docs/objectives.md``."""
+    the config has no key for keeps the class's default. ``check(section)``: the objective's own rules on the
+    section, run when it is chosen. A method registers its objective with its registration
+    (:func:`fastprompt.methods.register_method`). See ``docs/objectives.md``."""
     if not isinstance(name, str) or not name.isidentifier():
         raise ValueError(f"an objective's name must be an identifier, got {name!r}")
     if name in OBJECTIVE_REGISTRY:
         raise ValueError(f"objective {name!r} is already registered ({OBJECTIVE_REGISTRY[name].target})")
     if isinstance(target, str) and target.count(":") != 1:
         raise ValueError(f"an objective's target is a class or 'module:Class', got {target!r}")
-    OBJECTIVE_REGISTRY[name] = ObjectiveEntry(target, float(default_hinge_weight))
-
-
-register_objective("simcse", "fastprompt.objectives.simcse:SimCSE")
-# PromCSE's objective is L_CL + 10 L_EH; the others have no hinge term unless asked.
-register_objective("promcse_eh", "fastprompt.objectives.promcse_eh:PromCSEEH", default_hinge_weight=10.0)
-register_objective("skicse", "fastprompt.objectives.skicse:SKICSE")
+    if check is not None and not callable(check):
+        raise TypeError(f"objective {name!r}: check must be callable, got {check!r}")
+    OBJECTIVE_REGISTRY[name] = ObjectiveEntry(target, float(default_hinge_weight), check)
 
 
 def check_hinge_weight(objective: str, hinge_weight: float) -> None:
@@ -124,15 +127,10 @@ class ObjectiveConfig(Section):
 
     def validate(self) -> "ObjectiveConfig":
         super().validate()
-        check_hinge_weight(self.name, self.resolved_hinge_weight)
         self._check_loss_options()
-        if self.name == "skicse":
-            if self.resolved_hinge_weight:
-                raise ValueError("skicse has no hinge term: leave hinge_weight unset (or 0)")
-            options = [k for k in ("hardness_mode", "fn_margin", "matryoshka_dims") if getattr(self, k) is not None]
-            if options:
-                raise ValueError(f"objective=skicse does not take {', '.join(options)} (simcse and promcse_eh do)")
-            check_ski_weights(self.ski_weight, self.ski1_weight, self.ski2_weight)
+        check = OBJECTIVE_REGISTRY[self.name].check
+        if check is not None:  # the chosen objective's own rules (its method's registration)
+            check(self)
         return self
 
     def _check_loss_options(self) -> None:

@@ -1,7 +1,8 @@
 """Sentence-level objectives by name, and how a training config's objective section builds one.
 
-The names and where each class lives are registered once, in :data:`fastprompt.objectives.config.OBJECTIVE_REGISTRY`
-(:func:`~fastprompt.objectives.config.register_objective`); this module imports a class when it is built.
+The names and where each class lives are registered once, in :data:`fastprompt.objectives.config.OBJECTIVE_REGISTRY`,
+by each method's registration (:func:`fastprompt.methods.register_method`; ``import fastprompt`` registers the
+built-in ones); this module imports a class when it is built.
 """
 from __future__ import annotations
 

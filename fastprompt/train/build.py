@@ -20,6 +20,7 @@ import torch
 
 from fastprompt.data import Collator, TrainExamples, UniqueBatchSampler, load_train_file, sentence_keys
 from fastprompt.data.multi import MultiDatasetSampler
+from fastprompt.methods import METHODS, load
 from fastprompt.objectives.base import Method, TokenTerm
 from fastprompt.objectives.registry import objective_from_config
 from fastprompt.train.config import TrainConfig
@@ -129,20 +130,13 @@ def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device, total_steps
 
 
 def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> Method:
-    """The config's sentence-level objective with ``terms`` (a term enabled by config keys is built here too,
-    from its config section and the ``encoder`` it runs through: hidden size, tokenizer, heads)."""
+    """The config's sentence-level objective with ``terms`` and the token terms the config turns on (each
+    registered method's ``terms`` builder, from its config section and the ``encoder`` it runs through: hidden
+    size, tokenizer, heads)."""
     terms = list(terms)
-    if cfg.mlm.enabled:
-        from fastprompt.objectives.base import WeightSchedule
-        from fastprompt.objectives.mlm import MLMTerm
-
-        m = cfg.mlm
-        terms.append(MLMTerm.for_encoder(encoder, m.head, m.train_head, probability=m.probability,
-                                         weight=WeightSchedule(m.weight, m.decay_rate, m.decay_steps)))
-    if cfg.rtd.enabled:
-        from fastprompt.objectives.crtd import build_crtd_term
-
-        terms.append(build_crtd_term(cfg.rtd, encoder))
+    for spec in METHODS.values():
+        if spec.terms is not None:
+            terms.extend(load(spec.terms)(cfg, encoder))
     dims = cfg.loss.matryoshka_dims
     if dims and max(dims) > encoder.hidden_size:
         raise ValueError(f"matryoshka_dims {dims} go beyond the {encoder.hidden_size} dimensions of "
@@ -150,14 +144,25 @@ def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> 
     return Method(objective_from_config(cfg.loss), terms)
 
 
+def _method_hook(cfg: TrainConfig, hook: str, *args):
+    """What the one registered method whose ``hook`` (collator, embed) answers for this config returns, or None;
+    two methods answering is an error (they would each want the batches their own way)."""
+    found = [(spec.name, out) for spec in METHODS.values() if getattr(spec, hook) is not None
+             for out in [load(getattr(spec, hook))(cfg, *args)] if out is not None]
+    if len(found) > 1:
+        raise ValueError(f"methods {', '.join(name for name, _ in found)} each bring their own {hook}: this run "
+                         "can only use one of them")
+    return found[0][1] if found else None
+
+
 def build_collator(cfg: TrainConfig, encoder, examples: TrainExamples, method: Method) -> Collator:
-    """The collator of a dataset's rows; with text ids (``Batch.text_ids``) when the loss masks by them."""
+    """The collator of a dataset's rows (a method's own, e.g. PromptBERT's templates, when the config asks for
+    it); with text ids (``Batch.text_ids``) when the loss masks by them."""
     views = method.sentence.views_for(examples.columns)
     ids = needs_text_ids(cfg, examples)
-    if cfg.uses_template:  # each view wrapped in its template (PromptBERT)
-        from fastprompt.train.promptbert import template_collator
-
-        return template_collator(cfg, encoder, examples.columns, views, text_ids=ids)
+    own = _method_hook(cfg, "collator", encoder, examples.columns, views, ids)
+    if own is not None:
+        return own
     pad = encoder.tokenizer.pad_token_id
     return Collator(encoder.tokenize, cfg.data.max_length, columns=examples.columns, views=views,
                     pad_token_id=pad if pad is not None else 0, text_ids=ids)
@@ -172,12 +177,9 @@ def needs_text_ids(cfg: TrainConfig, examples: TrainExamples) -> bool:
 
 def build_embed(cfg: TrainConfig, encoder, examples: TrainExamples, method: Method) -> Callable | None:
     """The training forward, model inputs -> pre-head vectors; None: the encoder's own (``head=False``).
-    With templates, each row is pooled at its own template's [MASK] and denoised per ``denoise``."""
-    if not cfg.uses_template:
-        return None
-    from fastprompt.train.promptbert import template_embedder
-
-    return template_embedder(cfg, encoder, method.sentence.views_for(examples.columns))
+    A method may bring its own (PromptBERT: each row pooled at its own template's [MASK], denoised per
+    ``denoise``)."""
+    return _method_hook(cfg, "embed", encoder, method.sentence.views_for(examples.columns))
 
 
 def count_total_steps(cfg: TrainConfig, sampler: MultiDatasetSampler) -> int:

@@ -4,7 +4,9 @@ Code reads sections (``config.prompt`` is the model's :class:`~fastprompt.model.
 ``config.loss`` the objective's :class:`~fastprompt.objectives.config.ObjectiveConfig`, ``config.optim``
 ...); users write flat keys: a YAML recipe and ``--set key=value`` name ``learning_rate``, not
 ``optim.learning_rate``. Every flat key belongs to exactly one section, ``config.<key>`` reads it too, and
-:meth:`TrainConfig.to_dict` is flat (checkpoints, ``config.yaml`` and ``summary.json`` store that).
+:meth:`TrainConfig.to_dict` is flat (checkpoints, ``config.yaml`` and ``summary.json`` store that). The sections
+every run has are defined here; a method's own (``mlm``, ``rtd``, ``templates``, ...) come from its registration
+(:mod:`fastprompt.methods`), read at each access, so a method registered later adds its keys too.
 
 A recipe may start with ``base: other.yaml`` (a path relative to the recipe) to extend another recipe;
 bases chain, and a cycle is an error. The key reference, ``docs/config.md`` and ``fastprompt train
@@ -16,6 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -31,17 +35,19 @@ from fastprompt.choices import (
     POOLERS,
     PRECISIONS,
     PREFIX_MODES,
-    TEMPLATE_POOLERS,
     TRAIN_DEVICE_TYPES,
     TRAIN_FORMATS,
 )
 from fastprompt.fields import Section, flat_key, identity_keys, option
 from fastprompt.io import read_utf8_text, write_text_atomic
 from fastprompt.messages import shown
+from fastprompt.methods import METHODS
+from fastprompt.methods import sections as method_sections
+from fastprompt.methods.promptbert.config import uses_template
 from fastprompt.model.config import PromptConfig
 from fastprompt.model.device import parse_device
-from fastprompt.objectives.config import CRTDConfig, MLMConfig, ObjectiveConfig
-from fastprompt.train.model_sections import BackboneConfig, TemplateConfig, check_template_settings
+from fastprompt.objectives.config import ObjectiveConfig
+from fastprompt.train.model_sections import BackboneConfig
 from fastprompt.train.recipe_yaml import MAX_RECIPE_BYTES, MAX_SCALAR_CHARS, load_yaml
 
 BASE_KEY = "base"
@@ -249,8 +255,8 @@ class EvalConfig(Section):
         return super().validate()
 
 
-#: Section attribute -> (dataclass, title), in the order of the config reference and of to_dict().
-SECTIONS: dict[str, tuple[type, str]] = {
+#: The sections every run has, before the methods' (the config reference and to_dict() keep this order).
+_CORE_SECTIONS: dict[str, tuple[type, str]] = {
     "encoder": (EncoderConfig, "model"),
     "prompt": (PromptConfig, "prompt"),
     "loss": (ObjectiveConfig, "objective"),
@@ -259,25 +265,83 @@ SECTIONS: dict[str, tuple[type, str]] = {
     "large_batch": (LargeBatchConfig, "large batches"),
     "run": (RunConfig, "run"),
     "evaluation": (EvalConfig, "evaluation"),
-    "mlm": (MLMConfig, "MLM term"),
-    "rtd": (CRTDConfig, "replaced-token detection term"),
-    "templates": (TemplateConfig, "templates (PromptBERT)"),
-    "backbone": (BackboneConfig, "backbone (full fine-tuning)"),
 }
-#: flat key -> (section attribute, field name)
-KEYS: dict[str, tuple[str, str]] = {
-    flat_key(f): (section, f.name) for section, (cls, _) in SECTIONS.items() for f in dataclasses.fields(cls)
-}
-assert len(KEYS) == sum(len(dataclasses.fields(cls)) for cls, _ in SECTIONS.values()), "flat keys must be unique"
-assert not set(KEYS) & set(SECTIONS), "a flat key may not be named like a section"
+#: ... and after them.
+_LAST_SECTIONS: dict[str, tuple[type, str]] = {"backbone": (BackboneConfig, "backbone (full fine-tuning)")}
+
+
+@functools.lru_cache(maxsize=8)
+def _tables(registered: tuple) -> tuple[dict, dict, tuple]:
+    """(sections, keys, identity keys) with the sections of the methods ``registered`` (attr, class, title)."""
+    sections = {**_CORE_SECTIONS, **{attr: (cls, title) for attr, cls, title in registered}, **_LAST_SECTIONS}
+    if len(sections) != len(_CORE_SECTIONS) + len(registered) + len(_LAST_SECTIONS):
+        taken = [attr for attr, _, _ in registered if attr in {**_CORE_SECTIONS, **_LAST_SECTIONS}]
+        raise ValueError(f"a method's config section is named like one of every run's: {', '.join(taken)}")
+    keys: dict[str, tuple[str, str]] = {}
+    for section, (cls, _) in sections.items():
+        for f in dataclasses.fields(cls):
+            key = flat_key(f)
+            if key in keys or key in sections:
+                raise ValueError(f"config key {key!r} of section {section!r} is taken (by section "
+                                 f"{keys[key][0] if key in keys else key!r}): flat keys must be unique")
+            keys[key] = (section, f.name)
+    return sections, keys, identity_keys(*(cls for cls, _ in sections.values()))
+
+
+def _current() -> tuple[dict, dict, tuple]:
+    return _tables(tuple(method_sections()))
+
+
+class _Live(Mapping):
+    """A read-only view of one of :func:`_current`'s tables, read at each access (methods may register late)."""
+
+    def __init__(self, index: int):
+        self._index = index
+
+    def _table(self):
+        return _current()[self._index]
+
+    def __getitem__(self, key):
+        return self._table()[key]
+
+    def __iter__(self):
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+    def __repr__(self) -> str:
+        return repr(self._table())
+
+
+class _LiveKeys(Sequence):
+    """The run-identity keys, read at each access like :class:`_Live`."""
+
+    def __getitem__(self, i):
+        return _current()[2][i]
+
+    def __len__(self) -> int:
+        return len(_current()[2])
+
+    def __repr__(self) -> str:
+        return repr(_current()[2])
+
+
+#: Section attribute -> (dataclass, title), in the order of the config reference and of to_dict(): every run's
+#: sections, then the registered methods' (:func:`fastprompt.methods.register_method`), then the backbone's.
+SECTIONS: Mapping[str, tuple[type, str]] = _Live(0)
+#: flat key -> (section attribute, field name); flat keys are unique and none is named like a section.
+KEYS: Mapping[str, tuple[str, str]] = _Live(1)
 #: Flat keys whose change makes a checkpoint in output_dir another run's, so resuming it is refused (it would mix
 #: two runs): the fields declared ``option(..., identity=True)`` (see :func:`fastprompt.fields.option` for the
-#: rule). Other changed keys (learning rate, precision, logging, ...) are allowed, with a warning.
-RUN_IDENTITY_KEYS = identity_keys(*(cls for cls, _ in SECTIONS.values()))
+#: rule), the registered methods' sections included. Other changed keys (learning rate, precision, logging, ...)
+#: are allowed, with a warning.
+RUN_IDENTITY_KEYS: Sequence[str] = _LiveKeys()
 
 
 class TrainConfig:
-    """Training configuration: the sections of :data:`SECTIONS`, built from flat keys.
+    """Training configuration: the sections of :data:`SECTIONS`, built from flat keys (the methods' sections too:
+    ``config.mlm``, ``config.rtd``, ``config.templates``, ... as :mod:`fastprompt.methods` registers them).
 
     ``TrainConfig(learning_rate=1e-3, prompt_length=8)`` sets keys by their flat names (a section may also be
     passed whole: ``TrainConfig(prompt=PromptConfig(8))``); ``config.learning_rate`` reads and writes
@@ -292,9 +356,6 @@ class TrainConfig:
     large_batch: LargeBatchConfig
     run: RunConfig
     evaluation: EvalConfig
-    mlm: MLMConfig
-    rtd: CRTDConfig
-    templates: TemplateConfig
     backbone: BackboneConfig
 
     def __init__(self, **keys: Any):
@@ -346,11 +407,13 @@ class TrainConfig:
     def _check_across_sections(self) -> None:
         budget, max_length = self.large_batch.max_tokens_per_micro_batch, self.data.max_length
         # With a template, max_length counts the sentence's tokens only and the template's come on top: the
-        # budget is checked again against the tokenised templates when the run is built (train.promptbert).
+        # budget is checked again against the tokenised templates when the run is built (methods.promptbert).
         if 0 < budget < max_length:
             raise ValueError(f"max_tokens_per_micro_batch={budget} must be >= max_length ({max_length}): a "
                              "micro-batch holds at least one whole sequence")
-        check_template_settings(self)
+        for method in METHODS.values():
+            if method.check is not None:
+                method.check(self)
 
     # ------------------------------------------------------------------ conversions
     def to_dict(self) -> dict[str, Any]:
@@ -368,8 +431,9 @@ class TrainConfig:
 
     @property
     def uses_template(self) -> bool:
-        """Whether sentences are wrapped in a template (set, or the mask/topk poolers' default)."""
-        return self.templates.template is not None or self.encoder.pooler in TEMPLATE_POOLERS
+        """Whether sentences are wrapped in a template (set, or the mask/topk poolers' default): PromptBERT's rule,
+        :func:`fastprompt.methods.promptbert.config.uses_template`."""
+        return uses_template(self)
 
     @property
     def gradient_cache(self) -> bool:

@@ -1,0 +1,10 @@
+"""The CRTD term a training config turns on (``rtd_weight > 0``), built for the encoder it runs through."""
+from __future__ import annotations
+
+from fastprompt.objectives.base import TokenTerm
+from fastprompt.objectives.crtd import build_crtd_term
+
+
+def crtd_terms(cfg, encoder) -> list[TokenTerm]:
+    """``[CRTDTerm]`` as the ``rtd`` section describes it; ``[]`` when off."""
+    return [build_crtd_term(cfg.rtd, encoder)] if cfg.rtd.enabled else []
