@@ -20,7 +20,6 @@ from fastprompt.choices import (
     POOLER_HEADS,
     POOLERS,
     PREFIX_MODES,
-    TEMPLATE_POOLERS,
     check_choice,
 )
 from fastprompt.messages import shown
@@ -29,29 +28,26 @@ from .attention import register_attention
 from .backbone import Architecture, check_max_length, ensure_pad_token, load_backbone, max_input_length
 from .config import PromptConfig
 from .device import resolve_device, warn_if_slow
-from .pooling import Pooler, check_pooler_fits, topk_token_representation
+from .pooling import Pooler, check_pooler_fits
 from .prefix import PrefixPrompt, init_prefix_from_vocab
+from .promptbert import TemplateMixin
 from .resolve import model_reference
-from .soft_prompt import InputPrompt, TemplateWords, cls_prompt_parameter, replace_first_token
-from .template import Template, parse_template, wrap_batch
+from .soft_prompt import InputPrompt, cls_prompt_parameter, replace_first_token
+from .template import DEFAULT_TEMPLATE, Template, wrap_batch
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TEMPLATE = 'This sentence : "[X]" means [MASK] .'  # PromptBERT's BERT template
 
-
-class PromptEncoder(nn.Module):
+class PromptEncoder(TemplateMixin, nn.Module):
     """A frozen backbone whose every attention layer sees trainable prefix keys/values (and/or soft input tokens).
 
     Build it with :meth:`from_pretrained` (a base model, optionally with a prompt checkpoint) or
     :meth:`load` (a prompt checkpoint that names its base model). Only the prompt, the [CLS] prompt and the
     pooler head are trainable; :meth:`save` writes only those.
 
-    PromptBERT (``docs/promptbert.md``): ``template`` wraps every sentence, ``pooler="mask"`` takes the
-    template's [MASK] state, ``denoise`` subtracts the template bias, ``pooler="topk"`` is the top-k weighted
-    token representation; ``PromptConfig.prompt_type``/``optiprompt`` add soft input tokens and OptiPrompt;
-    ``mlm_transform`` (a module, with ``pooler="mask"``) is the supervised BERT runs' head, the checkpoint's
-    MLM transform applied to the [MASK] state and to the template bias before subtracting.
+    PromptBERT (``docs/promptbert.md``, :class:`~fastprompt.model.promptbert.TemplateMixin`): ``template``,
+    ``denoise``, ``topk``, OptiPrompt; ``mlm_transform`` (a module, with ``pooler="mask"``) is the supervised BERT
+    runs' head, the checkpoint's MLM transform applied to the [MASK] state and to the template bias.
 
     ``prefix_mode="attention"`` (default) hands each layer its prefix through fastprompt's registered
     attention function and the fused ``prefix_attention`` op; ``"cache"`` is the reference path that expands
@@ -91,33 +87,8 @@ class PromptEncoder(nn.Module):
         check_pooler_fits(pooler, self.causal, type(backbone).__name__)
         init_std = getattr(backbone.config, "initializer_range", 0.02)
         self.pooler = Pooler(pooler, self.hidden_size, mlp, init_std=init_std, mlm_transform=mlm_transform)
-        if pooler in TEMPLATE_POOLERS and template is None:
-            template = DEFAULT_TEMPLATE
-        self.template = template
-        self._template = parse_template(tokenizer, template) if template is not None else None
-        self.template_words = None
-        if prompt_config is not None and prompt_config.optiprompt:
-            if self._template is None:
-                raise ValueError("optiprompt=True makes the template's words trainable: give a template "
-                                 "(or pooler='mask', which defaults to PromptBERT's)")
-            self.template_words = TemplateWords(self._template, words)
-        if denoise and (pooler not in TEMPLATE_POOLERS or self._template is None
-                        or self._template.mask_token_id is None):
-            raise ValueError("denoise=True subtracts the template's [MASK] state: it needs pooler 'mask' or 'topk' "
-                             "and a template with [MASK]")
-        self.denoise = bool(denoise)
-        if pooler == "topk":
-            if mlm_head is None:
-                raise ValueError("pooler 'topk' needs the backbone's MLM head: build the encoder with "
-                                 "PromptEncoder.from_pretrained, which reads it from the checkpoint")
-            if not isinstance(topk, int) or not 1 <= topk <= backbone.config.vocab_size:
-                raise ValueError(f"topk must be an integer in [1, vocab size {backbone.config.vocab_size}], "
-                                 f"got {topk!r}")
-        self.topk = topk
-        self.mlm_head = mlm_head.requires_grad_(False) if mlm_head is not None else None
-        self._bias_cache: dict = {}
+        self._init_templates(prompt_config, pooler, template, denoise, topk, mlm_head)  # PromptBERT's settings
         self.trust_remote_code = False  # set by from_pretrained
-        self._bias_cache_version = None
         #: the most tokens one input may have (the backbone's position table, less the positions a "shifted"
         #: prefix or an input prompt take), None when unbounded
         self.max_input_length = max_input_length(self.backbone, self._position_shift() + self.input_prompt_length)
@@ -345,15 +316,6 @@ class PromptEncoder(nn.Module):
         ids = wrap_batch(self.tokenizer, tpl, list(sentences), max_length, self.model_max_tokens())
         return dict(self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt"))
 
-    def _resolve_template(self, template: str | Template | None) -> Template | None:
-        if template is None:
-            return self._template
-        if isinstance(template, Template):
-            return template
-        if self._template is not None and template == self._template.text:
-            return self._template
-        return parse_template(self.tokenizer, template)
-
     # ------------------------------------------------------------------ forward
     def _position_shift(self) -> int:
         return self.prompt_length if (self.prompt_config and self.prompt_config.position_mode == "shifted") else 0
@@ -434,86 +396,8 @@ class PromptEncoder(nn.Module):
         vec = self.pooler.select(hidden, attention_mask, input_ids, self.tokenizer.mask_token_id,
                                  mask_positions=self._mask_positions(tpl, attention_mask))
         vec = self.pooler.transform(vec)  # the mlm_transform head: on the [MASK] state and on the bias alike
-        denoise = self.denoise if denoise is None else denoise
-        if denoise:
-            if self.pooler.pooler not in TEMPLATE_POOLERS or tpl is None:
-                raise ValueError("denoising subtracts the template's [MASK] state: it needs pooler 'mask' or "
-                                 "'topk' and a template")
-            bias = self.template_bias(tpl, self.sentence_lengths(tpl, attention_mask))
-            vec = vec - self.pooler.transform(bias).to(vec.dtype)
-        if self.pooler.pooler == "topk":  # PromptBERT's Table 9: top-k of the (denoised) [MASK] state
-            vec = topk_token_representation(vec, self.mlm_head, self.backbone.get_input_embeddings().weight,
-                                            self.topk)
+        vec = self._denoise_and_topk(vec, tpl, attention_mask, denoise)
         return self.pooler.apply_head(vec) if head else vec
-
-    # ------------------------------------------------------------------ template denoising
-    @staticmethod
-    def _mask_positions(tpl: Template | None, attention_mask: torch.Tensor) -> torch.Tensor | None:
-        """(B,) index of the template's [MASK] in each right-padded row, found from the template's structure
-        (a literal mask token inside a sentence cannot be taken for it)."""
-        if tpl is None or tpl.mask_token_id is None or tpl.mask_token_id not in tpl.alone():
-            return None
-        index = tpl.mask_index()
-        if index < tpl.sentence_start:
-            return torch.full((attention_mask.shape[0],), index, device=attention_mask.device, dtype=torch.long)
-        from_end = len(tpl.alone()) - index
-        return attention_mask.sum(1).long() - from_end
-
-    @staticmethod
-    def sentence_lengths(tpl: Template, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B,) number of sentence tokens in each row of sequences built with ``tpl``."""
-        lengths = attention_mask.sum(1).long() - tpl.overhead
-        if bool((lengths < 0).any()):
-            raise ValueError(f"rows are shorter than the template {tpl.text!r}: were they built with it?")
-        return lengths
-
-    def template_inputs(self, tpl: Template, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The template fed alone, one row per length L, with the positions it has around an L-token sentence
-        (tokens after [X] shifted by L): ``(input_ids, positions)``, both (len(lengths), template tokens)."""
-        ids = torch.tensor(tpl.alone(), device=lengths.device)
-        T = ids.numel()
-        positions = torch.arange(T, device=lengths.device).unsqueeze(0) + \
-            (torch.arange(T, device=lengths.device) >= tpl.sentence_start).long().unsqueeze(0) * lengths.unsqueeze(1)
-        return ids.unsqueeze(0).expand(len(lengths), -1), positions
-
-    def template_bias(self, template: str | Template | None, lengths: torch.Tensor) -> torch.Tensor:
-        """PromptBERT's template bias: the [MASK] state of the template alone, for each sentence length, (B, hidden).
-
-        In training it is recomputed on every call (dropout and gradients as for the sentences, once per distinct
-        length of the batch). In evaluation (``eval()`` and no autograd) it depends only on (template, length),
-        the weights and the numerics it runs in, so it is cached per (template, length, device, weight dtype,
-        autocast dtype or none) until a parameter changes: a bias computed under bf16 autocast is never reused
-        in float32, nor the other way round.
-        """
-        tpl = self._resolve_template(template)
-        if tpl is None:
-            raise ValueError("template_bias needs a template")
-        uniq, inverse = torch.unique(lengths, return_inverse=True)
-        cached = not self.training and not torch.is_grad_enabled()
-        if not cached:
-            return self._bias_for(tpl, uniq)[inverse]
-        version = tuple((id(p), p._version) for p in self.parameters())
-        if version != self._bias_cache_version:
-            self._bias_cache, self._bias_cache_version = {}, version
-        device = self.device
-        autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-        key = (tpl.text, device, next(self.backbone.parameters()).dtype, autocast)
-        store = self._bias_cache.setdefault(key, {})
-        missing = [int(L) for L in uniq.tolist() if int(L) not in store]
-        if missing:
-            new = self._bias_for(tpl, torch.tensor(missing, device=lengths.device))
-            store.update(zip(missing, new))
-        return torch.stack([store[int(L)] for L in uniq.tolist()])[inverse]
-
-    def _bias_for(self, tpl: Template, lengths: torch.Tensor) -> torch.Tensor:
-        ids, positions = self.template_inputs(tpl, lengths)
-        mask = torch.ones_like(ids)
-        hidden = self.hidden_states(ids, mask, positions=positions)
-        return hidden[:, tpl.mask_index()]
-
-    def clear_template_cache(self) -> None:
-        """Forget the cached template biases (they are also dropped whenever a parameter changes in place)."""
-        self._bias_cache, self._bias_cache_version = {}, None
 
     # ------------------------------------------------------------------ inference API
     @torch.inference_mode()
