@@ -1,12 +1,14 @@
-"""PromptEncoder: a frozen Hugging Face encoder + trainable deep prompts + pooling, with encode/save/load."""
+"""PromptEncoder: a frozen Hugging Face backbone + trainable prompts + a pooler, with encode and similarity.
+
+The pieces live beside it: how a prompt enters the backbone's architecture in :mod:`.backbone` (and the attention
+functions in :mod:`.attention`), the prompt kinds in :mod:`.prefix` and :mod:`.soft_prompt`, the poolers in
+:mod:`.pooling`, PromptBERT's templates, denoising and OptiPrompt in :mod:`.promptbert` (tokenisation of templates:
+:mod:`.template`), checkpoints in :mod:`.checkpoint`.
+"""
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -14,31 +16,23 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from fastprompt.choices import (
-    BACKENDS,
-    MLP_MODES,
-    POOLER_HEADS,
-    POOLERS,
-    PREFIX_MODES,
-    check_choice,
-)
+from fastprompt.choices import BACKENDS, MLP_MODES, POOLERS, PREFIX_MODES, check_choice
 from fastprompt.messages import shown
 
-from .attention import register_attention
-from .backbone import Architecture, check_max_length, ensure_pad_token, load_backbone, max_input_length
+from .backbone import Architecture, check_max_length, ensure_pad_token, max_input_length
+from .checkpoint import CheckpointMixin
 from .config import PromptConfig
 from .device import resolve_device, warn_if_slow
 from .pooling import Pooler, check_pooler_fits
 from .prefix import PrefixPrompt, init_prefix_from_vocab
 from .promptbert import TemplateMixin
-from .resolve import model_reference
 from .soft_prompt import InputPrompt, cls_prompt_parameter, replace_first_token
 from .template import DEFAULT_TEMPLATE, Template, wrap_batch
 
 logger = logging.getLogger(__name__)
 
 
-class PromptEncoder(TemplateMixin, nn.Module):
+class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
     """A frozen backbone whose every attention layer sees trainable prefix keys/values (and/or soft input tokens).
 
     Build it with :meth:`from_pretrained` (a base model, optionally with a prompt checkpoint) or
@@ -61,7 +55,7 @@ class PromptEncoder(TemplateMixin, nn.Module):
                  prefix_mode: str = "attention", base_model: str | None = None,
                  mlm_transform: nn.Module | None = None):
         super().__init__()
-        _check_options(pooler, mlp, attn_backend, prefix_mode)
+        self._check_options(pooler, mlp, attn_backend, prefix_mode)
         self.architecture = arch = Architecture(backbone)
         self.backbone = backbone.requires_grad_(False)
         self.backbone_trained = False  # full fine-tuning: checkpoints then hold the backbone (train_backbone)
@@ -101,116 +95,13 @@ class PromptEncoder(TemplateMixin, nn.Module):
             init_prefix_from_vocab(self)
         self._speed_checked = False  # the first user forward warns about a slow dtype/device combination
 
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def from_pretrained(cls, model_name_or_path: str | os.PathLike, *, prompt: str | os.PathLike | None = None,
-                        prompt_config: PromptConfig | dict | None = None, pooler: str | None = None,
-                        mlp: str | None = None, max_length: int | None = None, template: str | None = None,
-                        denoise: bool | None = None, topk: int | None = None, attn_backend: str = "auto",
-                        prefix_mode: str = "attention", torch_dtype: torch.dtype | None = None,
-                        pooler_head: str | None = None, trust_remote_code: bool = False) -> "PromptEncoder":
-        """Load a base encoder (local folder, installed model package, or hub id) and attach prompts.
-
-        ``prompt``: a checkpoint folder written by :meth:`save`; its prompt, pooler and head are used (an
-        explicit ``pooler``/``mlp``/``max_length`` overrides the saved one). Without ``prompt``, a fresh prompt
-        is created from ``prompt_config`` (or none at all: the frozen model as is). ``template``/``denoise``:
-        PromptBERT's template and template denoising (see :mod:`fastprompt.model.template`); ``None`` keeps
-        the checkpoint's choice. ``topk``: k of the ``topk`` pooler (200, PromptBERT's Table 9; the MLM head is
-        read from the model folder, see :mod:`fastprompt.model.mlm_head`). ``pooler_head``: ``new`` (default) or
-        ``mlm_transform`` (the pooler head is the base model's pretrained MLM transform, PromptBERT's supervised
-        BERT head); ``None`` keeps the checkpoint's. ``trust_remote_code``: let a model folder that names its own
-        Python classes run them (:mod:`fastprompt.remote_code`; off: such a folder is refused).
-        """
-        saved, holds_backbone = None, False
-        if prompt is not None:
-            from .checkpoint import holds_backbone_weights, read_checkpoint_config
-
-            saved = read_checkpoint_config(prompt)
-            if prompt_config is not None:
-                raise ValueError("pass either a prompt checkpoint or a prompt_config, not both")
-            if saved["prompt_config"] is not None:
-                prompt_config = PromptConfig.from_dict(saved["prompt_config"])
-            pooler = pooler or saved["pooler"]
-            mlp = mlp or saved["mlp"]
-            max_length = max_length or saved.get("max_length")
-            if (prompt_config is not None and prompt_config.optiprompt and template is not None
-                    and template != saved.get("template")):
-                raise ValueError(f"checkpoint {prompt} trained OptiPrompt vectors for the template "
-                                 f"{saved.get('template')!r}; it cannot be used with another template")
-            template = template or saved.get("template")
-            denoise = saved.get("denoise", False) if denoise is None else denoise
-            topk = topk or saved.get("topk")
-            pooler_head = pooler_head or saved.get("pooler_head", "new")
-            holds_backbone = holds_backbone_weights(saved)
-        elif isinstance(prompt_config, dict):
-            prompt_config = PromptConfig.from_dict(prompt_config)
-        _check_options(pooler or "cls", mlp or "none", attn_backend, prefix_mode)  # before any weights load
-        check_choice("pooler_head", pooler_head or "new", POOLER_HEADS)
-        attn = register_attention() if prefix_mode == "attention" else "sdpa"
-        # a fully fine-tuned checkpoint holds its backbone (and tokenizer) in the Hugging Face layout: load them
-        # from there; the base model is only named
-        tokenizer, backbone = load_backbone(prompt if holds_backbone else model_name_or_path,
-                                            attn_implementation=attn, dtype=torch_dtype,
-                                            trust_remote_code=trust_remote_code)
-        mlm_head = mlm_transform = None
-        if (pooler or "cls") == "topk":
-            from .mlm_head import load_mlm_head
-            from .resolve import resolve_model_path
-
-            # the base model's head (a saved fine-tuned backbone has none), tied to this backbone's embeddings
-            mlm_head = load_mlm_head(resolve_model_path(model_name_or_path), backbone,
-                                     trust_remote_code=trust_remote_code)
-        if (pooler_head or "new") == "mlm_transform":
-            from .mlm_head import load_mlm_transform
-            from .resolve import resolve_model_path
-
-            # the base model's pretrained transform; a checkpoint's trained one replaces it below
-            mlm_transform = load_mlm_transform(resolve_model_path(model_name_or_path), backbone,
-                                               trust_remote_code=trust_remote_code)
-        encoder = cls(backbone, tokenizer, prompt_config, pooler=pooler or "cls", mlp=mlp or "none",
-                      max_length=max_length, template=template, denoise=bool(denoise), topk=topk or 200,
-                      mlm_head=mlm_head, attn_backend=attn_backend, prefix_mode=prefix_mode,
-                      base_model=model_reference(model_name_or_path), mlm_transform=mlm_transform)
-        encoder.trust_remote_code = trust_remote_code  # what later loads from the same model (MLM head) follow
-        if saved is not None:
-            from .checkpoint import load_checkpoint_weights
-
-            load_checkpoint_weights(encoder, prompt, saved, backbone=False)  # the backbone is loaded above
-            encoder.backbone_trained = holds_backbone
-        return encoder
-
-    @classmethod
-    def load(cls, checkpoint_dir: str | os.PathLike, base_model: str | os.PathLike | None = None,
-             **kwargs) -> "PromptEncoder":
-        """Load a prompt checkpoint onto its base model (the one it names, or ``base_model``).
-
-        A checkpoint names its base model by absolute path, installed package name or hub id; older ones may hold
-        a relative path, which is tried from the current directory."""
-        from .checkpoint import read_checkpoint_config
-
-        saved = read_checkpoint_config(checkpoint_dir)
-        if base_model is not None:
-            return cls.from_pretrained(base_model, prompt=checkpoint_dir, **kwargs)
-        base = saved["base_model"]
-        if not base:
-            raise ValueError(f"checkpoint {checkpoint_dir} names no base model; pass base_model=")
-        try:
-            return cls.from_pretrained(base, prompt=checkpoint_dir, **kwargs)
-        except FileNotFoundError as exc:
-            raise FileNotFoundError(f"prompt checkpoint {checkpoint_dir} was saved on base model {base!r}, which "
-                                    f"cannot be loaded here ({exc}); pass base_model=PATH_OR_NAME (CLI: --model) "
-                                    "to load the prompt onto a copy of that model") from exc
-
-    def save(self, checkpoint_dir: str | os.PathLike, overwrite: bool = False) -> Path:
-        """Write the prompt-only checkpoint (safetensors + JSON), atomically.
-
-        ``checkpoint_dir`` may be new, an empty folder or an earlier fastprompt checkpoint holding only its own
-        files (which is replaced); anything else (a file, a folder with other content, a checkpoint folder that
-        other files were put into) raises FileExistsError unless ``overwrite=True``, because saving replaces the
-        whole folder."""
-        from .checkpoint import save_checkpoint
-
-        return save_checkpoint(self, checkpoint_dir, overwrite=overwrite)
+    @staticmethod
+    def _check_options(pooler: str, mlp: str, attn_backend: str, prefix_mode: str) -> None:
+        """Reject a typo in a closed choice with the list of valid values (the sets live in fastprompt.choices)."""
+        check_choice("pooler", pooler, POOLERS)
+        check_choice("mlp", mlp, MLP_MODES)
+        check_choice("attn_backend", attn_backend, BACKENDS)
+        check_choice("prefix_mode", prefix_mode, PREFIX_MODES)
 
     def check_max_length(self, max_length: int | None) -> None:
         """ValueError when inputs of ``max_length`` tokens would not fit the backbone's position table."""
@@ -225,31 +116,6 @@ class PromptEncoder(TemplateMixin, nn.Module):
             resolve_device(device)
         return super().to(*args, **kwargs)
 
-    @contextlib.contextmanager
-    def using_weights(self, checkpoint_dir: str | os.PathLike) -> Iterator["PromptEncoder"]:
-        """Run a block with a prompt checkpoint's weights in this encoder, then put the current ones back.
-
-        Everything :meth:`save` writes (prompt, [CLS] prompt, pooler head and its BatchNorm statistics) is
-        loaded in place, so an optimizer holding these parameters keeps working after the block; the
-        train/eval mode is restored too. The checkpoint must describe a prompt of this encoder's shape.
-        """
-        from .checkpoint import holds_backbone_weights, load_checkpoint_weights, read_checkpoint_config
-
-        saved = read_checkpoint_config(checkpoint_dir)
-        current = {k: v.detach().clone() for k, v in self.prompt_state_dict().items()}
-        if self.backbone_trained or holds_backbone_weights(saved):
-            current.update({f"backbone.{k}": v.detach().clone() for k, v in self.backbone.state_dict().items()})
-        was_training = self.training
-        try:
-            load_checkpoint_weights(self, checkpoint_dir, saved)  # inside: a load that fails half-way is undone
-            yield self
-        finally:
-            with torch.no_grad():  # in place, so an optimizer holding these parameters keeps working
-                for k, v in self.state_dict().items():
-                    if k in current:
-                        v.copy_(current[k])
-            self.train(was_training)
-
     def gradient_checkpointing_enable(self, enable: bool = True) -> "PromptEncoder":
         """Recompute each backbone layer in backward instead of storing its activations (non-reentrant, so the
         prompt gradients survive: :meth:`~fastprompt.model.backbone.Architecture.gradient_checkpointing`)."""
@@ -260,7 +126,6 @@ class PromptEncoder(TemplateMixin, nn.Module):
     def is_gradient_checkpointing(self) -> bool:
         return self.architecture.is_gradient_checkpointing
 
-    # ------------------------------------------------------------------ parameters
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The prompt, [CLS] prompt and pooler-head parameters, and the backbone's after :meth:`train_backbone`."""
         return [p for p in self.parameters() if p.requires_grad]
@@ -272,10 +137,6 @@ class PromptEncoder(TemplateMixin, nn.Module):
         self.architecture.set_trainable(enable)
         self.backbone_trained = self.backbone_trained or enable
         return self
-
-    def prompt_state_dict(self) -> dict[str, torch.Tensor]:
-        """Everything a checkpoint stores: all parameters and buffers outside the frozen backbone."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(("backbone.", "mlm_head."))}
 
     @property
     def device(self) -> torch.device:
@@ -292,7 +153,6 @@ class PromptEncoder(TemplateMixin, nn.Module):
         """Soft tokens inserted into the input sequence (0 without an input prompt)."""
         return self.input_prompt.length if self.input_prompt is not None else 0
 
-    # ------------------------------------------------------------------ tokenisation
     def model_max_tokens(self) -> int:
         """Longest sequence (special tokens included) the backbone's positions and tokenizer allow."""
         return min(self.tokenizer.model_max_length, 512, self.max_input_length or 512)
@@ -316,7 +176,6 @@ class PromptEncoder(TemplateMixin, nn.Module):
         ids = wrap_batch(self.tokenizer, tpl, list(sentences), max_length, self.model_max_tokens())
         return dict(self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt"))
 
-    # ------------------------------------------------------------------ forward
     def _position_shift(self) -> int:
         return self.prompt_length if (self.prompt_config and self.prompt_config.position_mode == "shifted") else 0
 
@@ -399,7 +258,6 @@ class PromptEncoder(TemplateMixin, nn.Module):
         vec = self._denoise_and_topk(vec, tpl, attention_mask, denoise)
         return self.pooler.apply_head(vec) if head else vec
 
-    # ------------------------------------------------------------------ inference API
     @torch.inference_mode()
     def encode(self, sentences: list[str], batch_size: int = 64, normalize: bool = True,
                show_progress_bar: bool | None = None, max_length: int | None = None,
@@ -469,14 +327,6 @@ def _check_sentences(sentences):
     for i, s in enumerate(sentences):
         if not isinstance(s, str):
             raise TypeError(f"sentence {i} is a {type(s).__name__}, not a str: {s!r:.80}")
-
-
-def _check_options(pooler: str, mlp: str, attn_backend: str, prefix_mode: str) -> None:
-    """Reject a typo in a closed choice with the list of valid values (the sets live in fastprompt.choices)."""
-    check_choice("pooler", pooler, POOLERS)
-    check_choice("mlp", mlp, MLP_MODES)
-    check_choice("attn_backend", attn_backend, BACKENDS)
-    check_choice("prefix_mode", prefix_mode, PREFIX_MODES)
 
 
 __all__ = ["PromptEncoder", "MLP_MODES", "PREFIX_MODES", "DEFAULT_TEMPLATE"]
