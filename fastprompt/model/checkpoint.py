@@ -1,6 +1,6 @@
 """Prompt checkpoints: ``prompt.safetensors`` (the trainable tensors) + ``fastprompt_config.json``, and
-:class:`CheckpointMixin`, the encoder's :meth:`~CheckpointMixin.load`, :meth:`~CheckpointMixin.save` and
-:meth:`~CheckpointMixin.using_weights`.
+:class:`CheckpointMixin`, the encoder's :meth:`~CheckpointMixin.from_pretrained`, :meth:`~CheckpointMixin.load`,
+:meth:`~CheckpointMixin.save` and :meth:`~CheckpointMixin.using_weights`.
 
 Only safetensors and JSON are ever read. A checkpoint names its base model and records the backbone's
 shape, so loading onto a different backbone fails with a message instead of a shape error deep inside.
