@@ -1,5 +1,8 @@
-"""The prompted encoder: trainable prefixes (PrefixPrompt), soft input prompts, the frozen backbone wrapper
-(PromptEncoder), pooling, PromptBERT templates and views.
+"""The prompted encoder (PromptEncoder, ``encoder.py``) and what it composes: the frozen backbone and how a prompt
+enters its architecture (``backbone.py``, ``attention.py``), the prompt kinds (PrefixPrompt in ``prefix.py``, soft
+input tokens and the [CLS] prompt in ``soft_prompt.py``), the poolers (``pooling.py``), PromptBERT's templates,
+denoising, OptiPrompt and views (``template.py``, ``promptbert.py``, ``mlm_head.py``) and checkpoints
+(``checkpoint.py``).
 
 Imported lazily, so that :class:`PromptConfig` (standard library only) loads without torch: a training config
 validates before any model code is imported.
@@ -11,7 +14,6 @@ from fastprompt._lazy import lazy_getattr
 if TYPE_CHECKING:  # the definitions, for type checkers and IDEs; at run time a name loads on first use
     from .config import PromptConfig as PromptConfig
     from .device import resolve_device as resolve_device
-    from .encoder import DEFAULT_TEMPLATE as DEFAULT_TEMPLATE
     from .encoder import PromptEncoder as PromptEncoder
     from .pooling import MLP_MODES as MLP_MODES
     from .pooling import POOLERS as POOLERS
@@ -24,12 +26,13 @@ if TYPE_CHECKING:  # the definitions, for type checkers and IDEs; at run time a 
     from .promptbert import tokenize_views as tokenize_views
     from .resolve import model_reference as model_reference
     from .resolve import resolve_model_path as resolve_model_path
+    from .template import DEFAULT_TEMPLATE as DEFAULT_TEMPLATE
 
 _LAZY = {
     "PromptConfig": ".config",
     "PrefixPrompt": ".prefix",
     "PromptEncoder": ".encoder",
-    "DEFAULT_TEMPLATE": ".encoder",
+    "DEFAULT_TEMPLATE": ".template",
     "Pooler": ".pooling",
     "POOLERS": ".pooling",
     "MLP_MODES": ".pooling",

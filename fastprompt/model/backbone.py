@@ -1,16 +1,38 @@
-"""Loading the frozen Hugging Face backbone strictly: a folder that holds no model, weights that do not fit the
-config, or a hub model that cannot be reached are clear errors, never silently random layers."""
+"""The frozen Hugging Face backbone: loaded strictly (:func:`load_backbone`: a folder that holds no model, weights
+that do not fit the config, or a hub model that cannot be reached are clear errors, never silently random layers),
+and :class:`Architecture`, how a prompt enters it.
+
+:class:`Architecture` is the one place that knows a backbone's rules for prompts: the prefix's shape (layers,
+key/value heads, head size), whether the token block is causal, the position ids of tokens and soft input tokens
+(RoBERTa's padding offset, a "shifted" prefix), and the forward that hands every layer its prefix, through the
+attention functions of :mod:`fastprompt.model.attention` (or the DynamicCache reference path). Supporting another
+architecture means teaching these two modules its rules.
+"""
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from fastprompt.io import read_json
 from fastprompt.remote_code import refusing_remote_code
 
+from .attention import (
+    PrefixState,
+    adapt_own_attention,
+    attention_layer_map,
+    build_prefix_cache,
+    cache_keyword,
+    check_prefix_consumed,
+)
 from .resolve import check_hub_model, resolve_model
+
+logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 #: The weights fastprompt loads: safetensors only (a pickle can run code when it is loaded).
@@ -183,3 +205,167 @@ def max_input_length(model, shifted_by: int = 0) -> int | None:
     if emb is not None and hasattr(emb, "create_position_ids_from_input_ids"):
         start = emb.padding_idx + 1
     return n - start - shifted_by
+
+
+def check_max_length(max_length: int | None, limit: int | None, model: str | None, *, shifted: int = 0,
+                     soft_tokens: int = 0) -> None:
+    """ValueError when inputs of ``max_length`` tokens would not fit ``limit`` (:func:`max_input_length`, of a
+    backbone whose positions a "shifted" prefix moves by ``shifted`` and ``soft_tokens`` input tokens take)."""
+    if max_length is None:
+        return
+    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
+        raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
+    if limit is not None and max_length > limit:
+        why = ""
+        if shifted:
+            why += f" minus the {shifted} prompt positions of position_mode='shifted'"
+        if soft_tokens:
+            why += f" minus the {soft_tokens} soft input tokens"
+        raise ValueError(f"max_length {max_length} is more tokens than {model!r} can take: at most "
+                         f"{limit} (its position embeddings{why})")
+
+
+def ensure_pad_token(tokenizer) -> None:
+    """Decoder tokenizers (Llama, Mistral) often have no padding token; the padded positions are masked, so any id
+    serves: EOS, as sentence-transformers and transformers' examples do."""
+    if getattr(tokenizer, "pad_token_id", 0) is None and getattr(tokenizer, "eos_token", None) is not None:
+        logger.info("the tokenizer has no padding token: padding with its EOS token %r", tokenizer.eos_token)
+        tokenizer.pad_token = tokenizer.eos_token
+
+
+class Architecture:
+    """How a prompt enters one loaded backbone (see the module docstring); the encoder holds one per backbone."""
+
+    def __init__(self, backbone):
+        cfg = backbone.config
+        for attr in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
+            if not hasattr(cfg, attr):
+                raise ValueError(f"backbone config has no {attr!r}: only encoder models with standard "
+                                 "self-attention (BERT, RoBERTa, ...) are supported")
+        self.model = backbone
+        if getattr(cfg, "use_cache", False):
+            # an encoder keeps no key/value cache (the "cache" prefix mode asks for one explicitly); with
+            # the config's default True, transformers warns under gradient checkpointing
+            cfg.use_cache = False
+        self.num_layers = cfg.num_hidden_layers
+        self.hidden_size = cfg.hidden_size
+        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden_size // cfg.num_attention_heads
+        #: heads of the prefix: the backbone's key/value heads (fewer than its query heads under grouped-query
+        #: or multi-query attention, where each prefix key/value serves the query heads of its group)
+        self.num_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+        #: the token block is causal (a decoder): every token sees the tokens before it and the whole prefix
+        self.causal = any(getattr(m, "is_causal", False) is True for m in backbone.modules())
+        self.layer_of = attention_layer_map(backbone, self.num_layers)
+        self.own_attention = adapt_own_attention(backbone)  # MPNet: attention computed in its own modules
+
+    @property
+    def name(self) -> str:
+        return f"{type(self.model).__name__} (model_type {getattr(self.model.config, 'model_type', '?')!r})"
+
+    def position_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     positions: torch.Tensor | None = None, *, shift: int = 0, soft=None,
+                     explicit: bool = False) -> torch.Tensor | None:
+        """Explicit position ids where transformers' defaults would be wrong for us, else None.
+
+        ``positions``: (B, S) positions of the tokens counted from the first (0 for [CLS]); the backbone's own
+        offset (RoBERTa's ``padding_idx + 1``) and ``shift`` (a "shifted" prefix) are added here. ``soft``: the
+        :class:`~fastprompt.model.soft_prompt.InputPrompt` whose tokens the sequence gains; ``explicit``: ids
+        are needed even without these (a [CLS] prompt or the cache path feeds the backbone other inputs).
+        """
+        if not (shift > 0 or explicit or positions is not None or soft is not None):
+            return None
+        emb = getattr(self.model, "embeddings", None)
+        if positions is None and soft is None:
+            if hasattr(emb, "create_position_ids_from_input_ids"):  # RoBERTa family: offsets by padding_idx
+                return emb.create_position_ids_from_input_ids(input_ids, emb.padding_idx, shift)
+            S = input_ids.shape[1]
+            return (torch.arange(S, device=input_ids.device) + shift).unsqueeze(0).expand(input_ids.shape[0], -1)
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
+        if soft is not None:
+            positions, attention_mask = soft.insert_positions(positions), soft.insert_mask(attention_mask)
+        if hasattr(emb, "create_position_ids_from_input_ids"):
+            return torch.where(attention_mask.bool(), positions + emb.padding_idx + 1 + shift, emb.padding_idx)
+        return positions + shift
+
+    def forward(self, attention_mask: torch.Tensor, layers: list, *, prefix_mode: str, backend: str,
+                capture: dict | None = None, **inputs) -> torch.Tensor:
+        """The backbone's last hidden states, each layer with its prefix (``layers``: per layer (k, v) or None):
+        through the registered attention function (``prefix_mode="attention"``), which must serve every layer
+        that holds one, or expanded into a DynamicCache (``"cache"``, the reference path)."""
+        if prefix_mode == "attention":
+            state = PrefixState(layers, attention_mask.bool(), backend, capture, self.layer_of)
+            if self.own_attention is None:
+                out = self.model(attention_mask=attention_mask, fastprompt_state=state, **inputs)
+            else:
+                self.own_attention.state = state
+                try:
+                    out = self.model(attention_mask=attention_mask, **inputs)
+                finally:  # the backbone called on its own runs without the prefix
+                    self.own_attention.state = None
+            check_prefix_consumed([i for i, e in enumerate(layers) if e is not None], state.served, self.name)
+        elif all(e is None for e in layers):
+            out = self.model(attention_mask=attention_mask, **inputs)
+        else:
+            B, P = attention_mask.shape[0], layers[0][0].shape[-2]
+            self._check_cache_path(P + attention_mask.shape[1])
+            cache = build_prefix_cache(layers, B)
+            mask = torch.cat([attention_mask.new_ones(B, P), attention_mask], dim=1)
+            inputs[cache_keyword(self.model)] = cache
+            out = self.model(attention_mask=mask, use_cache=True, **inputs)
+        return out.last_hidden_state
+
+    def _check_cache_path(self, length: int) -> None:
+        """The DynamicCache reference path needs a model that takes a cache, and differs from the attention path
+        where a sliding window is shorter than prefix + tokens: the cache holds the prefix at positions 0..P-1, so
+        the window hides it from distant tokens (PEFT's semantics), while the attention path keeps it visible."""
+        if "past_key_values" not in inspect.signature(type(self.model).forward).parameters and \
+                cache_keyword(self.model) != "cache":
+            raise ValueError(f"prefix_mode='cache' passes the prefix as a key/value cache, which {self.name} "
+                             "does not take; use prefix_mode='attention'")
+        cfg = self.model.config
+        window = getattr(cfg, "sliding_window", None)
+        sliding = getattr(cfg, "use_sliding_window", True) and "sliding_attention" in (
+            getattr(cfg, "layer_types", None) or ["sliding_attention"])
+        if isinstance(window, int) and sliding and length > window:
+            raise ValueError(f"prefix_mode='cache' would hide the prefix from tokens more than the sliding window "
+                             f"({window}) past it (PEFT's semantics), here {length} prefix + token positions; "
+                             "prefix_mode='attention' keeps it visible to every token")
+
+    def gradient_checkpointing(self, enable: bool) -> None:
+        """Recompute each layer in backward instead of storing its activations.
+
+        Non-reentrant checkpointing (``use_reentrant=False``) is required: the frozen backbone's inputs never
+        require grad, so reentrant checkpointing would silently drop the prompt gradients (which is why PEFT
+        refuses checkpointing with prefix tuning). The RNG state is restored for the recompute, so dropout
+        masks, and therefore gradients, are the same as without checkpointing.
+        """
+        model = self.model
+        if not getattr(model, "supports_gradient_checkpointing", False):
+            raise ValueError(f"{type(model).__name__} does not support gradient checkpointing")
+        if enable:
+            kwargs = {"use_reentrant": False}
+            if hasattr(model, "activation_checkpointing_enable"):
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:  # transformers < 5.x
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        else:
+            disable = getattr(model, "activation_checkpointing_disable", None)
+            (disable or model.gradient_checkpointing_disable)()
+
+    @property
+    def is_gradient_checkpointing(self) -> bool:
+        flag = "is_activation_checkpointing" if hasattr(self.model, "is_activation_checkpointing") \
+            else "is_gradient_checkpointing"
+        return bool(getattr(self.model, flag, False))
+
+    def set_trainable(self, enable: bool) -> None:
+        """Full fine-tuning. The backbone's own pooler (BERT's and RoBERTa's ``pooler``: dense + tanh over [CLS])
+        stays frozen: the encoder pools the last hidden states itself, so that layer is never in the graph and
+        could receive no gradient. Trainable, it would get none in one process (AdamW skips it) but zeros from the
+        all-reduce of several processes (AdamW's weight decay would then shrink it): the saved weights would
+        depend on the number of processes."""
+        self.model.requires_grad_(enable)
+        unused = getattr(self.model, "pooler", None)
+        if enable and isinstance(unused, torch.nn.Module):
+            unused.requires_grad_(False)

@@ -1,4 +1,6 @@
-"""Prompt checkpoints: ``prompt.safetensors`` (the trainable tensors) + ``fastprompt_config.json``.
+"""Prompt checkpoints: ``prompt.safetensors`` (the trainable tensors) + ``fastprompt_config.json``, and
+:class:`CheckpointMixin`, the encoder's :meth:`~CheckpointMixin.from_pretrained`, :meth:`~CheckpointMixin.load`,
+:meth:`~CheckpointMixin.save` and :meth:`~CheckpointMixin.using_weights`.
 
 Only safetensors and JSON are ever read. A checkpoint names its base model and records the backbone's
 shape, so loading onto a different backbone fails with a message instead of a shape error deep inside.
@@ -10,19 +12,24 @@ config says so. The whole folder is written atomically.
 """
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from fastprompt.choices import POOLER_HEADS, check_choice
 from fastprompt.io import atomic_directory, read_json, recover_directory, write_json_atomic
 from fastprompt.messages import shown
 from fastprompt.schema import check_json
+
+from .config import PromptConfig
 
 CONFIG_NAME = "fastprompt_config.json"
 WEIGHTS_NAME = "prompt.safetensors"
@@ -234,3 +241,142 @@ def load_checkpoint_weights(encoder, checkpoint_dir: str | os.PathLike, config: 
     if backbone and holds_backbone_weights(config):
         _load_backbone(encoder, path)
     encoder.load_state_dict(tensors, strict=False)
+
+
+def encoder_settings(checkpoint_dir: str | os.PathLike | None, saved: dict | None, **given) -> dict:
+    """The settings ``PromptEncoder.from_pretrained`` builds the encoder with: each one given (not None) wins over
+    the checkpoint's (``saved``: the config read from ``checkpoint_dir``, None without a checkpoint), which wins
+    over the default."""
+    s, prompt_config = dict(given), given["prompt_config"]
+    if saved is not None:
+        if prompt_config is not None:
+            raise ValueError("pass either a prompt checkpoint or a prompt_config, not both")
+        if saved["prompt_config"] is not None:
+            prompt_config = PromptConfig.from_dict(saved["prompt_config"])
+        if (prompt_config is not None and prompt_config.optiprompt and s["template"] is not None
+                and s["template"] != saved.get("template")):
+            raise ValueError(f"checkpoint {checkpoint_dir} trained OptiPrompt vectors for the template "
+                             f"{saved.get('template')!r}; it cannot be used with another template")
+        for key in ("pooler", "mlp", "max_length", "template", "topk", "pooler_head"):
+            s[key] = s[key] or saved.get(key)
+        if s["denoise"] is None:
+            s["denoise"] = saved.get("denoise", False)
+    elif isinstance(prompt_config, dict):
+        prompt_config = PromptConfig.from_dict(prompt_config)
+    s.update(prompt_config=prompt_config, pooler=s["pooler"] or "cls", mlp=s["mlp"] or "none",
+             denoise=bool(s["denoise"]), topk=s["topk"] or 200, pooler_head=s["pooler_head"] or "new")
+    return s
+
+
+_Encoder = TypeVar("_Encoder", bound="CheckpointMixin")
+
+
+class CheckpointMixin:
+    """How a :class:`~fastprompt.model.PromptEncoder` is built from files and written back: :meth:`from_pretrained`
+    (a base model, optionally with a prompt checkpoint), :meth:`load`, :meth:`save`, :meth:`using_weights`."""
+
+    @classmethod
+    def from_pretrained(cls: type[_Encoder], model_name_or_path: str | os.PathLike, *,
+                        prompt: str | os.PathLike | None = None, prompt_config: PromptConfig | dict | None = None,
+                        pooler: str | None = None, mlp: str | None = None, max_length: int | None = None,
+                        template: str | None = None, denoise: bool | None = None, topk: int | None = None,
+                        attn_backend: str = "auto", prefix_mode: str = "attention",
+                        torch_dtype: torch.dtype | None = None, pooler_head: str | None = None,
+                        trust_remote_code: bool = False) -> _Encoder:
+        """Load a base encoder (local folder, installed model package, or hub id) and attach prompts.
+
+        ``prompt``: a checkpoint folder written by :meth:`save`; its prompt, pooler and head are used (an
+        explicit ``pooler``/``mlp``/``max_length`` overrides the saved one). Without ``prompt``, a fresh prompt
+        is created from ``prompt_config`` (or none at all: the frozen model as is). ``template``/``denoise``:
+        PromptBERT's template and template denoising (see :mod:`fastprompt.model.template`); ``None`` keeps
+        the checkpoint's choice. ``topk``: k of the ``topk`` pooler (200, PromptBERT's Table 9; the MLM head is
+        read from the model folder, see :mod:`fastprompt.model.mlm_head`). ``pooler_head``: ``new`` (default) or
+        ``mlm_transform`` (the pooler head is the base model's pretrained MLM transform, PromptBERT's supervised
+        BERT head); ``None`` keeps the checkpoint's. ``trust_remote_code``: let a model folder that names its own
+        Python classes run them (:mod:`fastprompt.remote_code`; off: such a folder is refused).
+        """
+        from .attention import register_attention
+        from .backbone import load_backbone
+        from .mlm_head import load_pooler_heads
+        from .resolve import model_reference
+
+        saved = read_checkpoint_config(prompt) if prompt is not None else None
+        s = encoder_settings(prompt, saved, prompt_config=prompt_config, pooler=pooler, mlp=mlp,
+                             max_length=max_length, template=template, denoise=denoise, topk=topk,
+                             pooler_head=pooler_head)
+        holds_backbone = saved is not None and holds_backbone_weights(saved)
+        cls._check_options(s["pooler"], s["mlp"], attn_backend, prefix_mode)  # before any weights load
+        check_choice("pooler_head", s["pooler_head"], POOLER_HEADS)
+        attn = register_attention() if prefix_mode == "attention" else "sdpa"
+        # a fully fine-tuned checkpoint holds its backbone (and tokenizer) in the Hugging Face layout: load them
+        # from there; the base model is only named
+        tokenizer, backbone = load_backbone(prompt if holds_backbone else model_name_or_path,
+                                            attn_implementation=attn, dtype=torch_dtype,
+                                            trust_remote_code=trust_remote_code)
+        pooler_head, prompt_config = s.pop("pooler_head"), s.pop("prompt_config")
+        mlm_head, mlm_transform = load_pooler_heads(model_name_or_path, backbone, s["pooler"], pooler_head,
+                                                    trust_remote_code=trust_remote_code)
+        encoder = cls(backbone, tokenizer, prompt_config, **s, mlm_head=mlm_head, attn_backend=attn_backend,
+                      prefix_mode=prefix_mode, base_model=model_reference(model_name_or_path),
+                      mlm_transform=mlm_transform)
+        encoder.trust_remote_code = trust_remote_code  # what later loads from the same model (MLM head) follow
+        if saved is not None:
+            load_checkpoint_weights(encoder, prompt, saved, backbone=False)  # the backbone is loaded above
+            encoder.backbone_trained = holds_backbone
+        return encoder
+
+    @classmethod
+    def load(cls: type[_Encoder], checkpoint_dir: str | os.PathLike, base_model: str | os.PathLike | None = None,
+             **kwargs) -> _Encoder:
+        """Load a prompt checkpoint onto its base model (the one it names, or ``base_model``).
+
+        A checkpoint names its base model by absolute path, installed package name or hub id; older ones may hold
+        a relative path, which is tried from the current directory."""
+        saved = read_checkpoint_config(checkpoint_dir)
+        if base_model is not None:
+            return cls.from_pretrained(base_model, prompt=checkpoint_dir, **kwargs)
+        base = saved["base_model"]
+        if not base:
+            raise ValueError(f"checkpoint {checkpoint_dir} names no base model; pass base_model=")
+        try:
+            return cls.from_pretrained(base, prompt=checkpoint_dir, **kwargs)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(f"prompt checkpoint {checkpoint_dir} was saved on base model {base!r}, which "
+                                    f"cannot be loaded here ({exc}); pass base_model=PATH_OR_NAME (CLI: --model) "
+                                    "to load the prompt onto a copy of that model") from exc
+
+    def prompt_state_dict(self) -> dict[str, torch.Tensor]:
+        """Everything a checkpoint stores: all parameters and buffers outside the frozen backbone."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith(("backbone.", "mlm_head."))}
+
+    def save(self, checkpoint_dir: str | os.PathLike, overwrite: bool = False) -> Path:
+        """Write the prompt-only checkpoint (safetensors + JSON), atomically.
+
+        ``checkpoint_dir`` may be new, an empty folder or an earlier fastprompt checkpoint holding only its own
+        files (which is replaced); anything else (a file, a folder with other content, a checkpoint folder that
+        other files were put into) raises FileExistsError unless ``overwrite=True``, because saving replaces the
+        whole folder."""
+        return save_checkpoint(self, checkpoint_dir, overwrite=overwrite)
+
+    @contextlib.contextmanager
+    def using_weights(self: _Encoder, checkpoint_dir: str | os.PathLike) -> Iterator[_Encoder]:
+        """Run a block with a prompt checkpoint's weights in this encoder, then put the current ones back.
+
+        Everything :meth:`save` writes (prompt, [CLS] prompt, pooler head and its BatchNorm statistics) is
+        loaded in place, so an optimizer holding these parameters keeps working after the block; the
+        train/eval mode is restored too. The checkpoint must describe a prompt of this encoder's shape.
+        """
+        saved = read_checkpoint_config(checkpoint_dir)
+        current = {k: v.detach().clone() for k, v in self.prompt_state_dict().items()}
+        if self.backbone_trained or holds_backbone_weights(saved):
+            current.update({f"backbone.{k}": v.detach().clone() for k, v in self.backbone.state_dict().items()})
+        was_training = self.training
+        try:
+            load_checkpoint_weights(self, checkpoint_dir, saved)  # inside: a load that fails half-way is undone
+            yield self
+        finally:
+            with torch.no_grad():  # in place, so an optimizer holding these parameters keeps working
+                for k, v in self.state_dict().items():
+                    if k in current:
+                        v.copy_(current[k])
+            self.train(was_training)

@@ -1,13 +1,14 @@
-"""PromptEncoder: a frozen Hugging Face encoder + trainable deep prompts + pooling, with encode/save/load."""
+"""PromptEncoder: a frozen Hugging Face backbone + trainable prompts + a pooler, with encode and similarity.
+
+The pieces live beside it: how a prompt enters the backbone's architecture in :mod:`.backbone` (and the attention
+functions in :mod:`.attention`), the prompt kinds in :mod:`.prefix` and :mod:`.soft_prompt`, the poolers in
+:mod:`.pooling`, PromptBERT's templates, denoising and OptiPrompt in :mod:`.promptbert` (tokenisation of templates:
+:mod:`.template`), checkpoints in :mod:`.checkpoint`.
+"""
 from __future__ import annotations
 
-import contextlib
-import inspect
 import logging
-import os
 import sys
-from collections.abc import Iterator
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -15,53 +16,32 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm.auto import tqdm
 
-from fastprompt.choices import (
-    BACKENDS,
-    FIRST_TOKEN_POOLERS,
-    MLP_MODES,
-    POOLER_HEADS,
-    POOLERS,
-    PREFIX_MODES,
-    TEMPLATE_POOLERS,
-    check_choice,
-)
+from fastprompt.choices import BACKENDS, MLP_MODES, POOLERS, PREFIX_MODES, check_choice
 from fastprompt.messages import shown
 
-from .attention import (
-    PrefixState,
-    adapt_own_attention,
-    attention_layer_map,
-    build_prefix_cache,
-    cache_keyword,
-    check_prefix_consumed,
-    register_attention,
-)
-from .backbone import load_backbone, max_input_length
+from .backbone import Architecture, check_max_length, ensure_pad_token, max_input_length
+from .checkpoint import CheckpointMixin
 from .config import PromptConfig
 from .device import resolve_device, warn_if_slow
-from .pooling import Pooler, topk_token_representation
-from .prefix import PrefixPrompt
-from .resolve import model_reference
-from .soft_prompt import InputPrompt, TemplateWords, random_vocab_ids
-from .template import Template, parse_template, wrap_batch
+from .pooling import Pooler, check_pooler_fits
+from .prefix import PrefixPrompt, init_prefix_from_vocab
+from .promptbert import TemplateMixin
+from .soft_prompt import InputPrompt, cls_prompt_parameter, replace_first_token
+from .template import DEFAULT_TEMPLATE, Template, wrap_batch
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_TEMPLATE = 'This sentence : "[X]" means [MASK] .'  # PromptBERT's BERT template
 
-
-class PromptEncoder(nn.Module):
+class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
     """A frozen backbone whose every attention layer sees trainable prefix keys/values (and/or soft input tokens).
 
     Build it with :meth:`from_pretrained` (a base model, optionally with a prompt checkpoint) or
     :meth:`load` (a prompt checkpoint that names its base model). Only the prompt, the [CLS] prompt and the
     pooler head are trainable; :meth:`save` writes only those.
 
-    PromptBERT (``docs/promptbert.md``): ``template`` wraps every sentence, ``pooler="mask"`` takes the
-    template's [MASK] state, ``denoise`` subtracts the template bias, ``pooler="topk"`` is the top-k weighted
-    token representation; ``PromptConfig.prompt_type``/``optiprompt`` add soft input tokens and OptiPrompt;
-    ``mlm_transform`` (a module, with ``pooler="mask"``) is the supervised BERT runs' head, the checkpoint's
-    MLM transform applied to the [MASK] state and to the template bias before subtracting.
+    PromptBERT (``docs/promptbert.md``, :class:`~fastprompt.model.promptbert.TemplateMixin`): ``template``,
+    ``denoise``, ``topk``, OptiPrompt; ``mlm_transform`` (a module, with ``pooler="mask"``) is the supervised BERT
+    runs' head, the checkpoint's MLM transform applied to the [MASK] state and to the template bias.
 
     ``prefix_mode="attention"`` (default) hands each layer its prefix through fastprompt's registered
     attention function and the fused ``prefix_attention`` op; ``"cache"`` is the reference path that expands
@@ -75,78 +55,34 @@ class PromptEncoder(nn.Module):
                  prefix_mode: str = "attention", base_model: str | None = None,
                  mlm_transform: nn.Module | None = None):
         super().__init__()
-        _check_options(pooler, mlp, attn_backend, prefix_mode)
-        cfg = backbone.config
-        for attr in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
-            if not hasattr(cfg, attr):
-                raise ValueError(f"backbone config has no {attr!r}: only encoder models with standard "
-                                 "self-attention (BERT, RoBERTa, ...) are supported")
+        self._check_options(pooler, mlp, attn_backend, prefix_mode)
+        self.architecture = arch = Architecture(backbone)
         self.backbone = backbone.requires_grad_(False)
         self.backbone_trained = False  # full fine-tuning: checkpoints then hold the backbone (train_backbone)
-        if getattr(cfg, "use_cache", False):
-            # an encoder keeps no key/value cache (the "cache" prefix mode asks for one explicitly); with
-            # the config's default True, transformers warns under gradient checkpointing
-            cfg.use_cache = False
-        if getattr(tokenizer, "pad_token_id", 0) is None and getattr(tokenizer, "eos_token", None) is not None:
-            # decoder tokenizers (Llama, Mistral) often have no padding token; the padded positions are masked, so
-            # any id serves: EOS, as sentence-transformers and transformers' examples do
-            logger.info("the tokenizer has no padding token: padding with its EOS token %r", tokenizer.eos_token)
-            tokenizer.pad_token = tokenizer.eos_token
+        ensure_pad_token(tokenizer)
         self.tokenizer = tokenizer
-        self.base_model = base_model or getattr(cfg, "_name_or_path", None)
-        self.num_layers = cfg.num_hidden_layers
-        self.hidden_size = cfg.hidden_size
-        self.head_dim = getattr(cfg, "head_dim", None) or self.hidden_size // cfg.num_attention_heads
-        #: heads of the prefix: the backbone's key/value heads (fewer than its query heads under grouped-query
-        #: or multi-query attention, where each prefix key/value serves the query heads of its group)
-        self.num_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-        #: the token block is causal (a decoder): every token sees the tokens before it and the whole prefix
-        self.causal = any(getattr(m, "is_causal", False) is True for m in backbone.modules())
-        self._layer_of = attention_layer_map(backbone, self.num_layers)
-        self._own_attention = adapt_own_attention(backbone)  # MPNet: attention computed in its own modules
+        self.base_model = base_model or getattr(backbone.config, "_name_or_path", None)
+        # the prefix's shape (num_heads: the key/value heads) and whether the token block is causal (a decoder)
+        self.num_layers, self.hidden_size, self.head_dim = arch.num_layers, arch.hidden_size, arch.head_dim
+        self.num_heads, self.causal = arch.num_heads, arch.causal
+        # the prompt kinds: per-layer prefix, soft input tokens, [CLS] prompt
         self.prompt_config = prompt_config
         kind = prompt_config.prompt_type if prompt_config is not None else None
         self.prompt = (PrefixPrompt(prompt_config, self.num_layers, self.num_heads, self.head_dim)
                        if kind in ("prefix", "both") else None)
         self.input_prompt = None
+        words = backbone.get_input_embeddings().weight
         if kind in ("input", "both"):
             self.input_prompt = InputPrompt(prompt_config.input_prompt_length, self.hidden_size)
-            self.input_prompt.reset_parameters(prompt_config.init, prompt_config.init_std,
-                                               self.backbone.get_input_embeddings().weight, tokenizer)
+            self.input_prompt.reset_parameters(prompt_config.init, prompt_config.init_std, words, tokenizer)
         self.cls_prompt = None
         if prompt_config is not None and prompt_config.cls_prompt:
-            cls_id = _check_first_token(tokenizer)
-            init = self.backbone.get_input_embeddings().weight[cls_id].detach().clone()
-            self.cls_prompt = nn.Parameter(init)
-        _check_pooler_fits(pooler, self.causal, type(backbone).__name__)
-        self.pooler = Pooler(pooler, self.hidden_size, mlp, init_std=getattr(cfg, "initializer_range", 0.02),
-                             mlm_transform=mlm_transform)
-        if pooler in TEMPLATE_POOLERS and template is None:
-            template = DEFAULT_TEMPLATE
-        self.template = template
-        self._template = parse_template(tokenizer, template) if template is not None else None
-        self.template_words = None
-        if prompt_config is not None and prompt_config.optiprompt:
-            if self._template is None:
-                raise ValueError("optiprompt=True makes the template's words trainable: give a template "
-                                 "(or pooler='mask', which defaults to PromptBERT's)")
-            self.template_words = TemplateWords(self._template, self.backbone.get_input_embeddings().weight)
-        if denoise and (pooler not in TEMPLATE_POOLERS or self._template is None
-                        or self._template.mask_token_id is None):
-            raise ValueError("denoise=True subtracts the template's [MASK] state: it needs pooler 'mask' or 'topk' "
-                             "and a template with [MASK]")
-        self.denoise = bool(denoise)
-        if pooler == "topk":
-            if mlm_head is None:
-                raise ValueError("pooler 'topk' needs the backbone's MLM head: build the encoder with "
-                                 "PromptEncoder.from_pretrained, which reads it from the checkpoint")
-            if not isinstance(topk, int) or not 1 <= topk <= cfg.vocab_size:
-                raise ValueError(f"topk must be an integer in [1, vocab size {cfg.vocab_size}], got {topk!r}")
-        self.topk = topk
-        self.mlm_head = mlm_head.requires_grad_(False) if mlm_head is not None else None
-        self._bias_cache: dict = {}
+            self.cls_prompt = cls_prompt_parameter(tokenizer, words)
+        check_pooler_fits(pooler, self.causal, type(backbone).__name__)
+        init_std = getattr(backbone.config, "initializer_range", 0.02)
+        self.pooler = Pooler(pooler, self.hidden_size, mlp, init_std=init_std, mlm_transform=mlm_transform)
+        self._init_templates(prompt_config, pooler, template, denoise, topk, mlm_head)  # PromptBERT's settings
         self.trust_remote_code = False  # set by from_pretrained
-        self._bias_cache_version = None
         #: the most tokens one input may have (the backbone's position table, less the positions a "shifted"
         #: prefix or an input prompt take), None when unbounded
         self.max_input_length = max_input_length(self.backbone, self._position_shift() + self.input_prompt_length)
@@ -156,135 +92,21 @@ class PromptEncoder(nn.Module):
         self.prefix_mode = prefix_mode
         self._speed_checked = True
         if self.prompt is not None and prompt_config.init == "vocab":
-            self._init_prefix_from_vocab()
+            init_prefix_from_vocab(self)
         self._speed_checked = False  # the first user forward warns about a slow dtype/device combination
 
-    # ------------------------------------------------------------------ construction
-    @classmethod
-    def from_pretrained(cls, model_name_or_path: str | os.PathLike, *, prompt: str | os.PathLike | None = None,
-                        prompt_config: PromptConfig | dict | None = None, pooler: str | None = None,
-                        mlp: str | None = None, max_length: int | None = None, template: str | None = None,
-                        denoise: bool | None = None, topk: int | None = None, attn_backend: str = "auto",
-                        prefix_mode: str = "attention", torch_dtype: torch.dtype | None = None,
-                        pooler_head: str | None = None, trust_remote_code: bool = False) -> "PromptEncoder":
-        """Load a base encoder (local folder, installed model package, or hub id) and attach prompts.
-
-        ``prompt``: a checkpoint folder written by :meth:`save`; its prompt, pooler and head are used (an
-        explicit ``pooler``/``mlp``/``max_length`` overrides the saved one). Without ``prompt``, a fresh prompt
-        is created from ``prompt_config`` (or none at all: the frozen model as is). ``template``/``denoise``:
-        PromptBERT's template and template denoising (see :mod:`fastprompt.model.template`); ``None`` keeps
-        the checkpoint's choice. ``topk``: k of the ``topk`` pooler (200, PromptBERT's Table 9; the MLM head is
-        read from the model folder, see :mod:`fastprompt.model.mlm_head`). ``pooler_head``: ``new`` (default) or
-        ``mlm_transform`` (the pooler head is the base model's pretrained MLM transform, PromptBERT's supervised
-        BERT head); ``None`` keeps the checkpoint's. ``trust_remote_code``: let a model folder that names its own
-        Python classes run them (:mod:`fastprompt.remote_code`; off: such a folder is refused).
-        """
-        saved, holds_backbone = None, False
-        if prompt is not None:
-            from .checkpoint import holds_backbone_weights, read_checkpoint_config
-
-            saved = read_checkpoint_config(prompt)
-            if prompt_config is not None:
-                raise ValueError("pass either a prompt checkpoint or a prompt_config, not both")
-            if saved["prompt_config"] is not None:
-                prompt_config = PromptConfig.from_dict(saved["prompt_config"])
-            pooler = pooler or saved["pooler"]
-            mlp = mlp or saved["mlp"]
-            max_length = max_length or saved.get("max_length")
-            if (prompt_config is not None and prompt_config.optiprompt and template is not None
-                    and template != saved.get("template")):
-                raise ValueError(f"checkpoint {prompt} trained OptiPrompt vectors for the template "
-                                 f"{saved.get('template')!r}; it cannot be used with another template")
-            template = template or saved.get("template")
-            denoise = saved.get("denoise", False) if denoise is None else denoise
-            topk = topk or saved.get("topk")
-            pooler_head = pooler_head or saved.get("pooler_head", "new")
-            holds_backbone = holds_backbone_weights(saved)
-        elif isinstance(prompt_config, dict):
-            prompt_config = PromptConfig.from_dict(prompt_config)
-        _check_options(pooler or "cls", mlp or "none", attn_backend, prefix_mode)  # before any weights load
-        check_choice("pooler_head", pooler_head or "new", POOLER_HEADS)
-        attn = register_attention() if prefix_mode == "attention" else "sdpa"
-        # a fully fine-tuned checkpoint holds its backbone (and tokenizer) in the Hugging Face layout: load them
-        # from there; the base model is only named
-        tokenizer, backbone = load_backbone(prompt if holds_backbone else model_name_or_path,
-                                            attn_implementation=attn, dtype=torch_dtype,
-                                            trust_remote_code=trust_remote_code)
-        mlm_head = mlm_transform = None
-        if (pooler or "cls") == "topk":
-            from .mlm_head import load_mlm_head
-            from .resolve import resolve_model_path
-
-            # the base model's head (a saved fine-tuned backbone has none), tied to this backbone's embeddings
-            mlm_head = load_mlm_head(resolve_model_path(model_name_or_path), backbone,
-                                     trust_remote_code=trust_remote_code)
-        if (pooler_head or "new") == "mlm_transform":
-            from .mlm_head import load_mlm_transform
-            from .resolve import resolve_model_path
-
-            # the base model's pretrained transform; a checkpoint's trained one replaces it below
-            mlm_transform = load_mlm_transform(resolve_model_path(model_name_or_path), backbone,
-                                               trust_remote_code=trust_remote_code)
-        encoder = cls(backbone, tokenizer, prompt_config, pooler=pooler or "cls", mlp=mlp or "none",
-                      max_length=max_length, template=template, denoise=bool(denoise), topk=topk or 200,
-                      mlm_head=mlm_head, attn_backend=attn_backend, prefix_mode=prefix_mode,
-                      base_model=model_reference(model_name_or_path), mlm_transform=mlm_transform)
-        encoder.trust_remote_code = trust_remote_code  # what later loads from the same model (MLM head) follow
-        if saved is not None:
-            from .checkpoint import load_checkpoint_weights
-
-            load_checkpoint_weights(encoder, prompt, saved, backbone=False)  # the backbone is loaded above
-            encoder.backbone_trained = holds_backbone
-        return encoder
-
-    @classmethod
-    def load(cls, checkpoint_dir: str | os.PathLike, base_model: str | os.PathLike | None = None,
-             **kwargs) -> "PromptEncoder":
-        """Load a prompt checkpoint onto its base model (the one it names, or ``base_model``).
-
-        A checkpoint names its base model by absolute path, installed package name or hub id; older ones may hold
-        a relative path, which is tried from the current directory."""
-        from .checkpoint import read_checkpoint_config
-
-        saved = read_checkpoint_config(checkpoint_dir)
-        if base_model is not None:
-            return cls.from_pretrained(base_model, prompt=checkpoint_dir, **kwargs)
-        base = saved["base_model"]
-        if not base:
-            raise ValueError(f"checkpoint {checkpoint_dir} names no base model; pass base_model=")
-        try:
-            return cls.from_pretrained(base, prompt=checkpoint_dir, **kwargs)
-        except FileNotFoundError as exc:
-            raise FileNotFoundError(f"prompt checkpoint {checkpoint_dir} was saved on base model {base!r}, which "
-                                    f"cannot be loaded here ({exc}); pass base_model=PATH_OR_NAME (CLI: --model) "
-                                    "to load the prompt onto a copy of that model") from exc
-
-    def save(self, checkpoint_dir: str | os.PathLike, overwrite: bool = False) -> Path:
-        """Write the prompt-only checkpoint (safetensors + JSON), atomically.
-
-        ``checkpoint_dir`` may be new, an empty folder or an earlier fastprompt checkpoint holding only its own
-        files (which is replaced); anything else (a file, a folder with other content, a checkpoint folder that
-        other files were put into) raises FileExistsError unless ``overwrite=True``, because saving replaces the
-        whole folder."""
-        from .checkpoint import save_checkpoint
-
-        return save_checkpoint(self, checkpoint_dir, overwrite=overwrite)
+    @staticmethod
+    def _check_options(pooler: str, mlp: str, attn_backend: str, prefix_mode: str) -> None:
+        """Reject a typo in a closed choice with the list of valid values (the sets live in fastprompt.choices)."""
+        check_choice("pooler", pooler, POOLERS)
+        check_choice("mlp", mlp, MLP_MODES)
+        check_choice("attn_backend", attn_backend, BACKENDS)
+        check_choice("prefix_mode", prefix_mode, PREFIX_MODES)
 
     def check_max_length(self, max_length: int | None) -> None:
         """ValueError when inputs of ``max_length`` tokens would not fit the backbone's position table."""
-        if max_length is None:
-            return
-        if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-            raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
-        limit = self.max_input_length
-        if limit is not None and max_length > limit:
-            why = ""
-            if self._position_shift():
-                why += f" minus the {self.prompt_length} prompt positions of position_mode='shifted'"
-            if self.input_prompt_length:
-                why += f" minus the {self.input_prompt_length} soft input tokens"
-            raise ValueError(f"max_length {max_length} is more tokens than {self.base_model!r} can take: at most "
-                             f"{limit} (its position embeddings{why})")
+        check_max_length(max_length, self.max_input_length, self.base_model, shifted=self._position_shift(),
+                         soft_tokens=self.input_prompt_length)
 
     def to(self, *args, **kwargs) -> "PromptEncoder":
         """``nn.Module.to`` that rejects a device this machine does not have with a clear message (torch would
@@ -294,85 +116,27 @@ class PromptEncoder(nn.Module):
             resolve_device(device)
         return super().to(*args, **kwargs)
 
-    @contextlib.contextmanager
-    def using_weights(self, checkpoint_dir: str | os.PathLike) -> Iterator["PromptEncoder"]:
-        """Run a block with a prompt checkpoint's weights in this encoder, then put the current ones back.
-
-        Everything :meth:`save` writes (prompt, [CLS] prompt, pooler head and its BatchNorm statistics) is
-        loaded in place, so an optimizer holding these parameters keeps working after the block; the
-        train/eval mode is restored too. The checkpoint must describe a prompt of this encoder's shape.
-        """
-        from .checkpoint import holds_backbone_weights, load_checkpoint_weights, read_checkpoint_config
-
-        saved = read_checkpoint_config(checkpoint_dir)
-        current = {k: v.detach().clone() for k, v in self.prompt_state_dict().items()}
-        if self.backbone_trained or holds_backbone_weights(saved):
-            current.update({f"backbone.{k}": v.detach().clone() for k, v in self.backbone.state_dict().items()})
-        was_training = self.training
-        try:
-            load_checkpoint_weights(self, checkpoint_dir, saved)  # inside: a load that fails half-way is undone
-            yield self
-        finally:
-            with torch.no_grad():  # in place, so an optimizer holding these parameters keeps working
-                for k, v in self.state_dict().items():
-                    if k in current:
-                        v.copy_(current[k])
-            self.train(was_training)
-
     def gradient_checkpointing_enable(self, enable: bool = True) -> "PromptEncoder":
-        """Recompute each backbone layer in backward instead of storing its activations.
-
-        Non-reentrant checkpointing (``use_reentrant=False``) is required: the frozen backbone's inputs never
-        require grad, so reentrant checkpointing would silently drop the prompt gradients (which is why PEFT
-        refuses checkpointing with prefix tuning). The RNG state is restored for the recompute, so dropout
-        masks, and therefore gradients, are the same as without checkpointing.
-        """
-        if not getattr(self.backbone, "supports_gradient_checkpointing", False):
-            raise ValueError(f"{type(self.backbone).__name__} does not support gradient checkpointing")
-        if enable:
-            kwargs = {"use_reentrant": False}
-            if hasattr(self.backbone, "activation_checkpointing_enable"):
-                self.backbone.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-            else:  # transformers < 5.x
-                self.backbone.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-        else:
-            disable = getattr(self.backbone, "activation_checkpointing_disable", None)
-            (disable or self.backbone.gradient_checkpointing_disable)()
+        """Recompute each backbone layer in backward instead of storing its activations (non-reentrant, so the
+        prompt gradients survive: :meth:`~fastprompt.model.backbone.Architecture.gradient_checkpointing`)."""
+        self.architecture.gradient_checkpointing(enable)
         return self
 
     @property
     def is_gradient_checkpointing(self) -> bool:
-        flag = "is_activation_checkpointing" if hasattr(self.backbone, "is_activation_checkpointing") \
-            else "is_gradient_checkpointing"
-        return bool(getattr(self.backbone, flag, False))
+        return self.architecture.is_gradient_checkpointing
 
-    # ------------------------------------------------------------------ parameters
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The prompt, [CLS] prompt and pooler-head parameters, and the backbone's after :meth:`train_backbone`."""
         return [p for p in self.parameters() if p.requires_grad]
 
     def train_backbone(self, enable: bool = True) -> "PromptEncoder":
-        """Full fine-tuning: make the backbone's weights trainable (the MLM head of ``topk`` stays frozen).
-
-        From then on :meth:`save` writes the backbone too, in the Hugging Face layout
-        (``AutoModel.from_pretrained(checkpoint_dir)`` loads it), next to the prompt files.
-
-        The backbone's own pooler (BERT's and RoBERTa's ``pooler``: dense + tanh over [CLS]) stays frozen: the
-        encoder pools the last hidden states itself, so that layer is never in the graph and could receive no
-        gradient. Trainable, it would get none in one process (AdamW skips it) but zeros from the all-reduce
-        of several processes (AdamW's weight decay would then shrink it): the saved weights would depend on
-        the number of processes.
-        """
-        self.backbone.requires_grad_(enable)
-        unused = getattr(self.backbone, "pooler", None)
-        if enable and isinstance(unused, nn.Module):
-            unused.requires_grad_(False)
+        """Full fine-tuning: make the backbone's weights trainable (the MLM head of ``topk`` and the backbone's own
+        pooler stay frozen: :meth:`~fastprompt.model.backbone.Architecture.set_trainable`). From then on
+        :meth:`save` writes the backbone too, in the Hugging Face layout (``AutoModel.from_pretrained`` loads it)."""
+        self.architecture.set_trainable(enable)
         self.backbone_trained = self.backbone_trained or enable
         return self
-
-    def prompt_state_dict(self) -> dict[str, torch.Tensor]:
-        """Everything a checkpoint stores: all parameters and buffers outside the frozen backbone."""
-        return {k: v for k, v in self.state_dict().items() if not k.startswith(("backbone.", "mlm_head."))}
 
     @property
     def device(self) -> torch.device:
@@ -389,7 +153,6 @@ class PromptEncoder(nn.Module):
         """Soft tokens inserted into the input sequence (0 without an input prompt)."""
         return self.input_prompt.length if self.input_prompt is not None else 0
 
-    # ------------------------------------------------------------------ tokenisation
     def model_max_tokens(self) -> int:
         """Longest sequence (special tokens included) the backbone's positions and tokenizer allow."""
         return min(self.tokenizer.model_max_length, 512, self.max_input_length or 512)
@@ -413,47 +176,15 @@ class PromptEncoder(nn.Module):
         ids = wrap_batch(self.tokenizer, tpl, list(sentences), max_length, self.model_max_tokens())
         return dict(self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt"))
 
-    def _resolve_template(self, template: str | Template | None) -> Template | None:
-        if template is None:
-            return self._template
-        if isinstance(template, Template):
-            return template
-        if self._template is not None and template == self._template.text:
-            return self._template
-        return parse_template(self.tokenizer, template)
-
-    # ------------------------------------------------------------------ forward
     def _position_shift(self) -> int:
         return self.prompt_length if (self.prompt_config and self.prompt_config.position_mode == "shifted") else 0
 
     def _position_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       positions: torch.Tensor | None = None) -> torch.Tensor | None:
-        """Explicit position ids where transformers' defaults would be wrong for us, else None.
-
-        ``positions``: (B, S) positions of the tokens counted from the first (0 for [CLS]); the backbone's own
-        offset (RoBERTa's ``padding_idx + 1``) and the "shifted" prefix offset are added here.
-        """
-        shift = self._position_shift()
-        needs_ids = (shift > 0 or self.cls_prompt is not None or self.prefix_mode == "cache" or positions is not None
-                     or self.input_prompt is not None)
-        if not needs_ids:
-            return None
-        emb = getattr(self.backbone, "embeddings", None)
-        if positions is None and self.input_prompt is None:
-            if hasattr(emb, "create_position_ids_from_input_ids"):  # RoBERTa family: offsets by padding_idx
-                return emb.create_position_ids_from_input_ids(input_ids, emb.padding_idx, shift)
-            S = input_ids.shape[1]
-            return (torch.arange(S, device=input_ids.device) + shift).unsqueeze(0).expand(input_ids.shape[0], -1)
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
-        if self.input_prompt is not None:  # soft tokens take positions 1..n, the text after them moves by n
-            n = self.input_prompt_length
-            soft = torch.arange(1, n + 1, device=positions.device).expand(positions.shape[0], -1)
-            positions = torch.cat([positions[:, :1], soft, positions[:, 1:] + n], dim=1)
-            attention_mask = self._insert_mask(attention_mask)
-        if hasattr(emb, "create_position_ids_from_input_ids"):
-            return torch.where(attention_mask.bool(), positions + emb.padding_idx + 1 + shift, emb.padding_idx)
-        return positions + shift
+        """The backbone's position ids for these rows (:meth:`~fastprompt.model.backbone.Architecture.position_ids`)."""
+        explicit = self.cls_prompt is not None or self.prefix_mode == "cache"  # the backbone gets embeddings, a cache
+        return self.architecture.position_ids(input_ids, attention_mask, positions, shift=self._position_shift(),
+                                              soft=self.input_prompt, explicit=explicit)
 
     def _layer_prefixes(self, batch_size: int | None = None):
         """Each layer's prefix (k, v); per example (batch_size, ...) under prompt dropout in training."""
@@ -477,75 +208,25 @@ class PromptEncoder(nn.Module):
             device = self.device
             autocast = torch.is_autocast_enabled(device.type)
             warn_if_slow(torch.get_autocast_dtype(device.type) if autocast else self.backbone.dtype, device)
-        kwargs = {"position_ids": self._position_ids(input_ids, attention_mask, positions)}
+        inputs = {"position_ids": self._position_ids(input_ids, attention_mask, positions)}
         if self.cls_prompt is None and self.input_prompt is None and self.template_words is None:
-            kwargs["input_ids"] = input_ids
-        else:
+            inputs["input_ids"] = input_ids
+        else:  # the input-level prompts: [CLS] prompt, OptiPrompt's template words, soft input tokens
             embeds = self.backbone.get_input_embeddings()(input_ids)
             if self.cls_prompt is not None:
-                cls = self.cls_prompt.to(embeds.dtype).expand(embeds.shape[0], 1, -1)
-                embeds = torch.cat([cls, embeds[:, 1:]], dim=1)
+                embeds = replace_first_token(embeds, self.cls_prompt)
             if self.template_words is not None:
                 embeds = self.template_words.apply(embeds, input_ids, attention_mask)
             if self.input_prompt is not None:
                 embeds = self.input_prompt.insert(embeds)
-                attention_mask = self._insert_mask(attention_mask)
+                attention_mask = self.input_prompt.insert_mask(attention_mask)
                 if token_type_ids is not None:
-                    token_type_ids = self._insert_mask(token_type_ids, fill=0)
-            kwargs["inputs_embeds"] = embeds
-        kwargs["token_type_ids"] = token_type_ids
-        layers = self._layer_prefixes(attention_mask.shape[0])
-        if self.prefix_mode == "attention":
-            state = PrefixState(layers, attention_mask.bool(), self.attn_backend, _capture, self._layer_of)
-            if self._own_attention is None:
-                out = self.backbone(attention_mask=attention_mask, fastprompt_state=state, **kwargs)
-            else:
-                self._own_attention.state = state
-                try:
-                    out = self.backbone(attention_mask=attention_mask, **kwargs)
-                finally:  # the backbone called on its own runs without the prefix
-                    self._own_attention.state = None
-            check_prefix_consumed([i for i, e in enumerate(layers) if e is not None], state.served,
-                                  self._model_name())
-        elif self.prompt is None:
-            out = self.backbone(attention_mask=attention_mask, **kwargs)
-        else:
-            B, P = attention_mask.shape[0], self.prompt_length
-            self._check_cache_path(P + attention_mask.shape[1])
-            cache = build_prefix_cache(layers, B)
-            mask = torch.cat([attention_mask.new_ones(B, P), attention_mask], dim=1)
-            kwargs[cache_keyword(self.backbone)] = cache
-            out = self.backbone(attention_mask=mask, use_cache=True, **kwargs)
-        hidden = out.last_hidden_state
+                    token_type_ids = self.input_prompt.insert_mask(token_type_ids, fill=0)
+            inputs["inputs_embeds"] = embeds
+        hidden = self.architecture.forward(attention_mask, self._layer_prefixes(attention_mask.shape[0]),
+                                           prefix_mode=self.prefix_mode, backend=self.attn_backend,
+                                           capture=_capture, token_type_ids=token_type_ids, **inputs)
         return self.input_prompt.remove(hidden) if self.input_prompt is not None else hidden
-
-    def _check_cache_path(self, length: int) -> None:
-        """The DynamicCache reference path needs a model that takes a cache, and differs from the attention path
-        where a sliding window is shorter than prefix + tokens: the cache holds the prefix at positions 0..P-1, so
-        the window hides it from distant tokens (PEFT's semantics), while the attention path keeps it visible."""
-        if "past_key_values" not in inspect.signature(type(self.backbone).forward).parameters and \
-                cache_keyword(self.backbone) != "cache":
-            raise ValueError(f"prefix_mode='cache' passes the prefix as a key/value cache, which {self._model_name()} "
-                             "does not take; use prefix_mode='attention'")
-        cfg = self.backbone.config
-        window = getattr(cfg, "sliding_window", None)
-        sliding = getattr(cfg, "use_sliding_window", True) and "sliding_attention" in (
-            getattr(cfg, "layer_types", None) or ["sliding_attention"])
-        if isinstance(window, int) and sliding and length > window:
-            raise ValueError(f"prefix_mode='cache' would hide the prefix from tokens more than the sliding window "
-                             f"({window}) past it (PEFT's semantics), here {length} prefix + token positions; "
-                             "prefix_mode='attention' keeps it visible to every token")
-
-    def _model_name(self) -> str:
-        return f"{type(self.backbone).__name__} (model_type {getattr(self.backbone.config, 'model_type', '?')!r})"
-
-    def _insert_mask(self, mask: torch.Tensor, fill: int = 1) -> torch.Tensor:
-        """(B, S) -> (B, S + n): a column per soft input token, right after the first one."""
-        n = self.input_prompt_length
-        if n == 0:
-            return mask
-        soft = mask.new_full((mask.shape[0], n), fill)
-        return torch.cat([mask[:, :1], soft, mask[:, 1:]], dim=1)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None, *,
@@ -574,107 +255,9 @@ class PromptEncoder(nn.Module):
         vec = self.pooler.select(hidden, attention_mask, input_ids, self.tokenizer.mask_token_id,
                                  mask_positions=self._mask_positions(tpl, attention_mask))
         vec = self.pooler.transform(vec)  # the mlm_transform head: on the [MASK] state and on the bias alike
-        denoise = self.denoise if denoise is None else denoise
-        if denoise:
-            if self.pooler.pooler not in TEMPLATE_POOLERS or tpl is None:
-                raise ValueError("denoising subtracts the template's [MASK] state: it needs pooler 'mask' or "
-                                 "'topk' and a template")
-            bias = self.template_bias(tpl, self.sentence_lengths(tpl, attention_mask))
-            vec = vec - self.pooler.transform(bias).to(vec.dtype)
-        if self.pooler.pooler == "topk":  # PromptBERT's Table 9: top-k of the (denoised) [MASK] state
-            vec = topk_token_representation(vec, self.mlm_head, self.backbone.get_input_embeddings().weight,
-                                            self.topk)
+        vec = self._denoise_and_topk(vec, tpl, attention_mask, denoise)
         return self.pooler.apply_head(vec) if head else vec
 
-    # ------------------------------------------------------------------ template denoising
-    @staticmethod
-    def _mask_positions(tpl: Template | None, attention_mask: torch.Tensor) -> torch.Tensor | None:
-        """(B,) index of the template's [MASK] in each right-padded row, found from the template's structure
-        (a literal mask token inside a sentence cannot be taken for it)."""
-        if tpl is None or tpl.mask_token_id is None or tpl.mask_token_id not in tpl.alone():
-            return None
-        index = tpl.mask_index()
-        if index < tpl.sentence_start:
-            return torch.full((attention_mask.shape[0],), index, device=attention_mask.device, dtype=torch.long)
-        from_end = len(tpl.alone()) - index
-        return attention_mask.sum(1).long() - from_end
-
-    @staticmethod
-    def sentence_lengths(tpl: Template, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B,) number of sentence tokens in each row of sequences built with ``tpl``."""
-        lengths = attention_mask.sum(1).long() - tpl.overhead
-        if bool((lengths < 0).any()):
-            raise ValueError(f"rows are shorter than the template {tpl.text!r}: were they built with it?")
-        return lengths
-
-    def template_inputs(self, tpl: Template, lengths: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The template fed alone, one row per length L, with the positions it has around an L-token sentence
-        (tokens after [X] shifted by L): ``(input_ids, positions)``, both (len(lengths), template tokens)."""
-        ids = torch.tensor(tpl.alone(), device=lengths.device)
-        T = ids.numel()
-        positions = torch.arange(T, device=lengths.device).unsqueeze(0) + \
-            (torch.arange(T, device=lengths.device) >= tpl.sentence_start).long().unsqueeze(0) * lengths.unsqueeze(1)
-        return ids.unsqueeze(0).expand(len(lengths), -1), positions
-
-    def template_bias(self, template: str | Template | None, lengths: torch.Tensor) -> torch.Tensor:
-        """PromptBERT's template bias: the [MASK] state of the template alone, for each sentence length, (B, hidden).
-
-        In training it is recomputed on every call (dropout and gradients as for the sentences, once per distinct
-        length of the batch). In evaluation (``eval()`` and no autograd) it depends only on (template, length),
-        the weights and the numerics it runs in, so it is cached per (template, length, device, weight dtype,
-        autocast dtype or none) until a parameter changes: a bias computed under bf16 autocast is never reused
-        in float32, nor the other way round.
-        """
-        tpl = self._resolve_template(template)
-        if tpl is None:
-            raise ValueError("template_bias needs a template")
-        uniq, inverse = torch.unique(lengths, return_inverse=True)
-        cached = not self.training and not torch.is_grad_enabled()
-        if not cached:
-            return self._bias_for(tpl, uniq)[inverse]
-        version = tuple((id(p), p._version) for p in self.parameters())
-        if version != self._bias_cache_version:
-            self._bias_cache, self._bias_cache_version = {}, version
-        device = self.device
-        autocast = torch.get_autocast_dtype(device.type) if torch.is_autocast_enabled(device.type) else None
-        key = (tpl.text, device, next(self.backbone.parameters()).dtype, autocast)
-        store = self._bias_cache.setdefault(key, {})
-        missing = [int(L) for L in uniq.tolist() if int(L) not in store]
-        if missing:
-            new = self._bias_for(tpl, torch.tensor(missing, device=lengths.device))
-            store.update(zip(missing, new))
-        return torch.stack([store[int(L)] for L in uniq.tolist()])[inverse]
-
-    def _bias_for(self, tpl: Template, lengths: torch.Tensor) -> torch.Tensor:
-        ids, positions = self.template_inputs(tpl, lengths)
-        mask = torch.ones_like(ids)
-        hidden = self.hidden_states(ids, mask, positions=positions)
-        return hidden[:, tpl.mask_index()]
-
-    def clear_template_cache(self) -> None:
-        """Forget the cached template biases (they are also dropped whenever a parameter changes in place)."""
-        self._bias_cache, self._bias_cache_version = {}, None
-
-    @torch.no_grad()
-    def _init_prefix_from_vocab(self):
-        """'vocab' init: the frozen backbone's own keys/values of P random non-special vocabulary tokens."""
-        if self.prompt_config.prefix_projection:
-            raise ValueError("init='vocab' is not defined for a reparameterised (prefix_projection) prompt")
-        if self.prefix_mode != "attention":
-            raise ValueError("init='vocab' needs prefix_mode='attention'")
-        pick = random_vocab_ids(self.tokenizer, self.prompt_length).unsqueeze(0).to(self.device)
-        capture, saved = {}, (self.prompt, self.input_prompt, self.template_words)
-        self.prompt = self.input_prompt = self.template_words = None  # run the plain backbone
-        try:
-            self.hidden_states(pick, torch.ones_like(pick), _capture=capture)
-        finally:
-            self.prompt, self.input_prompt, self.template_words = saved
-        prompt = self.prompt
-        check_prefix_consumed(range(prompt.stored_layers), capture, self._model_name())
-        per_layer = [torch.stack(capture[i]) for i in range(prompt.stored_layers)]  # (2, H, P, D) each
-        prompt.load_prefix_(torch.stack(per_layer).to(prompt.prefix.dtype))
-
-    # ------------------------------------------------------------------ inference API
     @torch.inference_mode()
     def encode(self, sentences: list[str], batch_size: int = 64, normalize: bool = True,
                show_progress_bar: bool | None = None, max_length: int | None = None,
@@ -744,38 +327,6 @@ def _check_sentences(sentences):
     for i, s in enumerate(sentences):
         if not isinstance(s, str):
             raise TypeError(f"sentence {i} is a {type(s).__name__}, not a str: {s!r:.80}")
-
-
-def _check_pooler_fits(pooler: str, causal: bool, model: str) -> None:
-    """A causal backbone's first token sees only itself: its state says nothing about the sentence."""
-    if causal and pooler in FIRST_TOKEN_POOLERS:
-        raise ValueError(f"pooler {pooler!r} reads the first token, which in the causal (decoder) model {model} sees "
-                         "no other token: use pooler 'last' (the last real token, what decoder embedders use) or "
-                         "'mean'")
-
-
-def _check_first_token(tokenizer) -> int:
-    """The id of the token the [CLS] prompt replaces: the tokenizer must put its [CLS] (or BOS) token first in every
-    row; otherwise the prompt would replace a word, or a padding token that attention never reads."""
-    cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
-    first = tokenizer("a")["input_ids"][:1]
-    if cls_id is None or first != [cls_id]:
-        raise ValueError("cls_prompt replaces the [CLS] token at the start of every input, but "
-                         f"{type(tokenizer).__name__} does not start its inputs with a [CLS] or BOS token: there is "
-                         "no such token to replace")
-    if getattr(tokenizer, "padding_side", "right") == "left":
-        raise ValueError("cls_prompt replaces the first token of every row, which under left padding is a padding "
-                         "token that attention never reads; use a right-padding tokenizer (tokenizer.padding_side "
-                         "= 'right')")
-    return cls_id
-
-
-def _check_options(pooler: str, mlp: str, attn_backend: str, prefix_mode: str) -> None:
-    """Reject a typo in a closed choice with the list of valid values (the sets live in fastprompt.choices)."""
-    check_choice("pooler", pooler, POOLERS)
-    check_choice("mlp", mlp, MLP_MODES)
-    check_choice("attn_backend", attn_backend, BACKENDS)
-    check_choice("prefix_mode", prefix_mode, PREFIX_MODES)
 
 
 __all__ = ["PromptEncoder", "MLP_MODES", "PREFIX_MODES", "DEFAULT_TEMPLATE"]

@@ -111,6 +111,23 @@ def load_mlm_transform(model_path: str | os.PathLike, backbone: nn.Module,
     return transform.requires_grad_(True).train()
 
 
+def load_pooler_heads(model_name_or_path: str | os.PathLike, backbone: nn.Module, pooler: str, pooler_head: str,
+                      trust_remote_code: bool = False) -> tuple[nn.Module | None, nn.Module | None]:
+    """``(mlm_head, mlm_transform)`` of a :class:`~fastprompt.model.PromptEncoder`, each None where not asked for:
+    the base model's MLM head for pooler ``topk`` (a saved fine-tuned backbone has none; tied to this backbone's
+    embeddings) and its pretrained transform for ``pooler_head="mlm_transform"`` (a checkpoint's trained one
+    replaces it when the checkpoint loads)."""
+    from .resolve import resolve_model_path
+
+    mlm_head = mlm_transform = None
+    if pooler == "topk":
+        mlm_head = load_mlm_head(resolve_model_path(model_name_or_path), backbone, trust_remote_code=trust_remote_code)
+    if pooler_head == "mlm_transform":
+        mlm_transform = load_mlm_transform(resolve_model_path(model_name_or_path), backbone,
+                                           trust_remote_code=trust_remote_code)
+    return mlm_head, mlm_transform
+
+
 def trainable_mlm_head(head: nn.Module) -> nn.Module:
     """A checkpoint's head (from :func:`load_mlm_head`) made trainable as DCPCSE's code trains it.
 

@@ -11,8 +11,8 @@ from torch import nn
 
 from fastprompt.choices import FIRST_TOKEN_POOLERS, MLP_MODES, POOLERS, check_choice
 
-__all__ = ["Pooler", "POOLERS", "MLP_MODES", "NativePooling", "bn_mlp_head", "init_linear_layers", "native_pooling",
-           "topk_token_representation"]
+__all__ = ["Pooler", "POOLERS", "MLP_MODES", "NativePooling", "bn_mlp_head", "check_pooler_fits", "init_linear_layers",
+           "native_pooling", "topk_token_representation"]
 
 
 class Pooler(nn.Module):
@@ -109,6 +109,14 @@ class Pooler(nn.Module):
                 mask_token_id: int | None = None, mask_positions: torch.Tensor | None = None) -> torch.Tensor:
         vec = self.select(hidden, attention_mask, input_ids, mask_token_id, mask_positions)
         return self.apply_head(self.transform(vec))
+
+
+def check_pooler_fits(pooler: str, causal: bool, model: str) -> None:
+    """A causal backbone's first token sees only itself: its state says nothing about the sentence."""
+    if causal and pooler in FIRST_TOKEN_POOLERS:
+        raise ValueError(f"pooler {pooler!r} reads the first token, which in the causal (decoder) model {model} sees "
+                         "no other token: use pooler 'last' (the last real token, what decoder embedders use) or "
+                         "'mean'")
 
 
 @torch.no_grad()

@@ -4,8 +4,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from .attention import check_prefix_consumed
 from .config import PromptConfig
 from .device import check_allocation
+from .soft_prompt import random_vocab_ids
 
 
 class PrefixPrompt(nn.Module):
@@ -63,7 +65,7 @@ class PrefixPrompt(nn.Module):
         for t in tensors:
             if self.config.init == "uniform":
                 nn.init.uniform_(t, -std, std)
-            else:  # "normal"; "vocab" is applied afterwards by PromptEncoder, which owns the backbone
+            else:  # "normal"; "vocab" is applied afterwards (init_prefix_from_vocab), which needs the backbone
                 nn.init.normal_(t, std=std)
 
     @torch.no_grad()
@@ -112,3 +114,24 @@ class PrefixPrompt(nn.Module):
         c = self.config
         return (f"layers={self.num_layers}, heads={self.num_heads}, P={c.prompt_length}, head_dim={self.head_dim}, "
                 f"projection={c.prefix_projection}, shared={c.shared_across_layers}, input_only={c.input_layer_only}")
+
+
+@torch.no_grad()
+def init_prefix_from_vocab(encoder) -> None:
+    """The ``vocab`` initialisation of a :class:`~fastprompt.model.PromptEncoder`'s prefix: the frozen backbone's
+    own keys/values of P random non-special vocabulary tokens, captured from its attention function."""
+    if encoder.prompt_config.prefix_projection:
+        raise ValueError("init='vocab' is not defined for a reparameterised (prefix_projection) prompt")
+    if encoder.prefix_mode != "attention":
+        raise ValueError("init='vocab' needs prefix_mode='attention'")
+    pick = random_vocab_ids(encoder.tokenizer, encoder.prompt_length).unsqueeze(0).to(encoder.device)
+    capture, saved = {}, (encoder.prompt, encoder.input_prompt, encoder.template_words)
+    encoder.prompt = encoder.input_prompt = encoder.template_words = None  # run the plain backbone
+    try:
+        encoder.hidden_states(pick, torch.ones_like(pick), _capture=capture)
+    finally:
+        encoder.prompt, encoder.input_prompt, encoder.template_words = saved
+    prompt = encoder.prompt
+    check_prefix_consumed(range(prompt.stored_layers), capture, encoder.architecture.name)
+    per_layer = [torch.stack(capture[i]) for i in range(prompt.stored_layers)]  # (2, H, P, D) each
+    prompt.load_prefix_(torch.stack(per_layer).to(prompt.prefix.dtype))

@@ -1,13 +1,14 @@
-"""Input-level soft prompts: trainable vectors in the input embedding sequence, which pass through every layer.
-
-Two kinds, both used by :class:`~fastprompt.model.PromptEncoder`:
+"""Input-level prompts: trainable vectors in the input embedding sequence, which pass through every layer.
 
 - :class:`InputPrompt` (``prompt_type="input"`` or ``"both"``): ``n`` vectors inserted right after the first
   token ([CLS] / <s>), as prompt tuning / P-tuning and the shallow-prompt ablations of DCPCSE and PromCSE. The
   first token stays first, so the [CLS] pooler is unchanged; the encoder drops the vectors' output states, so
   every pooler and token-level head sees states aligned with the input ids.
-- :class:`TemplateWords` (OptiPrompt, ``optiprompt=True``): the words of the template become trainable
-  vectors, initialised from their static token embeddings; the sentence and the [MASK] keep their embeddings.
+- The [CLS] prompt (D2CSE, ``cls_prompt=True``): one trainable vector that replaces the first token's embedding
+  (:func:`cls_prompt_parameter`, :func:`replace_first_token`).
+
+The per-layer prefix is :class:`~fastprompt.model.prefix.PrefixPrompt`; OptiPrompt's trainable template words are
+PromptBERT's (:class:`~fastprompt.model.promptbert.TemplateWords`).
 """
 from __future__ import annotations
 
@@ -54,45 +55,39 @@ class InputPrompt(nn.Module):
             return hidden
         return torch.cat([hidden[:, :1], hidden[:, 1 + self.length:]], dim=1)
 
+    def insert_mask(self, mask: torch.Tensor, fill: int = 1) -> torch.Tensor:
+        """(B, S) -> (B, S + length): a column per vector (attention mask ones; ``fill=0`` for token type ids)."""
+        if self.length == 0:
+            return mask
+        soft = mask.new_full((mask.shape[0], self.length), fill)
+        return torch.cat([mask[:, :1], soft, mask[:, 1:]], dim=1)
 
-class TemplateWords(nn.Module):
-    """OptiPrompt: one trainable vector per template word, initialised from its static token embedding.
+    def insert_positions(self, positions: torch.Tensor) -> torch.Tensor:
+        """(B, S) -> (B, S + length): the vectors take positions 1..length, the text after them moves by length."""
+        n = self.length
+        soft = torch.arange(1, n + 1, device=positions.device).expand(positions.shape[0], -1)
+        return torch.cat([positions[:, :1], soft, positions[:, 1:] + n], dim=1)
 
-    ``slots_before``/``slots_after`` are the words' indices inside the template's ``before`` and ``after``
-    parts (see :meth:`~fastprompt.model.template.Template.word_slots`); :meth:`apply` finds them in each
-    sequence from its length, so padding and sentence lengths never move them.
-    """
 
-    def __init__(self, template, word_embeddings: torch.Tensor):
-        super().__init__()
-        b, a = template.word_slots()
-        if not b and not a:
-            raise ValueError(f"OptiPrompt: template {template.text!r} has no words besides [X] and [MASK]")
-        self.template = template
-        ids = torch.tensor(template.word_ids(), dtype=torch.long)
-        self.register_buffer("token_ids", ids, persistent=False)
-        self.embedding = nn.Parameter(word_embeddings.detach()[ids.to(word_embeddings.device)].clone())
-        start = len(template.lead)
-        self._before = torch.tensor([start + i for i in b], dtype=torch.long)
-        # index of each ``after`` word counted back from the end of the real tokens
-        tail = len(template.after) + len(template.trail)
-        self._after_from_end = torch.tensor([tail - i for i in a], dtype=torch.long)
+def cls_prompt_parameter(tokenizer, word_embeddings: torch.Tensor) -> nn.Parameter:
+    """The [CLS] prompt, initialised from the embedding of the token it replaces.
 
-    def positions(self, attention_mask: torch.Tensor) -> torch.Tensor:
-        """(B, words) index of every template word in each (right-padded) sequence."""
-        B, dev = attention_mask.shape[0], attention_mask.device
-        lengths = attention_mask.sum(1, keepdim=True).long()
-        before = self._before.to(dev).unsqueeze(0).expand(B, -1)
-        after = lengths - self._after_from_end.to(dev).unsqueeze(0)
-        return torch.cat([before, after], dim=1)
+    The tokenizer must put its [CLS] (or BOS) token first in every row; otherwise the prompt would replace a word,
+    or a padding token that attention never reads."""
+    cls_id = tokenizer.cls_token_id if tokenizer.cls_token_id is not None else tokenizer.bos_token_id
+    first = tokenizer("a")["input_ids"][:1]
+    if cls_id is None or first != [cls_id]:
+        raise ValueError("cls_prompt replaces the [CLS] token at the start of every input, but "
+                         f"{type(tokenizer).__name__} does not start its inputs with a [CLS] or BOS token: there is "
+                         "no such token to replace")
+    if getattr(tokenizer, "padding_side", "right") == "left":
+        raise ValueError("cls_prompt replaces the first token of every row, which under left padding is a padding "
+                         "token that attention never reads; use a right-padding tokenizer (tokenizer.padding_side "
+                         "= 'right')")
+    return nn.Parameter(word_embeddings[cls_id].detach().clone())
 
-    def apply(self, embeds: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-        """Replace the template words' embeddings by the trainable vectors (out of place, differentiable)."""
-        pos = self.positions(attention_mask)
-        found = input_ids.gather(1, pos.clamp(0, input_ids.shape[1] - 1))
-        if not bool(((pos >= 0) & (found == self.token_ids.unsqueeze(0))).all()):
-            raise ValueError(f"OptiPrompt: the inputs are not sequences of the template {self.template.text!r} "
-                             "(tokenise them with this encoder's tokenize())")
-        rows = torch.arange(embeds.shape[0], device=embeds.device).unsqueeze(1).expand_as(pos)
-        values = self.embedding.to(embeds.dtype).unsqueeze(0).expand(embeds.shape[0], -1, -1)
-        return embeds.index_put((rows, pos), values)
+
+def replace_first_token(embeds: torch.Tensor, cls_prompt: torch.Tensor) -> torch.Tensor:
+    """(B, S, hidden) input embeddings with the first column replaced by the [CLS] prompt."""
+    cls = cls_prompt.to(embeds.dtype).expand(embeds.shape[0], 1, -1)
+    return torch.cat([cls, embeds[:, 1:]], dim=1)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 SENTENCE = "[X]"
 MASK = "[MASK]"
+DEFAULT_TEMPLATE = 'This sentence : "[X]" means [MASK] .'  # PromptBERT's BERT template
 
 
 @dataclass(frozen=True)

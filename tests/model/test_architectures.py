@@ -262,7 +262,7 @@ def _mpnet_concat_forward(encoder, layer_of, module, hidden_states, attention_ma
     """MPNet's eager self-attention (transformers' code) over the explicit concatenation [prefix ; tokens]: the
     relative position bias and the additive padding mask on the token columns, nothing on the prefix columns."""
     layer = layer_of[id(module)]
-    encoder._own_attention.state.served.add(layer)  # the guard counts the layers served
+    encoder.architecture.own_attention.state.served.add(layer)  # the guard counts the layers served
     pk, pv = encoder.prompt.layer_prefixes()[layer]
     B, S, _ = hidden_states.shape
     q, k, v = (lin(hidden_states).view(B, S, -1, module.attention_head_size).transpose(1, 2)
