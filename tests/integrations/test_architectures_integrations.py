@@ -69,7 +69,9 @@ ACCELERATE_REFUSED = {"distilbert": "does not run on", "modernbert": "does not r
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     """model_type (, config overrides) -> a saved tiny float32 model folder with its tokenizer, built once: what a
-    user loads with PromptEncoder.from_pretrained, so the tokenizer is the one transformers gives that model type."""
+    user loads with PromptEncoder.from_pretrained, so the tokenizer is the one transformers gives that model type.
+    For Qwen2 that is Qwen2Tokenizer whatever the folder says, which reads the builders' WordPiece vocabulary
+    poorly (most words become one repeated token): a weaker input, but the same tokens on both sides compared."""
     folders = {}
 
     def get(model_type, **overrides):
