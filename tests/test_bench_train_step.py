@@ -55,6 +55,29 @@ def test_both_sides_compute_the_same_loss(bench, tiny_bert_dir):
     assert abs(ours - ours_nodrop) < 1.0 and abs(theirs - theirs_nodrop) < 1.0
 
 
+@pytest.fixture(scope="module")
+def tiny_random_llama(bench, tiny_bert_dir, tmp_path_factory):
+    """The decoder point's model (bench.random_llama) at a tiny size: 2 layers, hidden 32, 4 query heads and 2
+    key/value heads, the tiny BERT's vocabulary."""
+    return bench.random_llama(tmp_path_factory.mktemp("llama") / "random-llama", str(tiny_bert_dir), hidden_size=32,
+                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64)
+
+
+def test_decoder_sides_compute_the_same_loss(bench, tiny_random_llama):
+    """The decoder point: last-token pooling, causal tokens, a prefix per key/value head on both sides; the same
+    dropout-free loss (same tolerance and reasons as above: RMSNorm-normalised O(1) activations)."""
+    pytest.importorskip("peft")
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(tiny_random_llama)
+    assert (config.model_type, config.num_key_value_heads, config.num_attention_heads) == ("llama", 2, 4)
+    ours, ours_nodrop = _losses(bench, "fastprompt", tiny_random_llama)
+    theirs, theirs_nodrop = _losses(bench, "peft", tiny_random_llama)
+    assert ours_nodrop == pytest.approx(theirs_nodrop, abs=1e-4, rel=1e-4)
+    assert ours_nodrop > 0.1
+    assert abs(ours - ours_nodrop) < 1.0 and abs(theirs - theirs_nodrop) < 1.0
+
+
 @pytest.mark.slow  # torch.compile of the tiny encoder's training and evaluation graphs: a minute or two
 def test_compiled_side_computes_the_same_loss(bench, tiny_bert_dir):
     """The compiled provider's check compiles the evaluation graph and gives the eager loss (same tolerance: the

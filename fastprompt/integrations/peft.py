@@ -29,6 +29,13 @@ itself (as an absolute path, which ``AutoModel.from_pretrained`` and PEFT's ``Au
 that the folder must stay available, as PEFT names a locally fine-tuned base. A :class:`PromptEncoder` with a
 fine-tuned backbone has no such folder and is refused: save it first.
 
+Decoders with grouped-query attention: PEFT sizes a prefix per key/value head (its ``_prepare_prompt_learning_config``
+sets ``num_attention_heads`` to ``num_key_value_heads`` and ``token_dim`` to ``num_key_value_heads * head_dim``),
+which is the shape of fastprompt's prefix on these models, so the row layout above holds unchanged. RoPE: PEFT's
+cache holds the prefix keys unrotated and runs the tokens at P..P+S-1, i.e. ``position_mode: shifted`` again. PEFT's
+prefix tuning does not run on DistilBERT, ModernBERT and MPNet (:data:`PEFT_FAILS`): export refuses them. It runs a
+sliding window or score soft-capping differently (:data:`PEFT_DIFFERS`): export warns.
+
 fastprompt's own settings (pooler, template, position mode, ...) travel as safetensors metadata
 (``fastprompt_config``), which PEFT ignores and :func:`import_peft` restores. What PEFT's format cannot hold is
 refused: a [CLS] prompt, an input-layer-only prompt, and a pooler head applied at inference.
@@ -67,6 +74,26 @@ METADATA_KEY = "fastprompt_config"
 #: The PEFT release whose adapter layout export writes (read from its code, loaded by it in the tests); written as
 #: ``peft_version``, where PEFT records the version that saved an adapter.
 PEFT_FORMAT_VERSION = "0.21.2"
+#: model_type -> why PEFT's prefix tuning does not run it (peft 0.21.2, transformers 5.24; each tested): export
+#: refuses to write an adapter PEFT cannot apply, and accelerate_peft has no PEFT behaviour to reproduce
+PEFT_FAILS = {
+    "distilbert": "PEFT cannot size its prefix (DistilBertConfig has no hidden_size: 'Please specify token_dim') "
+                  "and DistilBERT takes no key/value cache",
+    "modernbert": "ModernBERT does not take PEFT's key/value cache (its mask keeps the token length: a size "
+                  "mismatch at the first forward)",
+    "mpnet": "MPNet computes attention in its own modules and its position bias does not cover PEFT's cache (a size "
+             "mismatch at the first forward)",
+}
+#: model_type -> where PEFT runs an adapter of this architecture differently from fastprompt (export warns)
+PEFT_DIFFERS = {
+    "mistral": "where its config sets a sliding_window, PEFT's cache puts the prefix at positions 0..P-1 and the "
+               "window hides it from tokens more than a window past it; fastprompt keeps it visible to every token",
+    "gemma2": "its sliding layers hide PEFT's prefix (at positions 0..P-1) from tokens more than a window past it, "
+              "and PEFT runs the attention score soft-capping (attn_logit_softcapping) that a fastprompt prefix is "
+              "trained without",
+    "gemma3_text": "its sliding layers hide PEFT's prefix (at positions 0..P-1) from tokens more than a window past "
+                   "it; fastprompt keeps it visible to every token",
+}
 
 
 @dataclass
@@ -133,6 +160,14 @@ def export_peft(prompt, output: str | os.PathLike, *, overwrite: bool = False) -
         config, tensors = read_prompt_checkpoint(path)
         base_name = _base_model_name(prompt, path, config)
     prompt_config = config["prompt_config"] or {}
+    model_type = config["backbone"].get("model_type")
+    if model_type in PEFT_FAILS:
+        raise ValueError(f"PEFT's prefix tuning does not run on {model_type!r} models ({PEFT_FAILS[model_type]}), so "
+                         "a PEFT adapter of this prompt could not be used; keep the fastprompt checkpoint, or export "
+                         "it to sentence-transformers")
+    if model_type in PEFT_DIFFERS:
+        logger.warning("PEFT may run this %s prompt differently from fastprompt: %s (importing the adapter back "
+                       "into fastprompt restores the trained behaviour)", model_type, PEFT_DIFFERS[model_type])
     if prompt_config.get("cls_prompt"):
         raise ValueError("PEFT's prefix-tuning format cannot hold a [CLS] prompt (cls_prompt: true)")
     if config["mlp"] == "always":

@@ -21,8 +21,20 @@ never expanded over the batch, never concatenated on the Triton path. It reprodu
 
 Attention dropout in training draws fastprompt's seeded masks rather than SDPA's: the same distribution, not
 the same draws. Supported: ``PeftModelForFeatureExtraction`` (``task_type="FEATURE_EXTRACTION"``) with an active
-prefix-tuning adapter on an encoder whose attention goes through transformers' ``AttentionInterface`` and whose
-positions are absolute embeddings (BERT, RoBERTa and their relatives). ``peft`` is an optional dependency.
+prefix-tuning adapter on a model whose attention goes through transformers' ``AttentionInterface``: encoders whose
+positions are absolute embeddings (BERT, RoBERTa and their relatives) and the decoders Llama, Mistral (without a
+sliding window), Qwen2, Qwen3 and Gemma. On a decoder PEFT's cache holds one prefix key/value per key/value head
+(``num_attention_heads`` = ``num_key_value_heads`` in its config, grouped-query attention), the prefix keys are used
+unrotated (RoPE rotates only the token keys), the tokens attend causally and see the whole prefix, and the tokens run
+at positions P..P+S-1 whatever the padding side: all of which the fused path does too.
+
+Refused before anything changes, each with the reason (:func:`_check_model`): models whose attention bypasses
+``AttentionInterface`` (MPNet, DeBERTa-v2) or on which PEFT's prefix tuning itself fails (DistilBERT, ModernBERT:
+there is no PEFT behaviour to reproduce), a sliding window (Mistral's ``sliding_window``, Gemma 2/3's sliding
+layers: PEFT's cache puts the prefix at positions 0..P-1, so the window hides it from tokens more than a window
+past it, while the fused op keeps it visible to every token, as P-tuning v2), score soft-capping (Gemma 2's
+``attn_logit_softcapping``, which the fused op does not compute), and model types whose prefix PEFT reshapes
+(``TRANSFORMERS_MODELS_TO_PREFIX_TUNING_POSTPROCESS_MAPPING``). ``peft`` is an optional dependency.
 """
 from __future__ import annotations
 
@@ -34,6 +46,8 @@ import torch
 
 from fastprompt.choices import BACKENDS, check_choice
 from fastprompt.model.attention import PrefixState, register_attention
+
+from .peft import PEFT_FAILS
 
 logger = logging.getLogger(__name__)
 
@@ -55,10 +69,11 @@ def accelerate_peft(model, *, backend: str = "auto"):
 
     ``model`` is a ``peft.PeftModelForFeatureExtraction`` whose active adapter is prefix tuning (what
     ``get_peft_model(encoder, PrefixTuningConfig(task_type="FEATURE_EXTRACTION", ...))`` or
-    ``PeftModel.from_pretrained`` returns for an encoder). Its outputs, adapter gradients, parameters and
-    ``save_pretrained`` are unchanged; only the forward is routed through :func:`fastprompt.ops.prefix_attention`
-    (``backend``: "auto", "triton", "cpu" or "reference", see there). Calling it again updates the backend;
-    :func:`restore_peft` undoes it.
+    ``PeftModel.from_pretrained`` returns for an encoder or a decoder; the module docstring says which). Its
+    outputs, adapter gradients, parameters and ``save_pretrained`` are unchanged; only the forward is routed through
+    :func:`fastprompt.ops.prefix_attention` (``backend``: "auto", "triton", "cpu" or "reference", see there).
+    Calling it again updates the backend; :func:`restore_peft` undoes it. A model it would not reproduce PEFT on
+    is refused (ValueError naming why) before anything changes.
     """
     peft = _peft()
     if not isinstance(model, peft.PeftModelForFeatureExtraction):
@@ -67,7 +82,7 @@ def accelerate_peft(model, *, backend: str = "auto"):
     check_choice("backend", backend, BACKENDS)
     _check_prefix_config(model.active_peft_config, peft)
     base = model.get_base_model()
-    _check_encoder(base, model.active_peft_config)
+    _check_model(base, model.active_peft_config)
     if _ORIGINAL_ATTN not in model.__dict__:
         setattr(model, _ORIGINAL_ATTN, base.config._attn_implementation)
         base.set_attn_implementation(register_attention())
@@ -93,21 +108,63 @@ def _check_prefix_config(cfg, peft) -> None:
                          f"{cfg.num_transformer_submodules}")
 
 
-def _check_encoder(base, cfg) -> None:
+def _is_causal(base) -> bool:
+    return any(getattr(m, "is_causal", False) is True for m in base.modules())
+
+
+def _sliding_window(base) -> int | None:
+    """The sliding window some attention layer of ``base`` applies, else None: the attention modules' own
+    ``sliding_window`` (Qwen2, Gemma 2/3, ModernBERT: None on their global layers), else the config's (Mistral's
+    layers read it from there)."""
+    own = [m.sliding_window for m in base.modules() if hasattr(m, "sliding_window")]
+    if own:
+        return next((w for w in own if w is not None), None)
+    return getattr(base.config, "sliding_window", None)
+
+
+def _check_model(base, cfg) -> None:
+    """ValueError, naming why, for a base model on which the fused path would not give PEFT's outputs."""
     config = base.config
-    name = type(base).__name__
-    if getattr(config, "is_decoder", False) or getattr(config, "is_encoder_decoder", False):
-        raise ValueError(f"accelerate_peft supports encoder models only; {name} is a decoder or encoder-decoder")
+    model_type = getattr(config, "model_type", None)
+    name = f"{type(base).__name__} (model_type {model_type!r})"
+    if getattr(config, "is_encoder_decoder", False):
+        raise ValueError(f"accelerate_peft supports encoder-only and decoder-only models; {name} is an encoder-decoder")
+    if model_type in PEFT_FAILS:
+        raise ValueError(f"accelerate_peft reproduces PEFT's prefix tuning, which does not run on {name}: "
+                         f"{PEFT_FAILS[model_type]}; train a fastprompt prompt on it instead (PromptEncoder)")
     if not getattr(base, "_supports_attention_backend", False):
         raise ValueError(f"{name} does not route attention through transformers' AttentionInterface, which "
                          "accelerate_peft plugs into")
-    if getattr(getattr(base, "embeddings", None), "position_embeddings", None) is None:
+    from peft.utils.constants import TRANSFORMERS_MODELS_TO_PREFIX_TUNING_POSTPROCESS_MAPPING as RESHAPED
+
+    if RESHAPED.get(model_type) is not None:
+        raise ValueError(f"PEFT reshapes the prefix of {name} for its own cache layout, which accelerate_peft does "
+                         "not reproduce")
+    causal = _is_causal(base)
+    if getattr(config, "is_decoder", False) and not causal:
+        raise ValueError(f"accelerate_peft does not support {name} configured as a decoder (is_decoder=True)")
+    if not causal and getattr(getattr(base, "embeddings", None), "position_embeddings", None) is None:
         raise ValueError(f"{name} has no absolute position embeddings: accelerate_peft supports BERT/RoBERTa-like "
-                         "encoders, whose positions PEFT shifts by the prefix length")
+                         "encoders, whose positions PEFT shifts by the prefix length, and RoPE decoders")
+    window = _sliding_window(base)
+    if window is not None:
+        raise ValueError(f"{name} attends within a sliding window ({window} tokens), where PEFT's prefix tuning "
+                         "and the fused path differ: PEFT's cache puts the prefix at positions 0..P-1, so the window "
+                         "hides it from every token more than a window past it, while the fused op keeps it visible "
+                         "to every token (P-tuning v2). accelerate_peft would not reproduce PEFT's outputs; train a "
+                         "fastprompt prompt instead, or set sliding_window=None in the model config")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        raise ValueError(f"{name} caps its attention scores (attn_logit_softcapping = {softcap}), which the fused "
+                         "prefix attention does not compute")
     heads, hidden = config.num_attention_heads, config.hidden_size
-    if (cfg.num_layers, cfg.num_attention_heads, cfg.token_dim) != (config.num_hidden_layers, heads, hidden):
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    expected = (config.num_hidden_layers, kv_heads, kv_heads * head_dim)
+    if (cfg.num_layers, cfg.num_attention_heads, cfg.token_dim) != expected:
         raise ValueError(f"the adapter is for {cfg.num_layers} layers x {cfg.num_attention_heads} heads, token_dim "
-                         f"{cfg.token_dim}; {name} has {config.num_hidden_layers} x {heads}, hidden {hidden}")
+                         f"{cfg.token_dim}; {name} has {expected[0]} layers x {kv_heads} key/value heads of "
+                         f"{head_dim} (token_dim {expected[2]})")
 
 
 def peft_prefix(model) -> torch.Tensor:
@@ -129,7 +186,7 @@ def peft_prefix(model) -> torch.Tensor:
 
 def _shifted_positions(base, input_ids, inputs_embeds, shift: int):
     """The positions the model gives the tokens after a cache of length ``shift`` (what PEFT runs)."""
-    emb = base.embeddings
+    emb = getattr(base, "embeddings", None)
     if hasattr(emb, "create_position_ids_from_input_ids"):  # RoBERTa family: numbered from padding_idx + 1
         if input_ids is None:
             return None  # RoBERTa numbers inputs_embeds from padding_idx + 1 whatever the cache length
@@ -164,6 +221,8 @@ def _fused_forward(self, input_ids=None, attention_mask=None, inputs_embeds=None
     layers = [(prefix[i, 0], prefix[i, 1]) for i in range(prefix.shape[0])]
     mask = None if attention_mask is None else attention_mask.bool()
     state = PrefixState(layers, mask, self._fastprompt_backend)
+    if _is_causal(base):  # PEFT's cache is returned as past_key_values; the fused path needs no cache
+        kwargs.setdefault("use_cache", False)
     return base(input_ids=input_ids, attention_mask=attention_mask, inputs_embeds=inputs_embeds,
                 output_attentions=output_attentions, output_hidden_states=output_hidden_states,
                 return_dict=return_dict, fastprompt_state=state, **kwargs)
