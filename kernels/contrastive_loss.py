@@ -15,7 +15,6 @@ import triton.language as tl
 from fastprompt.kernels._common import (
     TRITON_TYPE,
     LaunchConfig,
-    check_device,
     check_interpreted,
     dot_precision,
     interpreting,
@@ -362,7 +361,6 @@ def dim_pad(ndims: int) -> int:
 
 def _launch(x, blocks: dict | None, ndims: int) -> tuple[dict, dict]:
     """(constexprs, launch options) for inputs like ``x``; ``blocks`` overrides tile sizes."""
-    check_device(x)
     cfg = config(x.dtype, interpreting()).with_tiles(**(blocks or {}))
     flags = dict(UPCAST=upcast(x.dtype), DOT_PREC=dot_precision(x.dtype), DPAD=dim_pad(ndims))
     return dict(cfg.tiles, **flags), cfg.options()
