@@ -21,8 +21,9 @@ unit upstream gradient; the backward only rescales them).
 Backends: ``"triton"`` (CUDA; on CPU tensors the Triton interpreter), ``"cpu"`` (the C++ kernels, CPU tensors
 only), ``"reference"`` (plain PyTorch, :func:`fastprompt.ops.reference.contrastive_loss_reference`) and
 ``"auto"``, resolved by the rule shared by every op (:func:`fastprompt.backends.resolve_backend`; this op declares
-:data:`SUPPORT`). The triton/cpu kernels are one ``torch.library`` custom op (``fastprompt::contrastive_loss_fwd``
-+ ``_bwd``, with fake implementations), so ``torch.compile`` sees a single opaque node.
+:data:`SUPPORT`). The triton/cpu kernels are one ``torch.library`` custom op with a ``backend`` argument
+(``fastprompt::contrastive_loss_fwd`` + ``_bwd``, with fake implementations and a registered autograd formula; the
+wiring every fused op shares, ``docs/adding-a-kernel.md``), so ``torch.compile`` sees a single opaque node.
 """
 from __future__ import annotations
 
