@@ -49,15 +49,6 @@ def check_interpreted(*kernels) -> None:
                               "before the first import")
 
 
-def check_device(x: torch.Tensor) -> None:
-    """The launchers' guard: CPU tensors only under the interpreter, CUDA tensors only without it."""
-    if x.device.type == "cpu" and not INTERPRETED:
-        raise RuntimeError("the Triton kernels run on CPU tensors only under the interpreter: set "
-                           "TRITON_INTERPRET=1 before fastprompt.kernels is imported")
-    if x.device.type == "cuda" and INTERPRETED:
-        raise RuntimeError("TRITON_INTERPRET=1 is set: the Triton kernels were built for the CPU interpreter")
-
-
 def upcast(dtype: torch.dtype) -> bool:
     """The kernels' ``UPCAST`` constexpr, one rule for both ops: convert every loaded tile to fp32 for bf16 under
     the interpreter, and never otherwise. The interpreter stores bf16 as raw 16-bit integers and computes on

@@ -15,7 +15,6 @@ import triton.language as tl
 from fastprompt.kernels._common import (
     TRITON_TYPE,
     LaunchConfig,
-    check_device,
     check_interpreted,
     dot_precision,
     interpreting,
@@ -99,6 +98,18 @@ def _static_mask(rows, rmask, cols, cmask, target, TID, IDS, GX, GC, THR, dg, st
 
 
 @triton.jit
+def _tile_masks(rows, rmask, cols, cmask, r0, c0, label_offset, m0, TID, IDS, GX, GC, THR, dg, stride_gx, stride_gc,
+                has_ids, margin_mode, SEG: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The head of every tile of every kernel (rows r0.. against columns c0.. of segment SEG): the (target, own
+    negative) roles and the static mask shared by the tile's dimensions."""
+    target, own = _tile_roles(rows, cols, label_offset, m0, SEG)
+    static = _static_mask(rows, rmask, cols, cmask, target, TID, IDS, GX, GC, THR, dg, stride_gx, stride_gc, r0, c0,
+                          has_ids, margin_mode, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
+    return target, own, static
+
+
+@triton.jit
 def _logits(cos, target, own, masked, inv_tau, bias_own, a_in, a_own):
     """cos·(inv_tau + a_in) for an in-batch negative, cos·(inv_tau + a_own) + bias for an own negative, cos·inv_tau
     for the target, -inf for a masked column (the hardness penalty a·cos is a constant of the softmax)."""
@@ -165,9 +176,9 @@ def _stats_kernel(X, RX, C0, RC0, C1, RC1, DIMS, TID, IDS0, IDS1, GX, GC0, GC1, 
         for c0 in range(0, m_seg, BLOCK_N):
             cols = c0 + tl.arange(0, BLOCK_N)
             cmask = cols < m_seg
-            target, own = _tile_roles(rows, cols, label_offset, m0, seg)
-            static = _static_mask(rows, rmask, cols, cmask, target, TID, IDS, GX, GC, THR, dg, stride_gx, stride_gc,
-                                  r0, c0, has_ids, margin_mode, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
+            target, own, static = _tile_masks(rows, rmask, cols, cmask, r0, c0, label_offset, m0, TID, IDS, GX, GC,
+                                              THR, dg, stride_gx, stride_gc, has_ids, margin_mode, seg, BLOCK_M,
+                                              BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             k0 = 0
             for t in range(ndims):
@@ -272,9 +283,9 @@ def _bwd_rows_kernel(X, RX, C0, RC0, C1, RC1, DIMS, TID, IDS0, IDS1, GX, GC0, GC
         for c0 in range(0, m_seg, BLOCK_N):
             cols = c0 + tl.arange(0, BLOCK_N)
             cmask = cols < m_seg
-            target, own = _tile_roles(rows, cols, label_offset, m0, seg)
-            static = _static_mask(rows, rmask, cols, cmask, target, TID, IDS, GX, GC, THR, dg, stride_gx, stride_gc,
-                                  r0, c0, has_ids, margin_mode, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
+            target, own, static = _tile_masks(rows, rmask, cols, cmask, r0, c0, label_offset, m0, TID, IDS, GX, GC,
+                                              THR, dg, stride_gx, stride_gc, has_ids, margin_mode, seg, BLOCK_M,
+                                              BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
             acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
             k0 = 0
             for t in range(ndims):
@@ -310,9 +321,9 @@ def _bwd_cols_kernel(X, RX, C, RC, DIMS, TID, IDS, GX, GC, THR, L, CCE, CDIAG, C
     for r0 in range(0, n_rows, BLOCK_M):
         rows = r0 + tl.arange(0, BLOCK_M)
         rmask = rows < n_rows
-        target, own = _tile_roles(rows, cols, label_offset, m0, SEG)
-        static = _static_mask(rows, rmask, cols, cmask, target, TID, IDS, GX, GC, THR, dg, stride_gx, stride_gc,
-                              r0, c0, has_ids, margin_mode, BLOCK_M, BLOCK_N, BLOCK_K, UPCAST, DOT_PREC)
+        target, own, static = _tile_masks(rows, rmask, cols, cmask, r0, c0, label_offset, m0, TID, IDS, GX, GC, THR,
+                                          dg, stride_gx, stride_gc, has_ids, margin_mode, SEG, BLOCK_M, BLOCK_N,
+                                          BLOCK_K, UPCAST, DOT_PREC)
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         k0 = 0
         for t in range(ndims):
@@ -362,7 +373,6 @@ def dim_pad(ndims: int) -> int:
 
 def _launch(x, blocks: dict | None, ndims: int) -> tuple[dict, dict]:
     """(constexprs, launch options) for inputs like ``x``; ``blocks`` overrides tile sizes."""
-    check_device(x)
     cfg = config(x.dtype, interpreting()).with_tiles(**(blocks or {}))
     flags = dict(UPCAST=upcast(x.dtype), DOT_PREC=dot_precision(x.dtype), DPAD=dim_pad(ndims))
     return dict(cfg.tiles, **flags), cfg.options()

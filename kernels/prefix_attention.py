@@ -16,7 +16,6 @@ from fastprompt.kernels._common import (
     LOG2E,
     TRITON_TYPE,
     LaunchConfig,
-    check_device,
     check_interpreted,
     dot_precision,
     interpreting,
@@ -569,7 +568,6 @@ class _Operands:
 
 def _operands(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, causal, window, attn_bias, cu_seqlens,
               max_seqlen) -> _Operands:
-    check_device(q)
     q, k, v = (_last_dim_unit(x) for x in (q, k, v))
     pk, pv = _prefix_views(prefix_k), _prefix_views(prefix_v)
     _, H, rows, D = q.shape

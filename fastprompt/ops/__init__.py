@@ -6,6 +6,7 @@ The modules are named after what they hold, not after their functions, so that `
 is always the function (``from fastprompt.ops import contrastive_loss, prefix_attention``).
 """
 from .attention import draw_seed, prefix_attention
-from .contrastive import ContrastiveStats, Guide, contrastive_loss
+from .contrastive import contrastive_loss
+from .types import ContrastiveStats, Guide
 
 __all__ = ["contrastive_loss", "ContrastiveStats", "Guide", "prefix_attention", "draw_seed"]

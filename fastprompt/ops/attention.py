@@ -26,10 +26,10 @@ Backends:
 ``"auto"``       CUDA -> "triton" (when supported), otherwise "cpu" (the rule shared by every op:
                  :func:`fastprompt.backends.resolve_backend`; this op declares :data:`SUPPORT`).
 
-"triton" is one ``torch.library`` custom op (``fastprompt::prefix_attention_fwd`` / ``_bwd`` with fake
-implementations and a registered autograd formula), and so is the C++ kernel
-(``fastprompt::prefix_attention_cpu_fwd`` / ``_bwd``), so ``torch.compile`` keeps either as a single opaque
-node; the aten composite is traced through (and can be fused) like any aten code.
+The fused kernels (Triton, and the C++ kernel of "cpu") are one ``torch.library`` custom op with a ``backend``
+argument (``fastprompt::prefix_attention_fwd`` / ``_bwd``, fake implementations, a registered autograd formula),
+wired as ``fastprompt::contrastive_loss_fwd`` is (``docs/adding-a-kernel.md``), so ``torch.compile`` keeps either
+as a single opaque node; the aten composite is traced through (and can be fused) like any aten code.
 
 Dropout acts on the attention probabilities. Its mask is a pure function of ``seed`` and the position:
 the same seed reproduces the same mask exactly (the gradient cache replays forwards). ``seed=None`` with
@@ -134,33 +134,33 @@ def prefix_attention(
     window = _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p, causal, window,
                        attn_bias, cu_seqlens, max_seqlen)
     resolved = resolve_backend(SUPPORT, q, backend)  # before a seed is drawn: a bad backend consumes no RNG
-    features = dict(causal=bool(causal), window=window, attn_bias=attn_bias,
-                    cu_seqlens=None if cu_seqlens is None else cu_seqlens.to(torch.long), max_seqlen=max_seqlen)
+    fused = resolved == "triton" or (resolved == "cpu" and attention_cpu.available(q))
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
     if prompt_index is not None:
         prompt_index = prompt_index.to(torch.long)
+    if cu_seqlens is not None:
+        cu_seqlens = cu_seqlens.to(torch.long)
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     dropout_p = float(dropout_p)
-    fused_cpu = resolved == "cpu" and attention_cpu.available(q)
     if dropout_p > 0 and seed is None:
-        # the C++ kernel takes the seed as a tensor: no host sync, so torch.compile does not break the graph here
-        seed = _draw_seed_tensor() if fused_cpu else draw_seed()
-    # the kernels check prompt_index and the offsets inside (the Triton op without a sync); the Python checks read
-    # them on the host
-    if resolved != "triton" and not (fused_cpu and torch.compiler.is_compiling()):
+        # the fused op takes the seed as a tensor: no host sync, so torch.compile does not break the graph here
+        seed = _draw_seed_tensor() if fused else draw_seed()
+    # The values of prompt_index and cu_seqlens: checked here, once, for every backend (without a host sync on
+    # CUDA or under torch.compile); in a compiled graph the C++ kernel checks them itself (no extra nodes).
+    if not (fused and resolved == "cpu" and torch.compiler.is_compiling()):
         _check_prompt_index(prompt_index, prefix_k.shape[0])
         if cu_seqlens is not None:
-            features["max_seqlen"] = _check_packed(features["cu_seqlens"], q.shape[2], max_seqlen, attn_bias)
-    if fused_cpu:
-        return attention_cpu.prefix_attention_cpu(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale,
-                                                  dropout_p, seed, **features)
+            max_seqlen = _check_packed(cu_seqlens, q.shape[2], max_seqlen, attn_bias)
+    features = dict(causal=bool(causal), window=window, attn_bias=attn_bias, cu_seqlens=cu_seqlens,
+                    max_seqlen=max_seqlen)
+    if fused:
+        return _kernel_attention(resolved, q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed,
+                                 **features)
     seed = 0 if seed is None else int(seed)
     if resolved == "reference":
         return prefix_attention_reference(q, k, v, prefix_k, prefix_v, mask, scale=scale, dropout_p=dropout_p,
                                           seed=seed, prompt_index=prompt_index, **features)
-    if resolved == "cpu":
-        return _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, **features)
-    return _triton_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, **features)
+    return _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, **features)
 
 
 def draw_seed() -> int:
@@ -271,11 +271,12 @@ def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropo
 
 
 def _check_prompt_index(prompt_index: Optional[torch.Tensor], T: int) -> None:
-    """Out-of-range prompt ids would read out of bounds in the kernels: check without a host sync on CUDA."""
+    """Out-of-range prompt ids would read out of bounds in the kernels (checked without a host sync on CUDA or
+    under torch.compile)."""
     if prompt_index is None:
         return
     bad = ((prompt_index < 0) | (prompt_index >= T)).any()
-    if prompt_index.is_cuda:
+    if prompt_index.is_cuda or torch.compiler.is_compiling():
         torch._assert_async(~bad, f"prompt_index out of range [0, {T})")
     elif bool(bad):
         raise ValueError(f"prompt_index values must be in [0, {T}), got min {int(prompt_index.min())}, "
@@ -284,22 +285,33 @@ def _check_prompt_index(prompt_index: Optional[torch.Tensor], T: int) -> None:
 
 def _check_packed(cu_seqlens: torch.Tensor, n_tokens: int, max_seqlen: Optional[int],
                   attn_bias: Optional[torch.Tensor]) -> int:
-    """The offsets' values (read on the host): from 0 to N, non-decreasing, no sequence over ``max_seqlen``, a
-    bias as wide as the padded width. Returns that width L (``max_seqlen``, or the longest sequence)."""
+    """The one check of a packed batch's offsets (int64): from 0 to N, non-decreasing, no sequence over
+    ``max_seqlen``, a bias as wide as the padded width. Returns that width L: ``max_seqlen``, or the longest
+    sequence (read on the host: pass ``max_seqlen`` to avoid the sync). Offsets that break these rules would read
+    or write out of bounds in the kernels; on CUDA or under torch.compile the check is an asynchronous assert."""
+    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+    L = max(1, int(lengths.max())) if max_seqlen is None else max_seqlen
+    if cu_seqlens.is_cuda or torch.compiler.is_compiling():
+        bad = (cu_seqlens[0] != 0) | (cu_seqlens[-1] != n_tokens) | (lengths < 0).any() | (lengths > L).any()
+        torch._assert_async(~bad, f"cu_seqlens must rise from 0 to the {n_tokens} packed rows, with no sequence "
+                                  f"longer than max_seqlen = {L}")
+        return _check_bias_width(attn_bias, L)
     offsets = [int(x) for x in cu_seqlens.tolist()]
     if offsets[0] != 0 or offsets[-1] != n_tokens:
         raise ValueError(f"cu_seqlens must run from 0 to the N = {n_tokens} packed tokens of q, got "
                          f"{offsets[0]} ... {offsets[-1]}")
-    lengths = [e - s for s, e in zip(offsets[:-1], offsets[1:])]
-    if min(lengths) < 0:
-        b = min(range(len(lengths)), key=lengths.__getitem__)
+    sizes = [e - s for s, e in zip(offsets[:-1], offsets[1:])]
+    if min(sizes) < 0:
+        b = min(range(len(sizes)), key=sizes.__getitem__)
         raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{b}] = {offsets[b]} > "
                          f"cu_seqlens[{b + 1}] = {offsets[b + 1]}")
-    longest = max(lengths)
-    if max_seqlen is not None and longest > max_seqlen:
-        b = lengths.index(longest)
-        raise ValueError(f"sequence {b} has {longest} tokens, more than max_seqlen = {max_seqlen}")
-    L = longest if max_seqlen is None else max_seqlen
+    if max(sizes) > L:
+        b = sizes.index(max(sizes))
+        raise ValueError(f"sequence {b} has {sizes[b]} tokens, more than max_seqlen = {L}")
+    return _check_bias_width(attn_bias, L)
+
+
+def _check_bias_width(attn_bias: Optional[torch.Tensor], L: int) -> int:
     if attn_bias is not None and attn_bias.shape[-1] != L:
         raise ValueError(f"attn_bias must be (1 or B, 1 or H, L, L) with L = {L} (max_seqlen, default the longest "
                          f"sequence), got {tuple(attn_bias.shape)}")
@@ -324,8 +336,7 @@ def _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropo
     rows of width ``max_seqlen`` and repacked. Autograd differentiates it. The "cpu" backend's path where the C++
     kernel does not run (float64, no extension, CUDA fallback)."""
     if cu_seqlens is not None:
-        L = max_seqlen if max_seqlen is not None else int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        packing = _Packing(cu_seqlens, L, q.shape[2])
+        packing = _Packing(cu_seqlens, max_seqlen, q.shape[2])  # max_seqlen: _check_packed's width
         out = _cpu_attention(*(packing.unpack(x) for x in (q, k, v)), prefix_k, prefix_v, packing.mask, prompt_index,
                              scale, dropout_p, seed, causal, window, attn_bias)
         return packing.repack(out)
@@ -425,60 +436,61 @@ def _seeded_dropout_scale_fake(like, seed, dropout_p):
 
 
 # ------------------------------------------------------------------------------------------------
-# the "triton" backend: one torch.library custom op (forward + registered backward, fake implementations)
+# the fused kernels ("triton", and "cpu" where the C++ kernel takes the input): one torch.library custom op with a
+# backend argument (forward + registered backward, fake implementations), wired as fastprompt::contrastive_loss_fwd
 
 
-def _triton_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, *, causal=False,
-                      window=(-1, -1), attn_bias=None, cu_seqlens=None, max_seqlen=None):
-    """The "triton" backend on validated inputs (``mask`` bool or None, ``prompt_index`` int64 or None, ``seed``
-    an int): the output of :func:`prefix_attention`. A packed batch without ``max_seqlen`` reads the longest
-    sequence from ``cu_seqlens`` (a host sync)."""
-    if cu_seqlens is not None and max_seqlen is None:
-        max_seqlen = max(1, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))
-        if attn_bias is not None and attn_bias.shape[-1] != max_seqlen:
-            raise ValueError(f"attn_bias must be (1 or B, 1 or H, L, L) with L = {max_seqlen} (the longest sequence, "
-                             f"as max_seqlen is not given), got {tuple(attn_bias.shape)}")
-    left, right = window
+def _kernel_attention(backend, q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, *,
+                      causal=False, window=(-1, -1), attn_bias=None, cu_seqlens=None, max_seqlen=None):
+    """The output of :func:`prefix_attention` through the fused op on checked inputs (``mask`` bool or None,
+    ``prompt_index`` and ``cu_seqlens`` int64 or None, ``seed`` an int, a 0-d int64 tensor or None for 0).
+    ``max_seqlen`` None with ``cu_seqlens``: only on the C++ kernel, which finds the longest sequence itself."""
+    dtype = q.dtype
+    if backend == "cpu":  # the C++ kernel computes in float32 and reads rows with unit stride
+        q, k, v, prefix_k, prefix_v = (_unit_last(x.to(torch.float32)) for x in (q, k, v, prefix_k, prefix_v))
+        mask, prompt_index, cu_seqlens = (None if x is None else x.contiguous() for x in (mask, prompt_index,
+                                                                                         cu_seqlens))
+        attn_bias = None if attn_bias is None else _unit_last(attn_bias.to(torch.float32))
+    if not isinstance(seed, torch.Tensor):
+        seed = torch.tensor(attention_cpu.signed_seed(0 if seed is None else seed), dtype=torch.int64)
     out, _ = torch.ops.fastprompt.prefix_attention_fwd(
         q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, attn_bias, cu_seqlens,
-        0 if max_seqlen is None else int(max_seqlen), causal, int(left), int(right))
-    return out
+        0 if max_seqlen is None else int(max_seqlen), causal, int(window[0]), int(window[1]), backend)
+    return out.to(dtype)
 
 
-def _check_cu_seqlens(cu_seqlens: torch.Tensor, n_rows: int, max_seqlen: int) -> None:
-    """Offsets that do not describe the packed rows, or a sequence longer than ``max_seqlen``, would read or write
-    out of bounds in the kernels: check without a host sync on CUDA."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    bad = (cu_seqlens[0] != 0) | (cu_seqlens[-1] != n_rows) | (lengths < 0).any() | (lengths > max_seqlen).any()
-    message = (f"cu_seqlens must rise from 0 to the {n_rows} packed rows, with no sequence longer than max_seqlen = "
-               f"{max_seqlen}")
-    if cu_seqlens.is_cuda:
-        torch._assert_async(~bad, message)
-    elif bool(bad):
-        raise ValueError(f"{message}; got {cu_seqlens.tolist()}")
+def _unit_last(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
 
 
 @torch.library.custom_op("fastprompt::prefix_attention_fwd", mutates_args=())
 def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor, prefix_v: torch.Tensor,
             key_padding_mask: Optional[torch.Tensor], prompt_index: Optional[torch.Tensor], scale: float,
-            dropout_p: float, seed: int, attn_bias: Optional[torch.Tensor] = None,
+            dropout_p: float, seed: torch.Tensor, attn_bias: Optional[torch.Tensor] = None,
             cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: int = 0, causal: bool = False,
-            window_left: int = -1, window_right: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
-    """Triton forward: out in q's shape (B, H, S, D), or (1, H, N, D) packed, in a transposed (B, S, H, D)
-    buffer, and lse (B, H, S) / (1, H, N) float32. ``max_seqlen`` (packed only) bounds every sequence."""
+            window_left: int = -1, window_right: int = -1,
+            backend: str = "triton") -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward of the fused kernels: out in q's shape (B, H, S, D), or (1, H, N, D) packed, in a transposed
+    (B, S, H, D) buffer, and lse (B, H, S) / (1, H, N) float32. ``seed``: a 0-d int64 tensor (the seed's 64 bits,
+    signed). ``max_seqlen`` (packed only) bounds every sequence; 0 lets the C++ kernel find it (the Triton
+    kernels need it). ``backend``: "triton" (the inputs in any float dtype they take) or "cpu" (the C++ kernel:
+    float32 CPU tensors with unit last stride)."""
+    if backend == "cpu":
+        return torch.ops.fastprompt.prefix_attention_cpu_fwd(
+            q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale, dropout_p, seed, causal, window_left,
+            window_right, attn_bias, cu_seqlens, max_seqlen if max_seqlen > 0 else -1)
     from fastprompt.kernels import prefix_attention as kernels
 
-    _check_prompt_index(prompt_index, prefix_k.shape[0] if prefix_k.dim() == 4 else 1)
-    if cu_seqlens is not None:
-        _check_cu_seqlens(cu_seqlens, q.shape[2], max_seqlen)
+    if cu_seqlens is not None and max_seqlen < 1:
+        raise ValueError("the Triton kernels need max_seqlen with cu_seqlens (prefix_attention finds it)")
     return kernels.forward(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale=scale,
-                           dropout_p=dropout_p, seed=seed, causal=causal, window=(window_left, window_right),
+                           dropout_p=dropout_p, seed=int(seed), causal=causal, window=(window_left, window_right),
                            attn_bias=attn_bias, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
 
 
 @_fwd_op.register_fake
 def _fwd_fake(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale, dropout_p, seed, attn_bias=None,
-              cu_seqlens=None, max_seqlen=0, causal=False, window_left=-1, window_right=-1):
+              cu_seqlens=None, max_seqlen=0, causal=False, window_left=-1, window_right=-1, backend="triton"):
     B, H, S, D = q.shape
     return q.new_empty((B, S, H, D)).transpose(1, 2), q.new_empty((B, H, S), dtype=torch.float32)
 
@@ -486,30 +498,47 @@ def _fwd_fake(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale
 @torch.library.custom_op("fastprompt::prefix_attention_bwd", mutates_args=())
 def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.Tensor,
             prefix_v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, key_padding_mask: Optional[torch.Tensor],
-            prompt_index: Optional[torch.Tensor], scale: float, dropout_p: float, seed: int,
+            prompt_index: Optional[torch.Tensor], scale: float, dropout_p: float, seed: torch.Tensor,
             attn_bias: Optional[torch.Tensor] = None, cu_seqlens: Optional[torch.Tensor] = None, max_seqlen: int = 0,
-            causal: bool = False, window_left: int = -1, window_right: int = -1,
-            bias_grad: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                                              torch.Tensor]:
-    """Triton backward: dq, dk, dv (like ``torch.empty_like`` of q, k, v), dprefix_k, dprefix_v (contiguous), and
-    with ``bias_grad`` dattn_bias (attn_bias' shape and dtype; an empty tensor without)."""
+            causal: bool = False, window_left: int = -1, window_right: int = -1, bias_grad: bool = False,
+            backend: str = "triton", need_dq: bool = True, need_dkv: bool = True, need_dprefix: bool = True
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Backward of the fused kernels: dq, dk, dv (like ``torch.empty_like`` of q, k, v), dprefix_k, dprefix_v
+    (contiguous), and with ``bias_grad`` dattn_bias (attn_bias' shape and dtype); a gradient not asked for
+    (``need_*``, ``bias_grad``) is an empty tensor. The C++ kernel skips the work of those; the Triton kernels
+    compute them all."""
+    if backend == "cpu":
+        dq, dk, dv, dpk, dpv, dbias = torch.ops.fastprompt.prefix_attention_cpu_bwd(
+            dout, q, k, v, prefix_k, prefix_v, lse, key_padding_mask, prompt_index, scale, dropout_p, seed, need_dq,
+            need_dkv, need_dprefix, causal, window_left, window_right, attn_bias, cu_seqlens,
+            max_seqlen if max_seqlen > 0 else -1, bias_grad)
+        if bias_grad:  # (B, H, L, L) -> the bias's broadcast shape
+            dims = [d for d in range(4) if attn_bias.shape[d] == 1 and dbias.shape[d] != 1]
+            dbias = dbias.sum(dims, keepdim=True) if dims else dbias
+        return dq, dk, dv, dpk, dpv, dbias
     from fastprompt.kernels import prefix_attention as kernels
 
     dq, dk, dv, dpk, dpv, dbias = kernels.backward(
         dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask, prompt_index, scale=scale, dropout_p=dropout_p,
-        seed=seed, causal=causal, window=(window_left, window_right), attn_bias=attn_bias, cu_seqlens=cu_seqlens,
+        seed=int(seed), causal=causal, window=(window_left, window_right), attn_bias=attn_bias, cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen, bias_grad=bias_grad)
-    dbias = q.new_empty((0,)) if dbias is None else dbias.contiguous()
-    return _like(dq, q), _like(dk, k), _like(dv, v), dpk.contiguous(), dpv.contiguous(), dbias
+    empty = lambda: q.new_empty((0,))  # noqa: E731  (distinct: the outputs must not alias)
+    return (_like(dq, q) if need_dq else empty(), _like(dk, k) if need_dkv else empty(),
+            _like(dv, v) if need_dkv else empty(), dpk.contiguous() if need_dprefix else empty(),
+            dpv.contiguous() if need_dprefix else empty(), empty() if dbias is None else dbias.contiguous())
 
 
 @_bwd_op.register_fake
 def _bwd_fake(dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask, prompt_index, scale, dropout_p, seed,
               attn_bias=None, cu_seqlens=None, max_seqlen=0, causal=False, window_left=-1, window_right=-1,
-              bias_grad=False):
+              bias_grad=False, backend="triton", need_dq=True, need_dkv=True, need_dprefix=True):
+    def grad(x, wanted, like):  # distinct empties: the outputs must not alias
+        return like(x) if wanted else q.new_empty((0,))
+
+    qkv, prefix = torch.empty_like, (lambda x: x.new_empty(x.shape))
     dbias = attn_bias.new_empty(attn_bias.shape) if bias_grad and attn_bias is not None else q.new_empty((0,))
-    return (torch.empty_like(q), torch.empty_like(k), torch.empty_like(v),
-            prefix_k.new_empty(prefix_k.shape), prefix_v.new_empty(prefix_v.shape), dbias)
+    return (grad(q, need_dq, qkv), grad(k, need_dkv, qkv), grad(v, need_dkv, qkv), grad(prefix_k, need_dprefix, prefix),
+            grad(prefix_v, need_dprefix, prefix), dbias)
 
 
 def _like(grad: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
@@ -531,15 +560,15 @@ def _dense(x: torch.Tensor) -> bool:
 
 
 _BIAS_INPUT = 10  # attn_bias' position among the forward op's inputs
+_DEFAULTS = [None, None, 0, False, -1, -1, "triton"]  # the forward op's arguments after seed
 
 
 def _setup_context(ctx, inputs, output):
     q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, *rest = inputs
-    attn_bias, cu_seqlens, max_seqlen, causal, window_left, window_right = (
-        rest + [None, None, 0, False, -1, -1][len(rest):])
+    attn_bias, cu_seqlens, max_seqlen, causal, window_left, window_right, backend = rest + _DEFAULTS[len(rest):]
     out, lse = output
-    ctx.save_for_backward(q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index, attn_bias, cu_seqlens)
-    ctx.params = (scale, dropout_p, seed, max_seqlen, causal, window_left, window_right)
+    ctx.save_for_backward(q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index, seed, attn_bias, cu_seqlens)
+    ctx.params = (scale, dropout_p, max_seqlen, causal, window_left, window_right, backend)
     ctx.n_inputs = len(inputs)
     ctx.mark_non_differentiable(lse)
     ctx.set_materialize_grads(False)  # no zero-filled gradient for lse
@@ -549,16 +578,18 @@ def _backward(ctx, dout, _dlse):
     none = (None,) * ctx.n_inputs
     if dout is None:
         return none
-    q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index, attn_bias, cu_seqlens = ctx.saved_tensors
-    scale, dropout_p, seed, max_seqlen, causal, window_left, window_right = ctx.params
-    bias_grad = attn_bias is not None and ctx.needs_input_grad[_BIAS_INPUT]
-    dq, dk, dv, dpk, dpv, dbias = torch.ops.fastprompt.prefix_attention_bwd(
+    q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index, seed, attn_bias, cu_seqlens = ctx.saved_tensors
+    scale, dropout_p, max_seqlen, causal, window_left, window_right, backend = ctx.params
+    need = ctx.needs_input_grad
+    bias_grad = attn_bias is not None and need[_BIAS_INPUT]
+    grads = torch.ops.fastprompt.prefix_attention_bwd(
         dout, q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index, scale, dropout_p, seed, attn_bias,
-        cu_seqlens, max_seqlen, causal, window_left, window_right, bias_grad)
-    grads = [dq, dk, dv, dpk, dpv] + [None] * (ctx.n_inputs - 5)
+        cu_seqlens, max_seqlen, causal, window_left, window_right, bias_grad, backend, need[0], need[1] or need[2],
+        need[3] or need[4])
+    result = [g if wanted else None for g, wanted in zip(grads[:5], need[:5])] + [None] * (ctx.n_inputs - 5)
     if bias_grad:
-        grads[_BIAS_INPUT] = dbias
-    return tuple(grads)
+        result[_BIAS_INPUT] = grads[5]
+    return tuple(result)
 
 
-torch.library.register_autograd("fastprompt::prefix_attention_fwd", _backward, setup_context=_setup_context)
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)

@@ -21,8 +21,9 @@ unit upstream gradient; the backward only rescales them).
 Backends: ``"triton"`` (CUDA; on CPU tensors the Triton interpreter), ``"cpu"`` (the C++ kernels, CPU tensors
 only), ``"reference"`` (plain PyTorch, :func:`fastprompt.ops.reference.contrastive_loss_reference`) and
 ``"auto"``, resolved by the rule shared by every op (:func:`fastprompt.backends.resolve_backend`; this op declares
-:data:`SUPPORT`). The triton/cpu kernels are one ``torch.library`` custom op (``fastprompt::contrastive_loss_fwd``
-+ ``_bwd``, with fake implementations), so ``torch.compile`` sees a single opaque node.
+:data:`SUPPORT`). The triton/cpu kernels are one ``torch.library`` custom op with a ``backend`` argument
+(``fastprompt::contrastive_loss_fwd`` + ``_bwd``, with fake implementations and a registered autograd formula; the
+wiring every fused op shares, ``docs/adding-a-kernel.md``), so ``torch.compile`` sees a single opaque node.
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ from fastprompt.choices import HARDNESS_MODES, MARGIN_STRATEGIES, PARTITION_MODE
 from fastprompt.constants import COSINE_EPS
 from fastprompt.ops import _cpp
 from fastprompt.ops.reference import contrastive_loss_reference, fn_threshold, hardness_coefficients
+from fastprompt.ops.types import ContrastiveStats, Guide
 
 __all__ = ["contrastive_loss", "ContrastiveStats", "Guide", "SUPPORT"]
 
@@ -51,29 +53,6 @@ SUPPORT = register_op(OpSupport(
     native_devices=("cpu",),
     native_missing=_cpp.missing_reason,
 ))
-
-
-class ContrastiveStats(NamedTuple):
-    """Per-anchor statistics (detached): (N,) each, or (N, D) with ``matryoshka_dims`` (column t for
-    ``matryoshka_dims[t]``). ``hardest_neg_index`` indexes the columns ``cat(z2, z3[0], ..., z3[k-1])`` (-1 where
-    every negative was masked)."""
-
-    lse: torch.Tensor  # log-sum-exp of the anchor's logits (bias, hardness penalty and masks included)
-    pos_sim: torch.Tensor  # cosine with its positive
-    hardest_neg_sim: torch.Tensor  # largest cosine over the other columns left in the softmax
-    hardest_neg_index: torch.Tensor  # int64 column index of that negative
-    lse_sym: Optional[torch.Tensor] = None  # the reverse term's log-sum-exp per positive (symmetric only)
-
-
-class Guide(NamedTuple):
-    """A guide model's embeddings of the same texts (GISTEmbed): they score the ``fn_margin`` false-negative
-    mask. Rows as the op's arguments: ``z1`` (N, dg), ``z2`` (M2, dg), ``z3`` like the op's z3 (with dg), and
-    ``reverse_columns`` when the op has them. No gradient flows into them."""
-
-    z1: torch.Tensor
-    z2: torch.Tensor
-    z3: Optional[torch.Tensor] = None
-    reverse_columns: Optional[torch.Tensor] = None
 
 
 # ------------------------------------------------------------------------------------------------

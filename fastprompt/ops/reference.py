@@ -6,6 +6,7 @@ and as the last-resort fallback backend. Autograd differentiates them.
 import torch
 
 from fastprompt.constants import COSINE_EPS
+from fastprompt.ops.types import ContrastiveStats
 
 # --- contrastive loss ----------------------------------------------------------------------------
 
@@ -170,8 +171,6 @@ def contrastive_loss_reference(
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if not return_stats:
         return loss
-    from fastprompt.ops.contrastive import ContrastiveStats
-
     def stat(key):  # (N,) without matryoshka_dims, else (N, D), column t for matryoshka_dims[t]
         values = per_dim[key]
         if values[0] is None:

@@ -3,6 +3,13 @@ packed rows: shared by the interpreter tests (test_prefix_attention_triton.py) a
 (test_ops_cuda.py)."""
 import torch
 
+from fastprompt.ops.attention_cpu import signed_seed
+
+
+def op_seed(seed: int) -> torch.Tensor:
+    """A dropout seed as the fused op ``fastprompt::prefix_attention_fwd`` takes it: a 0-d int64 tensor."""
+    return torch.tensor(signed_seed(seed), dtype=torch.int64)
+
 
 def make_inputs(B, H, Hkv, S, P, D, T=None, dtype=torch.float32, pad=None, bias=None, bias_dtype=None, seed=0,
                 device="cpu"):

@@ -1,6 +1,6 @@
 """kernels/_common.py: what both Triton kernel modules share, and that they do share it (one cosine epsilon
 with the reference and the C++ kernel, one TF32 policy, one bf16 upcast rule, one launch-config type, one
-interpreter flag), and that loading them loads no autograd op."""
+interpreter flag, read by the one backend rule), and that loading them loads no autograd op."""
 import math
 import os
 import subprocess
@@ -16,7 +16,8 @@ from fastprompt.kernels import contrastive_loss as cl  # noqa: E402
 from fastprompt.kernels import prefix_attention as pa  # noqa: E402
 
 from fastprompt import constants  # noqa: E402
-from fastprompt.ops import _cpp, contrastive, reference  # noqa: E402
+from fastprompt.backends import BackendUnavailableError  # noqa: E402
+from fastprompt.ops import _cpp, contrastive, prefix_attention, reference  # noqa: E402
 
 
 def test_named_constants():
@@ -91,15 +92,15 @@ def test_launch_config():
     assert pa.config("bwd_dkdv", 32, 16, 64, torch.float16, False).tiles.keys() == {"BLOCK_M", "BLOCK_N", "BLOCK_D"}
 
 
-def test_launchers_refuse_cpu_tensors_without_the_interpreter(monkeypatch):
+def test_the_backend_rule_refuses_cpu_tensors_without_the_interpreter(monkeypatch):
+    """Where the kernels run is decided once, by the backend rule, before a launch (the launchers trust it)."""
     monkeypatch.setattr(_common, "INTERPRETED", False)
     z = torch.randn(4, 8)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        r = torch.ones(1, 4)
-        cl.stats(z, r, [z], [r], [8], None, [None], None, [None], None, 0, 20.0, 0.0, 0.0, 0.0, False)
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):
+        contrastive.contrastive_loss(z, z, backend="triton")
     q = torch.randn(1, 1, 4, 8)
-    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
-        pa.forward(q, q, q, torch.randn(1, 2, 8), torch.randn(1, 2, 8), scale=0.3)
+    with pytest.raises(BackendUnavailableError, match="TRITON_INTERPRET=1"):
+        prefix_attention(q, q, q, torch.randn(1, 2, 8), torch.randn(1, 2, 8), backend="triton")
 
 
 @pytest.mark.skipif(not _common.interpreting(), reason="needs TRITON_INTERPRET=1 at import (tests/conftest.py)")

@@ -21,7 +21,7 @@ import torch
 
 from fastprompt.backends import resolve_backend
 from fastprompt.ops import contrastive_loss, prefix_attention
-from fastprompt.ops.attention import _triton_attention
+from fastprompt.ops.attention import _kernel_attention
 from fastprompt.ops.reference import prefix_attention_reference
 
 from .prefix_cases import make_inputs, pack, packed_inputs
@@ -201,7 +201,7 @@ def test_encoder_attention_path_matches_the_cache_path(tiny_bert_dir):
 
 # ------------------------------------------------------------------------ attention: heads, masks, bias, packed
 # Grouped-query heads, causal and sliding-window token blocks, an attention bias and packed rows, through the
-# "triton" branch of prefix_attention (_triton_attention), on 64-row tiles: several row and key tiles, tiles the
+# "triton" branch of prefix_attention (_kernel_attention), on 64-row tiles: several row and key tiles, tiles the
 # window skips, partial ones.
 
 # (B, H, Hkv, S, P, D, T, pad, causal, window, bias shape or None)
@@ -216,7 +216,8 @@ SWITCH_GRADS = GRAD_NAMES + ("dattn_bias",)
 
 
 def switch_run(q, k, v, pk, pv, mask, pidx, bias, dout=None, dropout_p=0.0, seed=0, **kw):
-    out = _triton_attention(q, k, v, pk, pv, mask, pidx, q.shape[-1] ** -0.5, dropout_p, seed, attn_bias=bias, **kw)
+    out = _kernel_attention("triton", q, k, v, pk, pv, mask, pidx, q.shape[-1] ** -0.5, dropout_p, seed, attn_bias=bias,
+                            **kw)
     if dout is None:
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to("cuda", q.dtype)
     leaves = [q, k, v, pk, pv] + ([bias] if bias is not None else [])

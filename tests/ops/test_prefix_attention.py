@@ -11,6 +11,8 @@ from fastprompt.backends import resolve_backend
 from fastprompt.ops import draw_seed, prefix_attention
 from fastprompt.ops.reference import prefix_attention_reference
 
+from .prefix_cases import op_seed
+
 fwd_op = torch.ops.fastprompt.prefix_attention_fwd
 
 # (atol, rtol) against the float32 reference evaluated on the same (rounded) inputs.
@@ -56,7 +58,7 @@ def run_op(q, k, v, pk, pv, mask, pidx, backend, dout=None, scale=None, dropout_
     """Output, log-sum-exp (Triton only; None for the CPU composite), the five gradients, and dout."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     if backend == "triton":
-        out, lse = fwd_op(q, k, v, pk, pv, mask, pidx, scale, dropout_p, seed)
+        out, lse = fwd_op(q, k, v, pk, pv, mask, pidx, scale, dropout_p, op_seed(seed))
     else:
         out, lse = prefix_attention(q, k, v, pk, pv, mask, scale=scale, dropout_p=dropout_p, seed=seed,
                                     prompt_index=pidx, backend=backend), None
@@ -155,7 +157,7 @@ def triton_keep_mask(B, H, S, P, seed, p):
     q, k = torch.zeros(B, H, S, n), torch.zeros(B, H, S, n)
     pk, pv = torch.zeros(H, P, n), eye[:P].expand(H, P, n).contiguous()
     v = eye[P:].expand(B, H, S, n).contiguous()
-    out, _ = fwd_op(q, k, v, pk, pv, None, None, 1.0, p, seed)
+    out, _ = fwd_op(q, k, v, pk, pv, None, None, 1.0, p, op_seed(seed))
     nonzero = out[out != 0]
     torch.testing.assert_close(nonzero, torch.full_like(nonzero, 1.0 / (n * (1 - p))))
     return out != 0
@@ -311,7 +313,8 @@ def test_bad_input_raises_value_error(case, match):
 
 def test_opcheck():
     q, k, v, pk, pv, mask, pidx = make_inputs(2, 1, 6, 2, 32, T=2)
-    for args in ((q, k, v, pk, pv, mask, pidx, 32 ** -0.5, 0.0, 0), (q, k, v, pk[0], pv[0], None, None, 0.3, 0.2, 7)):
+    for args in ((q, k, v, pk, pv, mask, pidx, 32 ** -0.5, 0.0, op_seed(0)),
+                 (q, k, v, pk[0], pv[0], None, None, 0.3, 0.2, op_seed(7))):
         torch.library.opcheck(fwd_op.default, args,
                               test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
 
@@ -323,10 +326,11 @@ def test_fake_tensor_propagation():
         q = torch.empty(4, 8, 3, 16).transpose(1, 2)
         pk = torch.empty(3, 5, 16)
         mask = torch.ones(4, 8, dtype=torch.bool)
-        out, lse = fwd_op(q, q, q, pk, pk, mask, None, 0.25, 0.1, 0)
+        out, lse = fwd_op(q, q, q, pk, pk, mask, None, 0.25, 0.1, op_seed(0))
         assert out.shape == (4, 3, 8, 16) and out.transpose(1, 2).is_contiguous()
         assert lse.shape == (4, 3, 8) and lse.dtype == torch.float32
-        grads = torch.ops.fastprompt.prefix_attention_bwd(out, q, q, q, pk, pk, out, lse, mask, None, 0.25, 0.1, 0)
+        grads = torch.ops.fastprompt.prefix_attention_bwd(out, q, q, q, pk, pk, out, lse, mask, None, 0.25, 0.1,
+                                                          op_seed(0))
         assert [g.shape for g in grads] == [q.shape] * 3 + [pk.shape] * 2 + [(0,)]  # no attn_bias: no dbias
 
 

@@ -1,6 +1,6 @@
-"""The fused CPU kernel of prefix attention (csrc/prefix_attention.cpp, registered by fastprompt/ops/attention_cpu.py)
-against the plain-PyTorch reference: output, log-sum-exp and all five gradients, its dropout mask (the Triton
-kernels' Philox mask), determinism, layouts, the torch.library registration.
+"""The fused CPU kernel of prefix attention (csrc/prefix_attention.cpp, the "cpu" backend of the fused op of
+fastprompt/ops/attention.py) against the plain-PyTorch reference: output, log-sum-exp and all five gradients, its
+dropout mask (the Triton kernels' Philox mask), determinism, layouts, the torch.library registration.
 
 Tolerance, fp32 (atol = rtol = 1e-5), against the reference evaluated in float32 on the same inputs. Both compute
 the same sums in different orders: scores are D-term dot products (D <= 128) of unit-normal rows, so their
@@ -211,7 +211,7 @@ def test_keep_mask_is_the_triton_kernels_mask():
     # seeds: small, negative, low word with its sign bit set (Triton sign-extends it), high word set
     for seed in (7, -5, 0x8000_0001, (1 << 40) + 3, (1 << 64) - 2):
         out, _ = torch.ops.fastprompt.prefix_attention_fwd(zeros, zeros, vvals, torch.zeros(H, P, n), pvals, None,
-                                                           None, 1.0, p, attention_cpu.signed_seed(seed))
+                                                           None, 1.0, p, torch.tensor(attention_cpu.signed_seed(seed)))
         assert torch.equal(out != 0, attention_cpu.keep_mask(B, H, S, P, p, seed)), seed
 
 
@@ -272,12 +272,13 @@ def test_results_do_not_depend_on_the_thread_count():
 
 
 def test_opcheck():
+    """The op's C++ backend: the one fused op (fastprompt::prefix_attention_fwd, backend="cpu") calls the kernel."""
     q, k, v, pk, pv, mask, pidx = make_inputs(2, 1, 6, 2, 32, T=2)
-    fwd = torch.ops.fastprompt.prefix_attention_cpu_fwd.default
+    fwd = torch.ops.fastprompt.prefix_attention_fwd.default
     for args in ((q, k, v, pk, pv, mask, pidx, 32 ** -0.5, 0.0, seed(0)),
                  (q, k, v, pk[0], pv[0], None, None, 0.3, 0.2, seed(7))):
-        torch.library.opcheck(fwd, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
-                                                     "test_aot_dispatch_dynamic"))
+        torch.library.opcheck(fwd, args, dict(backend="cpu"), test_utils=(
+            "test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"))
 
 
 def test_torch_compile_keeps_the_kernel_as_one_node():
@@ -301,7 +302,7 @@ def test_torch_compile_keeps_the_kernel_as_one_node():
         for g, w in zip(grads, want_grads):
             torch.testing.assert_close(g, w)
     code = graphs[0].code
-    assert code.count("fastprompt.prefix_attention_cpu_fwd") == 1
+    assert code.count("fastprompt.prefix_attention_fwd") == 1
     assert "softmax" not in code and "matmul" not in code and "cat" not in code
 
 

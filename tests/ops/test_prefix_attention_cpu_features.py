@@ -388,13 +388,14 @@ def test_composite_without_a_bias_gradient_uses_sdpa_and_agrees():
 
 
 def test_opcheck_with_the_new_arguments():
-    fwd = torch.ops.fastprompt.prefix_attention_cpu_fwd.default
+    """The one fused op with the C++ backend (fastprompt::prefix_attention_fwd's argument order)."""
+    fwd = torch.ops.fastprompt.prefix_attention_fwd.default
     (q, k, v, pk, pv, bias), kw, _ = padded_case(2, 4, 2, 6, 2, 16, 2, "random", True, (3, -1), "B1", 0.0)
     (cq, ck, cv, cpk, cpv, cbias), ckw, _ = packed_case([2, 5, 1], 2, 1, 3, 16, None, 6, False, (1, 2), "1H", 0.0)
-    for args in ((q, k, v, pk, pv, kw["key_padding_mask"], kw["prompt_index"], 0.25, 0.0, seed_tensor(0), True, 3,
-                  -1, bias, None, -1),
-                 (cq, ck, cv, cpk, cpv, None, None, 0.25, 0.2, seed_tensor(5), False, 1, 2, cbias, ckw["cu_seqlens"],
-                  6)):
+    for args in ((q, k, v, pk, pv, kw["key_padding_mask"], kw["prompt_index"], 0.25, 0.0, seed_tensor(0), bias, None,
+                  0, True, 3, -1, "cpu"),
+                 (cq, ck, cv, cpk, cpv, None, None, 0.25, 0.2, seed_tensor(5), cbias, ckw["cu_seqlens"], 6, False, 1,
+                  2, "cpu")):
         torch.library.opcheck(fwd, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor",
                                                      "test_aot_dispatch_dynamic"))
 
@@ -423,7 +424,7 @@ def test_torch_compile_with_the_new_arguments_is_one_node_without_a_graph_break(
         for g, w in zip(torch.autograd.grad(loss, leaves), want_grads):
             torch.testing.assert_close(g, w)
     code = graphs[0].code
-    assert code.count("fastprompt.prefix_attention_cpu_fwd") == 1
+    assert code.count("fastprompt.prefix_attention_fwd") == 1
     assert "softmax" not in code and "matmul" not in code
 
 

@@ -25,10 +25,11 @@ pytest.importorskip("triton")
 
 from fastprompt.kernels import prefix_attention as kernels  # noqa: E402
 
-from fastprompt.ops.attention import _triton_attention  # noqa: E402
+from fastprompt.ops import prefix_attention  # noqa: E402
+from fastprompt.ops.attention import _kernel_attention  # noqa: E402
 from fastprompt.ops.reference import prefix_attention_reference  # noqa: E402
 
-from .prefix_cases import make_inputs, pack, packed_inputs  # noqa: E402
+from .prefix_cases import make_inputs, op_seed, pack, packed_inputs  # noqa: E402
 from .test_ops_cuda import ATTN_TOL, close  # noqa: E402
 from .test_prefix_attention import triton_keep_mask  # noqa: E402
 
@@ -41,7 +42,8 @@ GRADS = ("dq", "dk", "dv", "dprefix_k", "dprefix_v", "dattn_bias")
 
 def run_triton(q, k, v, pk, pv, mask, pidx, attn_bias, dout=None, dropout_p=0.0, seed=0, **kw):
     """The custom op's output, log-sum-exp and gradients (attn_bias' only when it requires grad), and dout."""
-    out, lse = fwd_op(q, k, v, pk, pv, mask, pidx, q.shape[-1] ** -0.5, dropout_p, seed, attn_bias=attn_bias, **kw)
+    out, lse = fwd_op(q, k, v, pk, pv, mask, pidx, q.shape[-1] ** -0.5, dropout_p, op_seed(seed), attn_bias=attn_bias,
+                      **kw)
     if dout is None:
         dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(1)).to(q.dtype)
     leaves = [q, k, v, pk, pv] + ([attn_bias] if attn_bias is not None and attn_bias.requires_grad else [])
@@ -130,7 +132,7 @@ def test_hidden_token_tiles_are_never_read(causal, window, poisoned, clean):
     with torch.no_grad():
         k[:, :, poisoned] = float("nan")
         v[:, :, poisoned] = float("nan")
-    out, _ = fwd_op(q, k, v, pk, pv, None, None, 0.25, 0.0, 0, **kw)
+    out, _ = fwd_op(q, k, v, pk, pv, None, None, 0.25, 0.0, op_seed(0), **kw)
     dq, = torch.autograd.grad(out, q, dout)
     close("out", out[:, :, clean], want[:, :, clean], ATTN_TOL[torch.float32])
     close("dq", dq[:, :, clean], want_grads[0][:, :, clean], ATTN_TOL[torch.float32])
@@ -161,7 +163,7 @@ def test_bias_without_grad_costs_no_bias_gradient(monkeypatch):
     _, _, r_grads = run_reference(q, k, v, pk, pv, mask, pidx, bias, got[3], causal=True)
     for name, g, r in zip(GRADS, got[2], r_grads):
         close(name, g, r, ATTN_TOL[torch.float32])
-    out = fwd_op(q, k, v, pk, pv, mask, pidx, 0.25, 0.0, 0, attn_bias=bias.requires_grad_())
+    out = fwd_op(q, k, v, pk, pv, mask, pidx, 0.25, 0.0, op_seed(0), attn_bias=bias.requires_grad_())
     torch.autograd.grad(out[0].sum(), (q, bias))
     assert calls == [False, True]
 
@@ -220,10 +222,10 @@ def test_packed_equals_padded_with_dropout():
 
 
 def test_packed_through_the_backend_function_reads_max_seqlen():
-    """_triton_attention (the "triton" branch of prefix_attention) without max_seqlen reads it from cu_seqlens."""
+    """prefix_attention's "triton" backend without max_seqlen reads it from cu_seqlens (once, in its check)."""
     inputs, cu, L, _ = packed_inputs([2, 6, 3], 2, 2, 1, 16)
     q, k, v, pk, pv = inputs[:5]
-    out = _triton_attention(q, k, v, pk, pv, None, None, 0.25, 0.0, 0, causal=True, cu_seqlens=cu)
+    out = prefix_attention(q, k, v, pk, pv, scale=0.25, causal=True, cu_seqlens=cu, backend="triton")
     want = prefix_attention_reference(q, k, v, pk, pv, scale=0.25, causal=True, cu_seqlens=cu)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
@@ -234,8 +236,9 @@ def test_packed_through_the_backend_function_reads_max_seqlen():
 def test_packed_offsets_are_checked(offsets, max_seqlen, n):
     q = torch.zeros(1, 2, n, 16)
     pk = torch.zeros(2, 1, 16)
-    with pytest.raises(ValueError, match="cu_seqlens must rise from 0"):
-        fwd_op(q, q, q, pk, pk, None, None, 1.0, 0.0, 0, cu_seqlens=torch.tensor(offsets), max_seqlen=max_seqlen)
+    with pytest.raises(ValueError, match="cu_seqlens must|more than max_seqlen"):
+        prefix_attention(q, q, q, pk, pk, scale=1.0, cu_seqlens=torch.tensor(offsets), max_seqlen=max_seqlen,
+                         backend="triton")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -248,8 +251,9 @@ def test_opcheck_with_every_switch():
     padded = make_inputs(2, 2, 1, 5, 1, 16, pad="left", bias=(2, 1, 5, 5))
     utils = ("test_schema", "test_autograd_registration", "test_faketensor")
     for args, kwargs in (
-        ((q, k, v, pk, pv, None, pidx, 0.3, 0.2, 7), dict(attn_bias=bias, cu_seqlens=cu, max_seqlen=L, causal=True)),
-        ((*padded[:7], 0.25, 0.0, 0), dict(attn_bias=padded[7], causal=True, window_left=2, window_right=0)),
+        ((q, k, v, pk, pv, None, pidx, 0.3, 0.2, op_seed(7)),
+         dict(attn_bias=bias, cu_seqlens=cu, max_seqlen=L, causal=True)),
+        ((*padded[:7], 0.25, 0.0, op_seed(0)), dict(attn_bias=padded[7], causal=True, window_left=2, window_right=0)),
     ):
         torch.library.opcheck(fwd_op.default, args, kwargs, test_utils=utils)
 
@@ -262,10 +266,11 @@ def test_fake_tensor_propagation_packed_and_bias_gradient():
         kv = torch.empty(1, 10, 2, 16).transpose(1, 2)  # 2 key/value heads
         pk = torch.empty(3, 2, 5, 16)
         cu, pidx, bias = torch.tensor([0, 4, 10]), torch.tensor([0, 2]), torch.empty(1, 4, 6, 6)
-        out, lse = fwd_op(q, kv, kv, pk, pk, None, pidx, 0.25, 0.1, 0, bias, cu, 6, True, -1, -1)
+        out, lse = fwd_op(q, kv, kv, pk, pk, None, pidx, 0.25, 0.1, op_seed(0), bias, cu, 6, True, -1, -1)
         assert out.shape == (1, 4, 10, 16) and out.transpose(1, 2).is_contiguous()
         assert lse.shape == (1, 4, 10) and lse.dtype == torch.float32
-        grads = torch.ops.fastprompt.prefix_attention_bwd(out, q, kv, kv, pk, pk, out, lse, None, pidx, 0.25, 0.1, 0,
+        grads = torch.ops.fastprompt.prefix_attention_bwd(out, q, kv, kv, pk, pk, out, lse, None, pidx, 0.25, 0.1,
+                                                          op_seed(0),
                                                           bias, cu, 6, True, -1, -1, True)
         assert [g.shape for g in grads] == [q.shape, kv.shape, kv.shape, pk.shape, pk.shape, bias.shape]
 
@@ -278,7 +283,7 @@ def test_torch_compile_keeps_one_node_with_every_switch():
     leaves = (q, k, v, pk, pv, bias)
 
     def f(q, k, v, pk, pv, bias):
-        return _triton_attention(q, k, v, pk, pv, None, pidx, 0.25, 0.1, 3, causal=True, attn_bias=bias,
+        return _kernel_attention("triton", q, k, v, pk, pv, None, pidx, 0.25, 0.1, 3, causal=True, attn_bias=bias,
                                  cu_seqlens=cu, max_seqlen=L).square().sum()
 
     graphs = []
