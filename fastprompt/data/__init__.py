@@ -7,7 +7,8 @@
 - :mod:`fastprompt.data.ski` — SKICSE's LLM-generated "sentence knowable information": generation
   (``fastprompt generate-ski``), :func:`read_ski_csv` and :func:`join_ski`
 
-Imported lazily, so that ``fastprompt -h`` (which registers ``fastprompt.data.ski.cli``) loads no torch.
+Imported lazily, so that ``import fastprompt.data`` loads no torch; ``fastprompt generate-ski`` and ``join-ski`` are
+:mod:`fastprompt.cli.ski`.
 """
 from typing import TYPE_CHECKING
 
