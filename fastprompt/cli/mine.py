@@ -59,8 +59,9 @@ def add_mine_negatives_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_mine_negatives(args: argparse.Namespace) -> int:
-    from fastprompt.data.corpus import load_query_rows, read_text_corpus
+    from fastprompt.data.corpus import read_text_corpus
     from fastprompt.data.mining import mine_negatives
+    from fastprompt.data.train_files import load_query_rows
     from fastprompt.io import check_apart, check_output_file
 
     check_output_file(args.output, "--output")
