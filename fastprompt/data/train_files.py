@@ -70,7 +70,8 @@ def _refuse_json_corpus(examples: TrainExamples) -> None:
 
 def load_train_file(path: str | Path, *, fmt: str = "auto", on_decode_error: str = "error",
                     negatives_per_row: int | None = None, pad_negatives: bool = False, seed: int = 0) -> TrainExamples:
-    """Load ``path`` as a text corpus, a pair/triplet CSV, or query/positive/negative rows (JSONL or CSV).
+    """Load ``path`` as a text corpus, a pair/triplet CSV, a ``sent0,ski`` SKI file, or query/positive/negative rows
+    (JSONL or CSV).
 
     ``fmt="auto"`` decides by extension (``.csv`` -> CSV, ``.tsv`` -> tab-separated, ``.jsonl`` -> JSONL rows),
     otherwise (``.txt`` too) by whether the first line is a ``sent0,sent1...`` or ``query,positive...`` header, comma-
