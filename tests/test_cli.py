@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from fastprompt import cli
+from fastprompt.cli.options import load_config_args
 
 
 def test_help_lists_the_subcommands(capsys):
@@ -51,19 +52,19 @@ def test_every_registered_subcommand_builds_and_has_a_runner():
         assert callable(p.get_default("func")), name
 
 
-def test_module_entry_point_runs():
-    out = subprocess.run([sys.executable, "-m", "fastprompt.cli", "--version"], capture_output=True, text=True,
-                         timeout=120)
+@pytest.mark.parametrize("module", ["fastprompt", "fastprompt.cli"])
+def test_module_entry_point_runs(module):
+    out = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.startswith("fastprompt ")
 
 
 @pytest.mark.parametrize("command,extra", [("train", []), ("make-replacements", ["--output", "r.jsonl"])])
 def test_config_reading_commands_take_config_and_set_alike(tmp_path, command, extra):
-    """`--config/-c` and repeatable `--set` come from one helper (cli.add_config_args) and resolve alike."""
+    """`--config/-c` and repeatable `--set` come from one helper (cli.options.add_config_args) and resolve alike."""
     recipe = tmp_path / "r.yaml"
     recipe.write_text("batch_size: 16\nlearning_rate: 1e-2\n", encoding="utf-8")
     args = cli.build_parser().parse_args([command, "-c", str(recipe), "--set", "batch_size=32",
                                           "--set", "max_length=24", *extra])
     assert args.overrides == ["batch_size=32", "max_length=24"]
-    config = cli.load_config_args(args, seed=7)
+    config = load_config_args(args, seed=7)
     assert (config.batch_size, config.learning_rate, config.max_length, config.seed) == (32, 1e-2, 24, 7)

@@ -47,7 +47,9 @@ def checkout(tmp_path):
      "fastprompt.objectives.base -> fastprompt.methods.crtd"),
     # a cycle inside a package: checkpoints.py imports config.py; config.py importing checkpoints.py closes it
     ("fastprompt/train/config.py", "import fastprompt.train.checkpoints", "No cycles are allowed in fastprompt.train"),
-], ids=["model->cli", "ops->model", "kernels->ops", "objectives->methods", "cycle"])
+    # the plain readers reaching up into the dispatcher that picks among them (train_files.py imports corpus.py)
+    ("fastprompt/data/corpus.py", "import fastprompt.data.train_files", "No cycles are allowed in fastprompt.data"),
+], ids=["model->cli", "ops->model", "kernels->ops", "objectives->methods", "cycle", "reader->dispatcher"])
 def test_an_inserted_upward_import_or_cycle_breaks_a_contract(checkout, module, line, broken):
     path = checkout / module
     path.write_text(path.read_text(encoding="utf-8") + f"\n{line}  # noqa\n", encoding="utf-8")

@@ -35,7 +35,7 @@ def test_sdist_holds_the_extension_sources_kernels_and_build_files(tmp_path):
     for pattern in ("csrc/*", "kernels/*.py", "configs/*.yaml", "fastprompt/**/*.py"):
         expected |= {p.relative_to(ROOT).as_posix() for p in ROOT.glob(pattern)
                      if p.is_file() and "__pycache__" not in p.parts}
-    assert any(n.startswith("csrc/") for n in expected) and "fastprompt/integrations/cli.py" in expected
+    assert any(n.startswith("csrc/") for n in expected) and "fastprompt/cli/train.py" in expected
     assert not expected - names, f"missing from the sdist: {sorted(expected - names)}"
     assert not [n for n in names if n.endswith((".so", ".pyc")) or n.startswith((".venv/", "build/", "tests/"))]
 
@@ -67,5 +67,5 @@ def test_plain_pip_wheel_in_a_fresh_venv_is_pure_python_and_fetches_no_torch(tmp
     (wheel,) = (tmp_path / "dist").glob("fastprompt-*.whl")
     assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
     names = zipfile.ZipFile(wheel).namelist()
-    assert "fastprompt/integrations/cli.py" in names and "fastprompt/kernels/__init__.py" in names
+    assert "fastprompt/cli/train.py" in names and "fastprompt/kernels/__init__.py" in names
     assert not [n for n in names if n.endswith((".so", ".pyd", ".pyc"))]

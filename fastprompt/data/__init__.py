@@ -1,13 +1,16 @@
 """Corpora readers, tokenisation/collation, batch samplers (text -> token ids), and SKI generation.
 
-- :func:`load_train_file` — a text corpus (one sentence per line) or a ``sent0,sent1[,hard_neg]`` CSV
+- :func:`load_train_file` — a training file of any layout, by its extension and first line (``train_files.py``): a
+  text corpus (one sentence per line), a ``sent0,sent1[,hard_neg]`` CSV (``corpus.py``), query / positives /
+  negatives rows (``retrieval.py``), a SKI file
 - :func:`builtin_wiki_corpus` — the default corpus embedded in the gensim wheel (``builtin:gensim-wiki``)
 - :class:`Collator` / :class:`Batch` — dynamic padding, all views of a batch in one tensor
 - :class:`UniqueBatchSampler` — seeded, resumable, no duplicate sentence inside a batch
 - :mod:`fastprompt.data.ski` — SKICSE's LLM-generated "sentence knowable information": generation
   (``fastprompt generate-ski``), :func:`read_ski_csv` and :func:`join_ski`
 
-Imported lazily, so that ``fastprompt -h`` (which registers ``fastprompt.data.ski.cli``) loads no torch.
+Imported lazily, so that ``import fastprompt.data`` loads no torch; ``fastprompt generate-ski`` and ``join-ski`` are
+:mod:`fastprompt.cli.ski`.
 """
 from typing import TYPE_CHECKING
 
@@ -21,7 +24,6 @@ if TYPE_CHECKING:  # the definitions, for type checkers and IDEs; at run time a 
     from fastprompt.data.collate import hf_tokenize as hf_tokenize
     from fastprompt.data.corpus import BUILTIN_WIKI as BUILTIN_WIKI
     from fastprompt.data.corpus import TrainExamples as TrainExamples
-    from fastprompt.data.corpus import load_train_file as load_train_file
     from fastprompt.data.corpus import read_pair_csv as read_pair_csv
     from fastprompt.data.corpus import read_text_corpus as read_text_corpus
     from fastprompt.data.sampler import UniqueBatchSampler as UniqueBatchSampler
@@ -30,11 +32,12 @@ if TYPE_CHECKING:  # the definitions, for type checkers and IDEs; at run time a 
     from fastprompt.data.ski.files import SKI_TRIPLET_COLUMNS as SKI_TRIPLET_COLUMNS
     from fastprompt.data.ski.files import join_ski as join_ski
     from fastprompt.data.ski.files import read_ski_csv as read_ski_csv
+    from fastprompt.data.train_files import load_train_file as load_train_file
 
 _LAZY = {
     "BUILTIN_WIKI": "fastprompt.data.corpus",
     "TrainExamples": "fastprompt.data.corpus",
-    "load_train_file": "fastprompt.data.corpus",
+    "load_train_file": "fastprompt.data.train_files",
     "read_pair_csv": "fastprompt.data.corpus",
     "read_text_corpus": "fastprompt.data.corpus",
     "builtin_wiki_corpus": "fastprompt.data.builtin",

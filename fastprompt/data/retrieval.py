@@ -32,6 +32,7 @@ from pathlib import Path
 
 import numpy as np
 
+from fastprompt.data.corpus import NEGATIVE_COLUMN, PAIR_COLUMNS, TrainExamples, parse_csv
 from fastprompt.io import check_file, read_utf8_text, reject_binary
 from fastprompt.messages import shown
 
@@ -46,7 +47,7 @@ MAX_LINE_BYTES = 4 << 20
 MAX_TEXTS_PER_ROW = 1024
 #: The trainer's column names: the query, the positive, then the negatives (``hard_neg`` alone for k = 1, so one
 #: negative per row is exactly SimCSE's NLI triplet).
-QUERY_COLUMN, POSITIVE_COLUMN, NEGATIVE_COLUMN = "sent0", "sent1", "hard_neg"
+QUERY_COLUMN, POSITIVE_COLUMN = PAIR_COLUMNS
 #: The text of a padding negative (a row with fewer than k negatives, ``pad_negatives``): a NUL byte, which no text
 #: read from a file has (the readers refuse binary files); it is encoded as an empty text and masked out of the loss.
 PAD_TEXT = "\x00"
@@ -59,10 +60,6 @@ _CSV_NEGATIVE = re.compile(r"(neg|negative|hard_neg)(_\d+)?")
 def negative_columns(k: int) -> tuple[str, ...]:
     """The column names of k negatives: ``hard_neg``, ``hard_neg_2``, ... ``hard_neg_k``."""
     return tuple(NEGATIVE_COLUMN if j == 0 else f"{NEGATIVE_COLUMN}_{j + 1}" for j in range(k))
-
-
-def is_negative_column(name: str) -> bool:
-    return name == NEGATIVE_COLUMN or re.fullmatch(rf"{NEGATIVE_COLUMN}_\d+", name) is not None
 
 
 @dataclass
@@ -91,8 +88,6 @@ class QueryRows:
         error, unless ``pad_negatives``: it is padded with :data:`PAD_TEXT` columns, which the loss leaves out of its
         softmax (their text id is negative).
         """
-        from fastprompt.data.corpus import TrainExamples
-
         lo, hi = self.negative_counts()
         if negatives_per_row is None:
             if lo != hi:
@@ -198,8 +193,6 @@ def query_header(header: list[str]) -> bool:
 
 def read_query_csv(path: str | Path, *, delimiter: str = ",") -> QueryRows:
     """Read a CSV (or, with ``delimiter="\\t"``, TSV) with a ``query``/``anchor``, ``positive`` and negative columns."""
-    from fastprompt.data.corpus import parse_csv
-
     path = Path(path)
     text = read_utf8_text(path, "training file", encoding="utf-8-sig")
     records = parse_csv(text, path, delimiter=delimiter)

@@ -1,7 +1,8 @@
 """Use fastprompt prompts where people already work, and bring theirs in.
 
 One module per integration, each imported only when used (``import fastprompt.integrations`` loads nothing heavy,
-and an integration's own library is needed only by that integration):
+and an integration's own library is needed only by that integration); their commands, ``fastprompt export`` and
+``fastprompt import``, are in :mod:`fastprompt.cli.integrations`:
 
 - :mod:`~fastprompt.integrations.sentence_transformers` — :func:`export_sentence_transformers`: a folder that
   ``SentenceTransformer(folder, trust_remote_code=True)`` loads, with a model card (needs ``sentence-transformers``)
@@ -14,7 +15,6 @@ and an integration's own library is needed only by that integration):
   (needs ``sentence-transformers``)
 - :mod:`~fastprompt.integrations.mteb` — :class:`MTEBEncoder`: MTEB 2.x's encoder protocol (``mteb`` optional)
 - :mod:`~fastprompt.integrations.papers` — :func:`import_promcse`: PromCSE/DCPCSE checkpoints of the papers' code
-- :mod:`~fastprompt.integrations.cli` — ``fastprompt export`` and ``fastprompt import``
 """
 from typing import TYPE_CHECKING
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fastprompt.data.retrieval import is_negative_column
+from fastprompt.data.corpus import is_negative_column
 from fastprompt.objectives.base import HARD_NEGATIVE_VIEW, SKI_VIEW, ObjectiveOutput, SentenceObjective, Views
 from fastprompt.objectives.config import OBJECTIVE_REGISTRY, objective_default
 from fastprompt.ops import contrastive_loss

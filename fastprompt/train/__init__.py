@@ -9,7 +9,8 @@
 - :func:`train_seeds` — one recipe over several seeds and their mean ± std table (``seeds.py``; ``fastprompt
   train --seeds``)
 
-Imported lazily, so that ``fastprompt -h`` (which registers ``fastprompt.train.cli``) loads no torch.
+Imported lazily, so that ``import fastprompt.train`` loads no torch; ``fastprompt train`` is
+:mod:`fastprompt.cli.train`.
 """
 from typing import TYPE_CHECKING
 

@@ -135,3 +135,14 @@ def test_a_train_file_that_is_no_file_says_what_it_is(tmp_path, kind):
     expected = "is a directory, not a file" if kind == "directory" else "is a pipe, not a regular file"
     with pytest.raises((OSError, ValueError), match=f"training file {path} {expected}"):
         load_train_file(path)
+
+
+def test_the_pair_reader_refers_a_ski_file_to_its_reader_and_load_train_file_reads_it(tmp_path):
+    """corpus.py knows no other layout (the dispatch is train_files.py's): a sent0,ski file given to read_pair_csv
+    is a clear error naming the readers that take it, and load_train_file reads it as SKI rows in both modes."""
+    p = tmp_path / "ski.csv"
+    p.write_text("sent0,ski\nA cat sleeps.,Cats sleep a lot.\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"ski.csv is a sent0,ski file .*read_ski_csv or .*load_train_file"):
+        read_pair_csv(p)
+    for fmt in ("auto", "csv"):
+        assert load_train_file(p, fmt=fmt).rows == [("A cat sleeps.", "Cats sleep a lot.")]

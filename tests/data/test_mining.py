@@ -7,9 +7,9 @@ import pytest
 
 from fastprompt import cli
 from fastprompt.data import load_train_file
-from fastprompt.data.corpus import load_query_rows
 from fastprompt.data.mining import mine_negatives
 from fastprompt.data.retrieval import QueryRows
+from fastprompt.data.train_files import load_query_rows
 
 
 class VectorEncoder:

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from fastprompt.cli import read_sentences
+from fastprompt.cli.encode import read_sentences
 from fastprompt.data import load_train_file
 from fastprompt.data.replacements import ReplacementTable, _read_lines
 from fastprompt.data.ski.files import read_ski_csv

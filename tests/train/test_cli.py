@@ -1,30 +1,11 @@
 """`fastprompt train`: config + --set overrides, printed summary, exit codes."""
-import argparse
 import json
 import logging
-import sys
 
 import pytest
 import yaml
 
-from fastprompt.train.cli import add_train_parser
-
-
-def _main(argv):
-    try:  # the top-level CLI registers `train` from fastprompt.train.cli
-        from fastprompt.cli import SUBCOMMANDS, main
-    except ImportError:
-        SUBCOMMANDS = []
-    if "fastprompt.train.cli:add_train_parser" in SUBCOMMANDS:
-        return main(argv)
-    parser = argparse.ArgumentParser(prog="fastprompt")
-    add_train_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:  # what fastprompt.cli.main does
-        print(f"fastprompt train: error: {exc}", file=sys.stderr)
-        return 2
+from fastprompt.cli import main as _main  # the other train tests import it from here
 
 
 def _write(tmp_path, cfg):

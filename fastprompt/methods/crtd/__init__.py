@@ -9,4 +9,4 @@ from fastprompt.objectives.config import CRTDConfig
 register_method(MethodSpec("crtd", doc="docs/crtd.md", section=("rtd", CRTDConfig, "replaced-token detection term"),
                            terms="fastprompt.methods.crtd.terms:crtd_terms",
                            commands={"make-replacements":
-                                     "fastprompt.train.replacements_cli:add_make_replacements_parser"}))
+                                     "fastprompt.cli.replacements:add_make_replacements_parser"}))

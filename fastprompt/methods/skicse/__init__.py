@@ -8,5 +8,5 @@ from fastprompt.methods.skicse.checks import check_skicse_section
 
 register_method(MethodSpec("skicse", doc="docs/ski.md", objective="fastprompt.objectives.skicse:SKICSE",
                            objective_check=check_skicse_section,
-                           commands={"generate-ski": "fastprompt.data.ski.cli:add_generate_ski_parser",
-                                     "join-ski": "fastprompt.data.ski.join_cli:add_join_ski_parser"}))
+                           commands={"generate-ski": "fastprompt.cli.ski:add_generate_ski_parser",
+                                     "join-ski": "fastprompt.cli.ski:add_join_ski_parser"}))

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from fastprompt.train.cli import add_config_args, load_config_args
+from fastprompt.cli.options import add_config_args, load_config_args
 
 EPILOG = """\
 examples:

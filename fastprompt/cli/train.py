@@ -1,9 +1,4 @@
-"""``fastprompt train``: the command-line face of :class:`~fastprompt.train.Trainer`.
-
-Kept here (not in ``fastprompt/cli.py``) so the top-level CLI only registers the subcommand. Also the config
-options of every subcommand that reads a training config (train, make-replacements): :func:`add_config_args` and
-:func:`load_config_args`.
-"""
+"""``fastprompt train``: the command-line face of :class:`~fastprompt.train.Trainer` (one run, or one per seed)."""
 from __future__ import annotations
 
 import argparse
@@ -11,7 +6,7 @@ import logging
 import signal
 import sys
 
-from fastprompt.arguments import add_trust_remote_code_arg
+from fastprompt.cli.options import add_config_args, load_config_args
 
 logger = logging.getLogger(__name__)
 
@@ -27,26 +22,6 @@ An interrupted run (Ctrl-C, kill) resumes from <output_dir>/last when the same c
 skips the completed ones), then <output_dir>/seeds.md and seeds.json hold every seed's STS test row and the
 mean ± sample standard deviation per task and of the average.
 """
-
-# ------------------------------------------------------------------------------ config options
-def add_config_args(p: argparse.ArgumentParser, *, required: bool = False) -> None:
-    """--config/-c (a YAML recipe) and --set KEY=VALUE (repeatable), read by :func:`load_config_args`."""
-    p.add_argument("--config", "-c", required=required,
-                   help="YAML recipe (keys: fastprompt train --help-config)" + ("" if required else
-                                                                                 "; defaults if omitted"))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable; the value is parsed as YAML: 1e-3, true, null)")
-    add_trust_remote_code_arg(p, "shorthand for --set trust_remote_code=true: ")
-
-
-def load_config_args(args: argparse.Namespace, **keys):
-    """The :class:`~fastprompt.train.TrainConfig` of ``--config`` with the ``--set`` overrides, then ``keys`` on top
-    (standard library + PyYAML only: a bad config fails before torch is imported)."""
-    from fastprompt.train.config import load_config, parse_overrides
-
-    if getattr(args, "trust_remote_code", False):
-        keys = {"trust_remote_code": True, **keys}
-    return load_config(args.config, {**parse_overrides(args.overrides), **keys})
 
 
 def add_train_parser(subparsers) -> argparse.ArgumentParser:

@@ -3,8 +3,7 @@ from __future__ import annotations
 
 import argparse
 
-from fastprompt.arguments import positive_int
-from fastprompt.cli import _progress, add_model_args, load_encoder
+from fastprompt.cli.options import add_model_args, load_encoder, positive_int, show_progress
 
 EPILOG = """\
 examples:
@@ -60,8 +59,9 @@ def add_mine_negatives_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_mine_negatives(args: argparse.Namespace) -> int:
-    from fastprompt.data.corpus import load_query_rows, read_text_corpus
+    from fastprompt.data.corpus import read_text_corpus
     from fastprompt.data.mining import mine_negatives
+    from fastprompt.data.train_files import load_query_rows
     from fastprompt.io import check_apart, check_output_file
 
     check_output_file(args.output, "--output")
@@ -73,7 +73,7 @@ def run_mine_negatives(args: argparse.Namespace) -> int:
     counts = mine_negatives(encoder, rows, args.output, extra_candidates=extra, lo=lo, hi=hi,
                             negatives=args.negatives, margin=args.margin, seed=args.seed, chunk_size=args.chunk_size,
                             batch_size=args.batch_size, overwrite=args.overwrite,
-                            show_progress_bar=_progress(args))
+                            show_progress_bar=show_progress(args))
     print(f"{args.output}: {counts['rows']} rows mined ({counts['skipped']} already there; {counts['short']} with "
           f"fewer than {args.negatives} negatives)")
     return 0

@@ -7,8 +7,8 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from fastprompt.arguments import add_trust_remote_code_arg
 from fastprompt.choices import PAPER_POOLER_TYPES, POOLERS
+from fastprompt.cli.options import add_trust_remote_code_arg
 
 EXPORT_FORMATS = ("sentence-transformers", "peft")
 IMPORT_FORMATS = ("promcse", "dcpcse", "peft")

