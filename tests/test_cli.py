@@ -47,7 +47,11 @@ def test_unknown_option_is_an_argparse_error(capsys):
 def test_every_registered_subcommand_builds_and_has_a_runner():
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if a.dest == "command")
-    assert len(sub.choices) == len(cli.SUBCOMMANDS)
+    from fastprompt.methods import commands
+
+    # the shared subcommands, then the methods' own (named by their registrations), each once
+    assert len(sub.choices) == len(cli.SUBCOMMANDS) + len(commands())
+    assert set(commands()) <= set(sub.choices)
     for name, p in sub.choices.items():
         assert callable(p.get_default("func")), name
 
