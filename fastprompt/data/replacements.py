@@ -334,7 +334,7 @@ def write_replacement_file(path: str | os.PathLike, sentences: list[list[int]], 
     a masked LM batches the sentences of equal length), each on its own seeded generator, so the lines are
     those of one sentence at a time.
     """
-    from fastprompt.data.ski.store import drop_torn_tail
+    from fastprompt.io import drop_torn_tail
 
     path = Path(path)
     meta = _meta_path(path)
