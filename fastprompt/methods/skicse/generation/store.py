@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from fastprompt.data.corpus import parse_csv
 from fastprompt.data.ski.files import SKI_COLUMNS, meta_path
 from fastprompt.io import drop_torn_tail, read_json, write_json_atomic
 from fastprompt.messages import shown
@@ -65,8 +66,6 @@ def encode_row(row) -> bytes:
 
 def read_records(path: Path, columns: tuple[str, ...]) -> list[list[str]]:
     """The records of a file this module wrote, after its header (ValueError naming the line if it is not one)."""
-    from fastprompt.data.corpus import parse_csv
-
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
