@@ -33,8 +33,8 @@ def setup(provider, model, corpus, batch, precision, micro_batch_size, prompt_le
     import torch
 
     from fastprompt.data import Collator
+    from fastprompt.methods.simcse.objective import SimCSE
     from fastprompt.model import PromptConfig, PromptEncoder
-    from fastprompt.objectives import SimCSE
     from fastprompt.train.grad_cache import grad_cache_step
 
     torch.manual_seed(0)

@@ -3,7 +3,7 @@
 One forward + backward of the MLM loss from the encoder's last hidden states (rows, seq_len, hidden) through a
 BERT MLM head (transform + decoder to the vocabulary), with 15% of the tokens chosen:
 
-- ``masked`` (fastprompt's :class:`~fastprompt.objectives.mlm.MLMTerm`): ``head(hidden[chosen])``, logits
+- ``masked`` (fastprompt's :class:`~fastprompt.methods.mlm.term.MLMTerm`): ``head(hidden[chosen])``, logits
   (targets, vocab), cross-entropy summed over them;
 - ``full`` (DCPCSE's models.py): ``head(hidden)``, logits (rows, seq_len, vocab), cross-entropy with
   ``ignore_index=-100`` over every position.

@@ -37,7 +37,7 @@ _LOADED: dict[tuple, tuple] = {}  # one model per child process, shared by its b
 def _backend(model, device, threads):
     import torch
 
-    from fastprompt.data.ski import LocalBackend, Sampling
+    from fastprompt.methods.skicse.generation import LocalBackend, Sampling
 
     key = (model, device, threads)
     if key not in _LOADED:
@@ -53,9 +53,9 @@ def _backend(model, device, threads):
 def setup(provider: str, model: str | None, corpus: str, sentences: int, max_new_tokens: int, threads: int,
           device: str):
     """The shared backend and the step of batch size ``provider`` (``batch_<b>``): answer every sentence."""
-    from fastprompt.data.ski import Sampling
-    from fastprompt.data.ski.prompt import SKI_PROMPT_TEMPLATE, format_prompt
     from fastprompt.io import read_utf8_lines
+    from fastprompt.methods.skicse.generation import Sampling
+    from fastprompt.methods.skicse.generation.prompt import SKI_PROMPT_TEMPLATE, format_prompt
 
     batch_size = int(provider.removeprefix("batch_"))
     backend, load_s = _backend(model, device, threads)

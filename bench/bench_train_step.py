@@ -137,9 +137,10 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
 
     from fastprompt.data import Collator
     from fastprompt.integrations._common import prefix_to_rows
+    from fastprompt.methods.simcse.objective import SimCSE
     from fastprompt.model import PromptConfig, PromptEncoder
     from fastprompt.model.resolve import resolve_model_path
-    from fastprompt.objectives import Method, SimCSE
+    from fastprompt.objectives import Method
     from fastprompt.train.distributed import DistributedContext
     from fastprompt.train.steps import LossSide, PlainStep
 

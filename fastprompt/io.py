@@ -290,3 +290,28 @@ def read_utf8_lines(path: str | os.PathLike, what: str = "file") -> list[str]:
     if lines and lines[-1] == "":
         lines.pop()
     return [line[:-1] if line.endswith("\r") else line for line in lines]
+
+
+def drop_torn_tail(path: Path) -> int:
+    """Cut ``path`` back to its last ``\\n`` (the end of its last complete line); the number of bytes dropped."""
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    with open(path, "r+b") as f:
+        pos, block = size, 1 << 16
+        while pos > 0:
+            start = max(0, pos - block)
+            f.seek(start)
+            chunk = f.read(pos - start)
+            nl = chunk.rfind(b"\n")
+            if nl >= 0:
+                keep = start + nl + 1
+                break
+            pos = start
+        else:
+            keep = 0
+        if keep < size:
+            f.truncate(keep)
+            f.flush()
+            os.fsync(f.fileno())
+    return size - keep

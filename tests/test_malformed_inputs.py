@@ -166,7 +166,7 @@ def test_malformed_peft_metadata_is_one_line(tiny_bert_dir, tmp_path, capsys, me
 def test_a_truncated_gguf_is_one_line(tmp_path):
     """struct.error from the GGUF reader before."""
     pytest.importorskip("gguf")
-    from fastprompt.data.ski.local import LocalBackend
+    from fastprompt.methods.skicse.generation.local import LocalBackend
 
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 92)

@@ -73,10 +73,10 @@ def test_read_json_says_what_a_path_is(tmp_path):
 # ------------------------------------------------------------------ every schema against random JSON
 def _schemas():
     from fastprompt.data.replacements import ReplacementLine, ReplacementSettings
-    from fastprompt.data.ski.store import SkiMeta
     from fastprompt.integrations.papers import TheirArguments
     from fastprompt.integrations.peft import PrefixAdapterConfig
     from fastprompt.integrations.sentence_transformers import ModuleConfig, RunSummary, TrainInfo
+    from fastprompt.methods.skicse.generation.store import SkiMeta
     from fastprompt.model.backbone import ModelConfigFile
     from fastprompt.model.checkpoint import CheckpointFile
     from fastprompt.model.mlm_head import ShardIndex

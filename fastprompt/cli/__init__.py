@@ -5,9 +5,10 @@ One module per subcommand group. :data:`SUBCOMMANDS` lists the commands every ru
 registration (``MethodSpec.commands``, :mod:`fastprompt.methods`) and added from there. Adding a subcommand: in a
 module of this package, write ``add_<name>_parser(subparsers) -> ArgumentParser`` that creates its parser and
 calls ``set_defaults(func=run_<name>)``, where ``run_<name>(args) -> int`` is the exit status; then add the
-function to :data:`SUBCOMMANDS`, or name it (``"module:add_<name>_parser"``) in the method's registration. At import time the modules use only the standard library and fastprompt's standard-library
-helpers (:mod:`fastprompt.choices`, :mod:`fastprompt.io`); heavy imports (torch, transformers, the package's own
-modules) belong inside ``run_*`` so that ``fastprompt -h`` stays fast. :mod:`fastprompt.cli.options` holds what
+function to :data:`SUBCOMMANDS`, or name it (``"module:add_<name>_parser"``) in the method's registration. At
+import time the modules use only the standard library and fastprompt's standard-library helpers
+(:mod:`fastprompt.choices`, :mod:`fastprompt.io`); heavy imports (torch, transformers, the package's own modules)
+belong inside ``run_*`` so that ``fastprompt -h`` stays fast. :mod:`fastprompt.cli.options` holds what
 several subcommands share: ``positive_int``, ``--trust-remote-code``, the model options (``add_model_args``,
 ``load_encoder``) and the training config options (``add_config_args``, ``load_config_args``).
 

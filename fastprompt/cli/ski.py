@@ -1,4 +1,4 @@
-"""``fastprompt generate-ski`` (:func:`~fastprompt.data.ski.generate_ski`) and ``fastprompt join-ski``
+"""``fastprompt generate-ski`` (:func:`~fastprompt.methods.skicse.generation.generate_ski`) and ``fastprompt join-ski``
 (:func:`~fastprompt.data.ski.join_ski`): SKICSE's training data."""
 from __future__ import annotations
 
@@ -23,9 +23,9 @@ Rows are appended as they complete: an interrupted run resumes when the same com
 
 
 def add_generate_ski_parser(subparsers) -> argparse.ArgumentParser:
-    from fastprompt.data.ski.local import DEFAULT_LOCAL_MODEL
-    from fastprompt.data.ski.prompt import Sampling
-    from fastprompt.data.ski.server import DEFAULT_API_KEY_ENV
+    from fastprompt.methods.skicse.generation.local import DEFAULT_LOCAL_MODEL
+    from fastprompt.methods.skicse.generation.prompt import Sampling
+    from fastprompt.methods.skicse.generation.server import DEFAULT_API_KEY_ENV
 
     d = Sampling()
     p = subparsers.add_parser(
@@ -86,7 +86,7 @@ def add_generate_ski_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def make_backend(args: argparse.Namespace):
-    from fastprompt.data.ski import LocalBackend, ServerBackend
+    from fastprompt.methods.skicse.generation import LocalBackend, ServerBackend
 
     if args.llm == "server":
         if args.trust_remote_code:
@@ -106,11 +106,17 @@ def make_backend(args: argparse.Namespace):
 
 
 def run_generate_ski(args: argparse.Namespace) -> int:
-    from fastprompt.data.ski import SKI_PROMPT_TEMPLATE, AnswerFilter, LLMServerError, Sampling, generate_ski
     from fastprompt.data.ski.files import read_input_sentences
-    from fastprompt.data.ski.prompt import check_template
-    from fastprompt.data.ski.store import SkiStore
     from fastprompt.io import check_apart, check_output_file
+    from fastprompt.methods.skicse.generation import (
+        SKI_PROMPT_TEMPLATE,
+        AnswerFilter,
+        LLMServerError,
+        Sampling,
+        generate_ski,
+    )
+    from fastprompt.methods.skicse.generation.prompt import check_template
+    from fastprompt.methods.skicse.generation.store import SkiStore
 
     # Everything that can be checked cheaply fails before the model loads, and before anything is written: none
     # of the files generate-ski writes (--overwrite deletes them first) may be the input.

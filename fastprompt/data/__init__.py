@@ -1,4 +1,4 @@
-"""Corpora readers, tokenisation/collation, batch samplers (text -> token ids), and SKI generation.
+"""Corpora readers, tokenisation/collation, batch samplers (text -> token ids).
 
 - :func:`load_train_file` — a training file of any layout, by its extension and first line (``train_files.py``): a
   text corpus (one sentence per line), a ``sent0,sent1[,hard_neg]`` CSV (``corpus.py``), query / positives /
@@ -6,8 +6,8 @@
 - :func:`builtin_wiki_corpus` — the default corpus embedded in the gensim wheel (``builtin:gensim-wiki``)
 - :class:`Collator` / :class:`Batch` — dynamic padding, all views of a batch in one tensor
 - :class:`UniqueBatchSampler` — seeded, resumable, no duplicate sentence inside a batch
-- :mod:`fastprompt.data.ski` — SKICSE's LLM-generated "sentence knowable information": generation
-  (``fastprompt generate-ski``), :func:`read_ski_csv` and :func:`join_ski`
+- :mod:`fastprompt.data.ski` — SKICSE's training files: :func:`read_ski_csv` and :func:`join_ski` (their
+  generation, ``fastprompt generate-ski``, is the method's: :mod:`fastprompt.methods.skicse.generation`)
 
 Imported lazily, so that ``import fastprompt.data`` loads no torch; ``fastprompt generate-ski`` and ``join-ski`` are
 :mod:`fastprompt.cli.ski`.

@@ -102,7 +102,7 @@ def encode_cached(encoder, texts: list[str], cache: Path, *, chunk: int, batch_s
 
 def _done_rows(output: Path) -> int:
     """Complete lines already in ``output`` (a torn last line of a killed run is cut off first)."""
-    from fastprompt.data.ski.store import drop_torn_tail
+    from fastprompt.io import drop_torn_tail
 
     if not output.exists():
         return 0

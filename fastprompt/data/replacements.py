@@ -276,7 +276,7 @@ def _changes(ids: list[int], rep: list[int]) -> bytes:
 
 def replacement_settings(rtd, model: str | None, max_length: int) -> dict:
     """What a replacement file records about how it was made, from a config's ``rtd`` section
-    (:class:`~fastprompt.objectives.config.CRTDConfig`), the backbone (``PromptEncoder.base_model``: an
+    (:class:`~fastprompt.methods.crtd.config.CRTDConfig`), the backbone (``PromptEncoder.base_model``: an
     absolute folder path, a model package's name or a hub id) and the tokenisation's ``max_length``."""
     return {"generator": rtd.generator, "masking_ratio": rtd.masking_ratio, "sampling": rtd.sampling,
             "model": None if model is None else str(model), "max_length": max_length}
@@ -334,7 +334,7 @@ def write_replacement_file(path: str | os.PathLike, sentences: list[list[int]], 
     a masked LM batches the sentences of equal length), each on its own seeded generator, so the lines are
     those of one sentence at a time.
     """
-    from fastprompt.data.ski.store import drop_torn_tail
+    from fastprompt.io import drop_torn_tail
 
     path = Path(path)
     meta = _meta_path(path)

@@ -1,5 +1,5 @@
-"""ObjectiveConfig: the training configuration's section for the sentence-level objective, the objectives'
-registry, and the MLM and CRTD terms' sections.
+"""ObjectiveConfig: the training configuration's section for the sentence-level objective, and the objectives'
+registry.
 
 Standard library only, so ``fastprompt train`` rejects a bad objective setting before torch loads. The
 objectives are registered by name (:func:`register_objective`: where the class lives, imported only when one is
@@ -19,11 +19,6 @@ from fastprompt.choices import (
     BACKENDS,
     HARDNESS_MODES,
     MARGIN_STRATEGIES,
-    MLM_HEADS,
-    RTD_AVERAGES,
-    RTD_CONDITIONS,
-    RTD_DISCRIMINATORS,
-    RTD_SAMPLING,
     SKI2_DENOMINATORS,
 )
 from fastprompt.fields import Section, option
@@ -159,67 +154,3 @@ def objective_default(field: str):
     classes (``SimCSE(...)``, ``SKICSE(...)``) built without a config default to the config's values."""
     name = "loss_backend" if field == "backend" else field
     return next(f.default for f in dataclasses.fields(ObjectiveConfig) if f.name == name)
-
-
-@dataclass
-class MLMConfig(Section):
-    """DCPCSE's auxiliary masked-language-model term (``do_mlm``): ``weight(step) * MLM loss`` through the
-    prompted encoder, with the backbone's MLM head (trained as in DCPCSE's code, or frozen)."""
-
-    enabled: bool = option(False, "add the MLM token term (DCPCSE's do_mlm): 15% of each sentence's tokens "
-                           "predicted through the prompted encoder", key="do_mlm", identity=True)
-    weight: float = option(0.1, "initial weight of the MLM term (DCPCSE's mlm_weight)", ge=0.0, key="mlm_weight",
-                           identity=True)
-    decay_rate: float = option(0.95, "the MLM weight is mlm_weight * mlm_decay_rate ** (step / mlm_decay_steps)",
-                               gt=0.0, le=1.0, key="mlm_decay_rate", identity=True)
-    decay_steps: int = option(100, "steps per decay of the MLM weight", gt=0, key="mlm_decay_steps", identity=True)
-    probability: float = option(0.15, "share of each sentence's tokens chosen for the MLM term (80% masked, 10% "
-                                "random, 10% kept)", gt=0.0, lt=1.0, key="mlm_probability", identity=True)
-    head: str = option("checkpoint", "MLM head: the checkpoint's, or tied_new: a new head tied to the word "
-                       "embeddings with a trainable transform (for backbones saved without one; not the paper)",
-                       choices=MLM_HEADS, key="mlm_head", identity=True)
-    train_head: bool = option(True, "train the checkpoint's MLM head with the prompt at learning_rate, its decoder "
-                              "an untied copy of the word embeddings (DCPCSE's code, which produced the paper's "
-                              "numbers); false: frozen and tied", key="mlm_train_head", identity=True)
-
-    def validate(self) -> "MLMConfig":
-        super().validate()
-        if self.enabled and self.head == "tied_new" and not self.train_head:
-            raise ValueError("mlm_head: tied_new is a new head: it must train (mlm_train_head: true)")
-        return self
-
-
-@dataclass
-class CRTDConfig(Section):
-    """D2CSE's conditional replaced-token detection term (``rtd``); off while ``rtd_weight`` is 0."""
-
-    weight: float = option(0.0, "initial weight λ of the replaced-token-detection term (D2CSE: 0.005); 0 = off",
-                           ge=0.0, key="rtd_weight", identity=True)
-    decay_rate: float = option(1.0, "λ decays as rtd_weight * rtd_decay_rate ** (step / rtd_decay_steps); "
-                               "1 = constant (D2CSE)", gt=0.0, le=1.0, key="rtd_decay_rate", identity=True)
-    decay_steps: int = option(1, "steps per decay of λ", ge=1, key="rtd_decay_steps", identity=True)
-    masking_ratio: float = option(0.3, "share of each sentence's real, non-special tokens the generator replaces",
-                                  gt=0.0, lt=1.0, key="rtd_masking_ratio", identity=True)
-    generator: str = option("random", "the replacement generator: the path of a Hugging Face masked LM sharing "
-                            "the backbone's vocabulary (D2CSE: distilbert-base-uncased), or 'random' (uniform "
-                            "non-special tokens; for backbones with no such masked LM)", key="rtd_generator",
-                            identity=True)
-    sampling: str = option("sample", "masked-LM generator: sample from its distribution, or take its argmax "
-                           "(DiffCSE's code)", choices=RTD_SAMPLING, key="rtd_sampling", identity=True)
-    replacements_file: str | None = option(None, "replacements made ahead of training by `fastprompt "
-                                           "make-replacements`; null: generate them on the fly",
-                                           key="rtd_replacements_file", identity=True)
-    discriminator: str = option("prompted", "discriminator: the backbone with the shared prompts (D2CSE design "
-                                "d) or without prompts (design a)", choices=RTD_DISCRIMINATORS,
-                                key="rtd_discriminator", identity=True)
-    condition: str = option("after_head", "conditional input at position 0: the sentence embedding after or "
-                            "before the pooler head, or none (design c)", choices=RTD_CONDITIONS,
-                            key="rtd_condition", identity=True)
-    average: str = option("tokens", "the RTD loss (summed over the real tokens but position 0) is divided by "
-                          "their number (tokens) or by every position of the padded batch, padding and "
-                          "position 0 included (positions: DiffCSE's mean)", choices=RTD_AVERAGES, key="rtd_average",
-                          identity=True)
-
-    @property
-    def enabled(self) -> bool:
-        return self.weight > 0

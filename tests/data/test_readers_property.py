@@ -11,8 +11,8 @@ from fastprompt.cli.encode import read_sentences
 from fastprompt.data import load_train_file
 from fastprompt.data.replacements import ReplacementTable, _read_lines
 from fastprompt.data.ski.files import read_ski_csv
-from fastprompt.data.ski.store import read_records
 from fastprompt.eval.sts import load_sickr, load_sts_year, load_stsb
+from fastprompt.methods.skicse.generation.store import read_records
 
 # Pieces that break naive readers: quotes, separators, NUL, CR, BOM, invalid UTF-8, line separators, long cells.
 _PIECES = st.sampled_from([b"sent0", b"sent1", b"hard_neg", b"ski", b"query", b"positive", b'"pos"', b'"neg"',

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from fastprompt.data.ski import (
+from fastprompt.methods.skicse.generation import (
     AnswerFilter,
     Generation,
     Sampling,
@@ -13,7 +13,7 @@ from fastprompt.data.ski import (
     echo_ratio,
     generate_ski,
 )
-from fastprompt.data.ski.prompt import check_template
+from fastprompt.methods.skicse.generation.prompt import check_template
 
 
 def test_clean_answer_collapses_whitespace():

@@ -7,8 +7,8 @@ import json
 import pytest
 
 from fastprompt.cli import main
-from fastprompt.data.ski import LocalBackend, Sampling, generate_ski
-from fastprompt.data.ski.local import (
+from fastprompt.methods.skicse.generation import LocalBackend, Sampling, generate_ski
+from fastprompt.methods.skicse.generation.local import (
     SAMPLER,
     SMOLLM2_GGUF,
     per_sentence_sampler,
@@ -54,7 +54,7 @@ def test_batched_left_padded_generation_equals_one_by_one(tiny_llama_dir):
 
 
 def test_sorting_windows_keep_every_prompt_in_place(tiny_llama_dir, monkeypatch):
-    from fastprompt.data.ski import local
+    from fastprompt.methods.skicse.generation import local
 
     greedy = Sampling(max_new_tokens=3, temperature=0)
     backend = LocalBackend(str(tiny_llama_dir), batch_size=2, device="cpu")

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from fastprompt.cli import main
-from fastprompt.data.ski import Sampling, ServerBackend, generate_ski
-from fastprompt.data.ski.store import SkiStore
+from fastprompt.methods.skicse.generation import Sampling, ServerBackend, generate_ski
+from fastprompt.methods.skicse.generation.store import SkiStore
 
 
 def _rows(path):

@@ -6,8 +6,8 @@ import socket
 import pytest
 
 from fastprompt.cli import main
-from fastprompt.data.ski import LLMServerError, Sampling, ServerBackend, generate_ski
-from fastprompt.data.ski.prompt import SKI_PROMPT_TEMPLATE, format_prompt, sample_seed
+from fastprompt.methods.skicse.generation import LLMServerError, Sampling, ServerBackend, generate_ski
+from fastprompt.methods.skicse.generation.prompt import SKI_PROMPT_TEMPLATE, format_prompt, sample_seed
 
 
 def _rows(path):

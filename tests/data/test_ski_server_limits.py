@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from fastprompt.data.ski import LLMServerError, Sampling, ServerBackend, generate_ski
-from fastprompt.data.ski.server import MAX_CHARS_PER_TOKEN, answer_byte_cap
+from fastprompt.methods.skicse.generation import LLMServerError, Sampling, ServerBackend, generate_ski
+from fastprompt.methods.skicse.generation.server import MAX_CHARS_PER_TOKEN, answer_byte_cap
 
 REPO = Path(__file__).resolve().parents[2]
 SENTENCE = "One sentence here."

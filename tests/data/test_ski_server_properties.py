@@ -13,9 +13,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from fastprompt.data.ski import LLMServerError, Sampling, ServerBackend, generate_ski  # noqa: E402
-from fastprompt.data.ski.filters import Generation  # noqa: E402
-from fastprompt.data.ski.server import MAX_CHARS_PER_TOKEN  # noqa: E402
+from fastprompt.methods.skicse.generation import LLMServerError, Sampling, ServerBackend, generate_ski  # noqa: E402
+from fastprompt.methods.skicse.generation.filters import Generation  # noqa: E402
+from fastprompt.methods.skicse.generation.server import MAX_CHARS_PER_TOKEN  # noqa: E402
 
 SAMPLING = Sampling(max_new_tokens=16)
 SETTINGS = settings(max_examples=60, deadline=None, derandomize=True, database=None,

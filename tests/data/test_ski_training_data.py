@@ -46,7 +46,7 @@ def test_nli_rows_joined_with_ski_keep_the_ski_column(tmp_path, header):
 def test_the_collator_yields_the_ski_view(tiny_bert_dir):
     from transformers import AutoTokenizer
 
-    from fastprompt.objectives import SKICSE
+    from fastprompt.methods.skicse.objective import SKICSE
 
     ex = load_train_file(FIXTURE)
     views = SKICSE().views_for(ex.columns)

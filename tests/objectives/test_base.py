@@ -4,7 +4,8 @@ import torch
 from safetensors.torch import save_file
 
 from fastprompt.data import Batch
-from fastprompt.objectives import Method, SimCSE, TokenTerm, Views, WeightSchedule
+from fastprompt.methods.simcse.objective import SimCSE
+from fastprompt.objectives import Method, TokenTerm, Views, WeightSchedule
 
 
 def test_dcpcse_mlm_weight_schedule_at_steps_0_100_1000():

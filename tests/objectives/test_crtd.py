@@ -13,10 +13,10 @@ from fastprompt.data.replacements import (
     rtd_labels,
     write_replacement_file,
 )
+from fastprompt.methods.crtd.term import CRTDTerm
 from fastprompt.model import PromptConfig, PromptEncoder
 from fastprompt.model.attention import build_prefix_cache, cache_keyword
 from fastprompt.objectives import WeightSchedule
-from fastprompt.objectives.crtd import CRTDTerm
 
 ROWS = [("a man plays the guitar .",), ("the dog runs",), ("two people sit at a big table with water .",),
         ("it",), ("a woman is eating food in the park",)]

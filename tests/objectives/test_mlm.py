@@ -14,10 +14,11 @@ import pytest
 import torch
 
 from fastprompt.data import Collator
+from fastprompt.methods.mlm.term import MLMTerm, mask_tokens
+from fastprompt.methods.simcse.objective import SimCSE
 from fastprompt.model import PromptConfig, PromptEncoder
 from fastprompt.model.attention import build_prefix_cache, cache_keyword
-from fastprompt.objectives import Method, SimCSE, WeightSchedule
-from fastprompt.objectives.mlm import MLMTerm, mask_tokens
+from fastprompt.objectives import Method, WeightSchedule
 from fastprompt.train.config import TrainConfig
 from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.grad_cache import make_micro_batches, plan_micro_batches

@@ -3,7 +3,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastprompt.objectives import OBJECTIVES, PromCSEEH, SimCSE, build_objective
+from fastprompt.methods.promcse.objective import PromCSEEH
+from fastprompt.methods.simcse.objective import SimCSE
+from fastprompt.objectives import OBJECTIVES, build_objective
 
 
 def _simcse_paper(z1, z2, z3=None, temp=0.05, hnw=0.0):
@@ -114,4 +116,4 @@ def test_register_objective_refuses_bad_names_and_duplicates():
     with pytest.raises(ValueError, match="identifier"):
         register_objective("my-loss", SimCSE)
     with pytest.raises(ValueError, match="'module:Class'"):
-        register_objective("mine", "fastprompt.objectives.simcse.SimCSE")
+        register_objective("mine", "fastprompt.methods.simcse.objective.SimCSE")

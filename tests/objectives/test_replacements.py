@@ -26,9 +26,9 @@ from fastprompt.data.replacements import (
     sentence_seed,
     write_replacement_file,
 )
+from fastprompt.methods.crtd.config import CRTDConfig
+from fastprompt.methods.crtd.term import build_crtd_term
 from fastprompt.model import PromptEncoder
-from fastprompt.objectives.config import CRTDConfig
-from fastprompt.objectives.crtd import build_crtd_term
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fastprompt.objectives import SKICSE, ObjectiveConfig, SimCSE, Views, objective_from_config
+from fastprompt.methods.simcse.objective import SimCSE
+from fastprompt.methods.skicse.objective import SKICSE
+from fastprompt.objectives import ObjectiveConfig, Views, objective_from_config
 
 TAU = 0.05
 TOL = dict(atol=1e-5, rtol=1e-5)

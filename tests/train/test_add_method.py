@@ -64,7 +64,8 @@ def test_a_method_in_one_folder_trains_through_the_cli_and_its_keys_are_run_iden
 
 def test_registration_refuses_clashes_and_an_unregistered_method_leaves_no_key(toy):
     from fastprompt.methods import METHODS, MethodSpec, register_method, unregister_method
-    from fastprompt.objectives.config import OBJECTIVE_REGISTRY, MLMConfig
+    from fastprompt.methods.mlm.config import MLMConfig
+    from fastprompt.objectives.config import OBJECTIVE_REGISTRY
     from fastprompt.train.config import TrainConfig
 
     with pytest.raises(ValueError, match="method 'toy' is already registered"):

@@ -24,8 +24,9 @@ import torch
 from safetensors.torch import load_file
 
 from fastprompt.data import Collator
+from fastprompt.methods.simcse.objective import SimCSE
 from fastprompt.model import PromptConfig, PromptEncoder
-from fastprompt.objectives import Method, SimCSE
+from fastprompt.objectives import Method
 from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.steps import LossSide, PlainStep
 

@@ -48,8 +48,8 @@ def test_bad_rtd_keys_fail_clearly():
 
 
 def test_config_keys_reach_the_term(tiny_bert_dir):
+    from fastprompt.methods.crtd.term import build_crtd_term
     from fastprompt.model import PromptEncoder
-    from fastprompt.objectives.crtd import build_crtd_term
 
     enc = PromptEncoder.from_pretrained(tiny_bert_dir)
     cfg = TrainConfig(rtd_weight=0.005, rtd_average="positions", rtd_sampling="argmax", rtd_generator="random")

@@ -19,11 +19,12 @@ import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from fastprompt.data import Batch
+from fastprompt.methods.crtd.config import CRTDConfig
+from fastprompt.methods.crtd.term import build_crtd_term
+from fastprompt.methods.mlm.term import MLMTerm
+from fastprompt.methods.simcse.objective import SimCSE
 from fastprompt.model import PromptConfig, PromptEncoder
-from fastprompt.objectives import Method, SimCSE, WeightSchedule
-from fastprompt.objectives.config import CRTDConfig
-from fastprompt.objectives.crtd import build_crtd_term
-from fastprompt.objectives.mlm import MLMTerm
+from fastprompt.objectives import Method, WeightSchedule
 from fastprompt.ops import contrastive_loss
 from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.grad_cache import grad_cache_step

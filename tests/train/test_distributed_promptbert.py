@@ -15,9 +15,10 @@ import os
 import torch
 from safetensors.torch import load_file, save_file
 
+from fastprompt.methods.simcse.objective import SimCSE
 from fastprompt.model import PromptConfig, PromptEncoder
 from fastprompt.model.promptbert import PROMPTBERT_TEMPLATES
-from fastprompt.objectives import Method, SimCSE
+from fastprompt.objectives import Method
 from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.promptbert import TemplateCollator, TemplateViewEmbedder
 from fastprompt.train.steps import CachedStep, LossSide

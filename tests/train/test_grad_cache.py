@@ -8,8 +8,8 @@ whole chain, estimated from the step's conditioning and relative to each gradien
 import pytest
 import torch
 
+from fastprompt.methods.simcse.objective import SimCSE
 from fastprompt.model import PromptConfig, PromptEncoder
-from fastprompt.objectives import SimCSE
 from fastprompt.ops import contrastive_loss
 from fastprompt.train.grad_cache import grad_cache_step, make_micro_batches, plan_micro_batches
 

@@ -10,9 +10,10 @@ loss by far more than the tolerance. Tolerance as in test_steps.py: fp32, only t
 import pytest
 import torch
 
+from fastprompt.methods.simcse.objective import SimCSE
 from fastprompt.model import PromptConfig, PromptEncoder, embed_views, tokenize_views
 from fastprompt.model.promptbert import PROMPTBERT_TEMPLATES
-from fastprompt.objectives import Method, SimCSE
+from fastprompt.objectives import Method
 from fastprompt.train import TrainConfig
 from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.grad_cache import make_micro_batches, plan_micro_batches

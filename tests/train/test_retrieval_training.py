@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from fastprompt.objectives import SimCSE
+from fastprompt.methods.simcse.objective import SimCSE
 from fastprompt.objectives.base import Views
 from fastprompt.train import Trainer
 from fastprompt.train.distributed import DistributedContext

@@ -21,8 +21,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from fastprompt.data import Batch
+from fastprompt.methods.skicse.objective import SKICSE
 from fastprompt.model import PromptConfig, PromptEncoder
-from fastprompt.objectives import SKICSE, Method, Views
+from fastprompt.objectives import Method, Views
 from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.steps import CachedStep, LossSide, PlainStep
 

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from fastprompt.data import Collator
+from fastprompt.methods.skicse.objective import SKICSE
 from fastprompt.model import PromptConfig, PromptEncoder
-from fastprompt.objectives import SKICSE, Method, Views
+from fastprompt.objectives import Method, Views
 from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.grad_cache import make_micro_batches, plan_micro_batches
 from fastprompt.train.steps import CachedStep, LossSide, PlainStep

@@ -19,8 +19,9 @@ import pytest
 import torch
 
 from fastprompt.data import Collator
+from fastprompt.methods.simcse.objective import SimCSE
 from fastprompt.model import PromptConfig, PromptEncoder
-from fastprompt.objectives import Method, SimCSE, WeightSchedule
+from fastprompt.objectives import Method, WeightSchedule
 from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.grad_cache import make_micro_batches, plan_micro_batches
 from fastprompt.train.steps import CachedStep, LossSide, PlainStep, extras_generators, term_seed

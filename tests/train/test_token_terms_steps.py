@@ -29,10 +29,11 @@ import torch
 
 from fastprompt.data import Collator
 from fastprompt.data.replacements import RandomGenerator
+from fastprompt.methods.crtd.term import CRTDTerm
+from fastprompt.methods.mlm.term import MLMTerm
+from fastprompt.methods.simcse.objective import SimCSE
 from fastprompt.model import PromptConfig, PromptEncoder
-from fastprompt.objectives import Method, SimCSE, WeightSchedule
-from fastprompt.objectives.crtd import CRTDTerm
-from fastprompt.objectives.mlm import MLMTerm
+from fastprompt.objectives import Method, WeightSchedule
 from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.grad_cache import plan_micro_batches
 from fastprompt.train.steps import CachedStep, LossSide, PlainStep, extras_generators

@@ -16,13 +16,17 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from fastprompt.data.corpus import TrainExamples, parse_csv, read_pair_csv
-from fastprompt.data.ski.store import OUTPUT_COLUMNS, meta_path
 from fastprompt.io import read_utf8_lines, read_utf8_text, write_text_atomic
 
 logger = logging.getLogger(__name__)
 
-SKI_COLUMNS = OUTPUT_COLUMNS
+SKI_COLUMNS = ("sent0", "ski")
 SKI_TRIPLET_COLUMNS = ("sent0", "sent1", "hard_neg", "ski")
+
+
+def meta_path(path: str | os.PathLike) -> Path:
+    """The metadata file ``generate-ski`` writes beside its ``sent0,ski`` output."""
+    return Path(f"{path}.meta.json")
 
 
 def _csv_reader(path: Path, what: str):

@@ -1,8 +1,8 @@
 """The CRTD term a training config turns on (``rtd_weight > 0``), built for the encoder it runs through."""
 from __future__ import annotations
 
+from fastprompt.methods.crtd.term import build_crtd_term
 from fastprompt.objectives.base import TokenTerm
-from fastprompt.objectives.crtd import build_crtd_term
 
 
 def crtd_terms(cfg, encoder) -> list[TokenTerm]:

@@ -1,8 +1,8 @@
 """The MLM term a training config turns on (``do_mlm``), built for the encoder it runs through."""
 from __future__ import annotations
 
+from fastprompt.methods.mlm.term import MLMTerm
 from fastprompt.objectives.base import TokenTerm, WeightSchedule
-from fastprompt.objectives.mlm import MLMTerm
 
 
 def mlm_terms(cfg, encoder) -> list[TokenTerm]:

@@ -105,7 +105,7 @@ class CRTDTerm(TokenTerm):
 
 
 def build_crtd_term(cfg, encoder) -> CRTDTerm:
-    """The term a training config's ``rtd`` section (:class:`~fastprompt.objectives.config.CRTDConfig`)
+    """The term a training config's ``rtd`` section (:class:`~fastprompt.methods.crtd.config.CRTDConfig`)
     describes, for ``encoder`` (its tokenizer and hidden size; the generator runs on its device)."""
     from fastprompt.data.replacements import ReplacementTable, build_generator, check_replacement_settings
 

@@ -13,9 +13,9 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from fastprompt.choices import DTYPES, check_choice
-from fastprompt.data.ski.filters import Generation
-from fastprompt.data.ski.prompt import Sampling
 from fastprompt.messages import shown
+from fastprompt.methods.skicse.generation.filters import Generation
+from fastprompt.methods.skicse.generation.prompt import Sampling
 from fastprompt.remote_code import refusing_remote_code
 
 logger = logging.getLogger(__name__)

@@ -24,13 +24,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fastprompt.io import read_json, write_json_atomic
+from fastprompt.data.corpus import parse_csv
+from fastprompt.data.ski.files import SKI_COLUMNS, meta_path
+from fastprompt.io import drop_torn_tail, read_json, write_json_atomic
 from fastprompt.messages import shown
 from fastprompt.schema import check_json
 
 logger = logging.getLogger(__name__)
 
-OUTPUT_COLUMNS = ("sent0", "ski")
+OUTPUT_COLUMNS = SKI_COLUMNS
 REJECTED_COLUMNS = ("sent0", "answer", "reason")
 META_FORMAT = "fastprompt-ski-generation"
 META_VERSION = 1
@@ -53,10 +55,6 @@ def rejected_path(path: str | os.PathLike) -> Path:
     return Path(f"{path}.rejected.csv")
 
 
-def meta_path(path: str | os.PathLike) -> Path:
-    return Path(f"{path}.meta.json")
-
-
 def encode_row(row) -> bytes:
     """One CSV record as one ``\\n``-terminated line (ValueError if a field would span lines)."""
     if any("\n" in field for field in row):
@@ -66,35 +64,8 @@ def encode_row(row) -> bytes:
     return buf.getvalue().encode("utf-8")
 
 
-def drop_torn_tail(path: Path) -> int:
-    """Cut ``path`` back to its last ``\\n`` (the end of its last complete line); the number of bytes dropped."""
-    size = path.stat().st_size
-    if size == 0:
-        return 0
-    with open(path, "r+b") as f:
-        pos, block = size, 1 << 16
-        while pos > 0:
-            start = max(0, pos - block)
-            f.seek(start)
-            chunk = f.read(pos - start)
-            nl = chunk.rfind(b"\n")
-            if nl >= 0:
-                keep = start + nl + 1
-                break
-            pos = start
-        else:
-            keep = 0
-        if keep < size:
-            f.truncate(keep)
-            f.flush()
-            os.fsync(f.fileno())
-    return size - keep
-
-
 def read_records(path: Path, columns: tuple[str, ...]) -> list[list[str]]:
     """The records of a file this module wrote, after its header (ValueError naming the line if it is not one)."""
-    from fastprompt.data.corpus import parse_csv
-
     try:
         text = path.read_bytes().decode("utf-8")
     except UnicodeDecodeError as e:
@@ -163,7 +134,7 @@ def _normalise(data):
 
 
 class SkiStore:
-    """The output of :func:`~fastprompt.data.ski.generate_ski`: use ``with SkiStore(path).open(...) as store``."""
+    """The output of :func:`~.generate.generate_ski`: use ``with SkiStore(path).open(...) as store``."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from fastprompt.methods.simcse.objective import SimCSE
 from fastprompt.objectives.config import OBJECTIVE_REGISTRY, check_hinge_weight, objective_default
-from fastprompt.objectives.simcse import SimCSE
 
 
 @dataclass

@@ -5,7 +5,7 @@ The client retries transient failures (HTTP 408/409/429/5xx, timeouts, dropped c
 backoff and jitter, honouring ``Retry-After`` (up to 2 minutes), and raises typed errors, which become one-line
 :class:`LLMServerError` messages: a wrong URL (refused at the first contact, unknown host, HTTP 404), an unknown
 model, a refused API key, retries exhausted or a malformed answer stops the run; rows already written stay.
-Under it, :mod:`fastprompt.data.ski.transport` bounds what the client does not: each attempt's wall-clock
+Under it, :mod:`.transport` bounds what the client does not: each attempt's wall-clock
 deadline (``timeout``), the bytes an answer may take (what ``max_new_tokens`` allows, plus room for the JSON
 around it), compressed answers, and requests in flight when the run stops. Requests run on ``concurrency``
 daemon threads, so an interrupted run exits at once instead of joining a thread stuck in an endless request.
@@ -22,8 +22,8 @@ import urllib.parse
 from collections.abc import Iterator, Sequence
 
 from fastprompt.choices import SERVER_APIS, check_choice
-from fastprompt.data.ski.filters import Generation
-from fastprompt.data.ski.prompt import Sampling
+from fastprompt.methods.skicse.generation.filters import Generation
+from fastprompt.methods.skicse.generation.prompt import Sampling
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class ServerBackend:
                  timeout: float = 300.0, max_retries: int = 6, api_key_env: str = DEFAULT_API_KEY_ENV):
         import openai
 
-        from fastprompt.data.ski.transport import Guard, GuardedClient
+        from fastprompt.methods.skicse.generation.transport import Guard, GuardedClient
 
         check_choice("api", api, SERVER_APIS)
         parsed = urllib.parse.urlparse(url)
@@ -208,7 +208,7 @@ class ServerBackend:
         exception is the cause)."""
         import openai
 
-        from fastprompt.data.ski.transport import AnswerRefused, Cancelled
+        from fastprompt.methods.skicse.generation.transport import AnswerRefused, Cancelled
 
         where = f"{self.url}{path}"
         retried = "" if first else f" (gave up after {self.max_retries + 1} attempts)"

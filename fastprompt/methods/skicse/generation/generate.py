@@ -1,7 +1,7 @@
 """Generate SKI for a list of sentences with a backend, resumably: :func:`generate_ski`.
 
-A backend (:class:`~fastprompt.data.ski.local.LocalBackend`, :class:`~fastprompt.data.ski.server.ServerBackend`)
-turns prompts into :class:`~fastprompt.data.ski.filters.Generation` objects; this module builds the prompts,
+A backend (:class:`~.local.LocalBackend`, :class:`~.server.ServerBackend`)
+turns prompts into :class:`~.filters.Generation` objects; this module builds the prompts,
 filters the answers, re-samples rejected ones, writes rows as they arrive and records what was done.
 """
 from __future__ import annotations
@@ -15,9 +15,15 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Protocol
 
-from fastprompt.data.ski.filters import AnswerFilter, Generation, clean_answer
-from fastprompt.data.ski.prompt import SKI_PROMPT_TEMPLATE, Sampling, check_template, format_prompt, sample_seed
-from fastprompt.data.ski.store import SkiStore
+from fastprompt.methods.skicse.generation.filters import AnswerFilter, Generation, clean_answer
+from fastprompt.methods.skicse.generation.prompt import (
+    SKI_PROMPT_TEMPLATE,
+    Sampling,
+    check_template,
+    format_prompt,
+    sample_seed,
+)
+from fastprompt.methods.skicse.generation.store import SkiStore
 
 logger = logging.getLogger(__name__)
 
