@@ -202,7 +202,7 @@ def test_sigterm_or_ctrl_c_exits_at_once_with_requests_hanging(openai_server, tm
     openai_server.answer_with = hang
     inp = tmp_path / "in.txt"
     inp.write_text("".join(f"Sentence {i} is here.\n" for i in range(20)))
-    env = dict(os.environ, PYTHONPATH=str(REPO))
+    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1")  # SIGABRT dumps every thread's stack
     proc = subprocess.Popen([sys.executable, "-m", "fastprompt.cli", "generate-ski", "--llm", "server", "--url",
                              openai_server.url, "--model", "test-model", "--input", str(inp), "--output",
                              str(tmp_path / "o.csv"), "--no-progress", "--concurrency", "4"],
@@ -214,7 +214,11 @@ def test_sigterm_or_ctrl_c_exits_at_once_with_requests_hanging(openai_server, tm
         assert len(openai_server.requests) >= 4, proc.communicate(timeout=5)
         t0 = time.monotonic()
         proc.send_signal(sig)
-        _, err = proc.communicate(timeout=30)
+        try:
+            _, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:  # show where it hangs: faulthandler's stacks of every thread
+            proc.send_signal(signal.SIGABRT)
+            pytest.fail(f"still running 30 s after the signal:\n{proc.communicate(timeout=30)[1][-6000:]}")
         took = time.monotonic() - t0
     finally:
         proc.kill()

@@ -130,7 +130,7 @@ class ServerBackend:
             threading.Thread(target=work, name="ski-server", daemon=True).start()
         try:
             for _ in range(len(prompts)):
-                i, generation, error = results.get()
+                i, generation, error = _get_waking(results)
                 if error is not None:
                     raise error
                 yield i, generation
@@ -273,3 +273,13 @@ def _error_message(exc) -> str:
         return _shown(exc.response.text, 200)
     except Exception:  # noqa: BLE001 - an unreadable body has nothing more to say
         return ""
+
+
+def _get_waking(results: queue.SimpleQueue, every: float = 0.25):
+    """``results.get()``, waking every ``every`` seconds: a Ctrl-C or SIGTERM is then handled within that time even
+    when the kernel delivered the signal to a worker thread, which does not interrupt the main thread's wait."""
+    while True:
+        try:
+            return results.get(timeout=every)
+        except queue.Empty:
+            continue
