@@ -50,7 +50,10 @@ def test_st_loss_step_with_the_small_encoder(tiny_bert_dir, tmp_path):
                 str(tiny_bert_dir), "--data", str(data), "--providers", "fastprompt_cached", "mnrl")
     assert [(r["provider"], r["encoder"], r["batch"], r["columns"]) for r in rows] == [
         ("fastprompt_cached", "small", "8", "3"), ("mnrl", "small", "8", "3")]
-    assert all(float(r["median_ms"]) > 0 and float(r["peak_mb"]) > 0 for r in rows)
+    # the tiny model's step can fit in pages already resident: its RSS peak above the start is then 0 (page
+    # granularity, allocator reuse), a true measurement; the process peak is always positive
+    assert all(float(r["median_ms"]) > 0 and float(r["peak_mb"]) >= 0 and float(r["process_peak_mb"]) > 0
+               for r in rows)
 
 
 @pytest.mark.slow  # seven child processes each load the real MiniLM: minutes on a loaded machine
