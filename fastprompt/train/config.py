@@ -70,6 +70,9 @@ class EncoderConfig(Section):
                                identity=False)
     prefix_mode: str = option("attention", "attention (the fused op) or cache (reference: prefix in a "
                               "DynamicCache)", choices=PREFIX_MODES, identity=False)
+    packed: bool | None = option(None, "run each batch's real tokens only, the sequences packed back to back (the "
+                                 "padded batch's maths without its padding); null: packed wherever the architecture "
+                                 "allows it and the encoder is not compiled (docs/speed.md)", identity=False)
     trust_remote_code: bool = option(False, "let the model (and an rtd_generator) run the Python code its folder "
                                      "names (auto_map); off, such a model is refused: read its code first",
                                      identity=False)
