@@ -275,7 +275,7 @@ def import_peft(adapter_dir: str | os.PathLike, output: str | os.PathLike, *,
         # the prefix arrives evaluated and per layer; "normal" skips a data-dependent init it would overwrite
         fields = dict(saved["prompt_config"], prefix_projection=False, shared_across_layers=False, init="normal")
         settings = {"pooler": pooler or saved["pooler"], "max_length": saved.get("max_length"),
-                    "template": saved.get("template")}
+                    "template": saved.get("template"), "append_eos": saved.get("append_eos", False)}
     else:
         fields = {"position_mode": "shifted"}
         settings = {"pooler": pooler or "cls"}
