@@ -33,8 +33,9 @@ Decoders with grouped-query attention: PEFT sizes a prefix per key/value head (i
 sets ``num_attention_heads`` to ``num_key_value_heads`` and ``token_dim`` to ``num_key_value_heads * head_dim``),
 which is the shape of fastprompt's prefix on these models, so the row layout above holds unchanged. RoPE: PEFT's
 cache holds the prefix keys unrotated and runs the tokens at P..P+S-1, i.e. ``position_mode: shifted`` again. PEFT's
-prefix tuning does not run on DistilBERT, ModernBERT and MPNet (:data:`PEFT_FAILS`): export refuses them. It runs a
-sliding window or score soft-capping differently (:data:`PEFT_DIFFERS`): export warns.
+prefix tuning does not run on DistilBERT, ModernBERT and MPNet (:data:`PEFT_FAILS`): export refuses them, and import
+refuses an adapter naming such a base (:func:`check_peft_runs`). It runs a sliding window or score soft-capping
+differently (:data:`PEFT_DIFFERS`): export warns.
 
 fastprompt's own settings (pooler, template, position mode, ...) travel as safetensors metadata
 (``fastprompt_config``), which PEFT ignores and :func:`import_peft` restores. What PEFT's format cannot hold is
@@ -84,6 +85,32 @@ PEFT_FAILS = {
     "mpnet": "MPNet computes attention in its own modules and its position bias does not cover PEFT's cache (a size "
              "mismatch at the first forward)",
 }
+
+
+def check_peft_runs(model_type: str | None, consequence: str) -> None:
+    """ValueError when PEFT's prefix tuning does not run on ``model_type`` (:data:`PEFT_FAILS`), giving the reason
+    and then ``consequence`` (what that means for the caller)."""
+    if model_type in PEFT_FAILS:
+        raise ValueError(f"PEFT's prefix tuning does not run on {model_type!r} models ({PEFT_FAILS[model_type]}), "
+                         f"so {consequence}")
+
+
+def base_model_config(name: str | os.PathLike):
+    """``(config, None)``: the config of base model ``name`` (a folder, an installed model package or a hub id, as
+    PEFT and fastprompt load it), read without its weights and running no code of it; ``(None, why)`` when it
+    cannot be read here."""
+    from transformers import AutoConfig
+
+    from fastprompt.model.resolve import check_hub_model, resolve_model
+
+    try:
+        where, kind = resolve_model(name)
+        local_only = check_hub_model(where) if kind == "hub" else False
+        return AutoConfig.from_pretrained(where, local_files_only=local_only, trust_remote_code=False), None
+    except (OSError, ValueError, KeyError) as exc:
+        return None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
 #: model_type -> where PEFT runs an adapter of this architecture differently from fastprompt (export warns)
 PEFT_DIFFERS = {
     "mistral": "where its config sets a sliding_window, PEFT's cache puts the prefix at positions 0..P-1 and the "
@@ -161,10 +188,8 @@ def export_peft(prompt, output: str | os.PathLike, *, overwrite: bool = False) -
         base_name = _base_model_name(prompt, path, config)
     prompt_config = config["prompt_config"] or {}
     model_type = config["backbone"].get("model_type")
-    if model_type in PEFT_FAILS:
-        raise ValueError(f"PEFT's prefix tuning does not run on {model_type!r} models ({PEFT_FAILS[model_type]}), so "
-                         "a PEFT adapter of this prompt could not be used; keep the fastprompt checkpoint, or export "
-                         "it to sentence-transformers")
+    check_peft_runs(model_type, "a PEFT adapter of this prompt could not be used; keep the fastprompt checkpoint, or "
+                    "export it to sentence-transformers")
     if model_type in PEFT_DIFFERS:
         logger.warning("PEFT may run this %s prompt differently from fastprompt: %s (importing the adapter back "
                        "into fastprompt restores the trained behaviour)", model_type, PEFT_DIFFERS[model_type])
@@ -260,6 +285,7 @@ def import_peft(adapter_dir: str | os.PathLike, output: str | os.PathLike, *,
     pooler, template, position mode and other settings back; any other adapter gets ``position_mode: shifted``
     (how PEFT ran it) and ``pooler`` (default ``cls``). ``output`` must be new, empty or an earlier prompt
     checkpoint (it is replaced) unless ``overwrite``. The base model's own code runs only with ``trust_remote_code``.
+    A base model PEFT's prefix tuning does not run on (:data:`PEFT_FAILS`) is refused before it loads.
     """
     from fastprompt.io import check_apart
     from fastprompt.model import PromptConfig, PromptEncoder
@@ -271,6 +297,11 @@ def import_peft(adapter_dir: str | os.PathLike, output: str | os.PathLike, *,
     base = base_model or config.get("base_model_name_or_path") or (saved or {}).get("base_model")
     if not base:
         raise ValueError(f"the adapter in {adapter_dir} names no base model; pass the base model")
+    base_config, _ = base_model_config(base)  # unreadable: loading the base model below says why
+    model_type = (getattr(base_config, "model_type", None) if base_config is not None
+                  else (saved or {}).get("backbone", {}).get("model_type"))
+    check_peft_runs(model_type, f"no PEFT adapter can hold a prompt for base model {shown(str(base))}; train a "
+                    "fastprompt prompt on it (PromptEncoder) instead")
     if saved is not None:
         # the prefix arrives evaluated and per layer; "normal" skips a data-dependent init it would overwrite
         fields = dict(saved["prompt_config"], prefix_projection=False, shared_across_layers=False, init="normal")

@@ -47,7 +47,7 @@ import torch
 from fastprompt.choices import BACKENDS, check_choice
 from fastprompt.model.attention import PrefixState, register_attention
 
-from .peft import PEFT_FAILS
+from .peft import check_peft_runs
 
 logger = logging.getLogger(__name__)
 
@@ -129,9 +129,8 @@ def _check_model(base, cfg) -> None:
     name = f"{type(base).__name__} (model_type {model_type!r})"
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"accelerate_peft supports encoder-only and decoder-only models; {name} is an encoder-decoder")
-    if model_type in PEFT_FAILS:
-        raise ValueError(f"accelerate_peft reproduces PEFT's prefix tuning, which does not run on {name}: "
-                         f"{PEFT_FAILS[model_type]}; train a fastprompt prompt on it instead (PromptEncoder)")
+    check_peft_runs(model_type, f"accelerate_peft has no PEFT behaviour to reproduce on {name}; train a fastprompt "
+                    "prompt on it instead (PromptEncoder)")
     if not getattr(base, "_supports_attention_backend", False):
         raise ValueError(f"{name} does not route attention through transformers' AttentionInterface, which "
                          "accelerate_peft plugs into")

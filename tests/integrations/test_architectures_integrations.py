@@ -216,6 +216,33 @@ def test_peft_export_warns_where_a_sliding_window_hides_peft_prefix(model_dir, t
     np.testing.assert_allclose(back.encode(SENTENCES), encoder.encode(SENTENCES), **TOL)
 
 
+@pytest.mark.parametrize("model_type", sorted(PEFT_FAILS))
+def test_peft_import_refuses_a_base_peft_cannot_run(model_type, model_dir, tmp_path, monkeypatch):
+    """An adapter (well formed, PEFT's layout) that names a base PEFT's prefix tuning fails on cannot come from
+    PEFT: import refuses it with export's reason, before the base model loads and without writing anything."""
+    from safetensors.torch import save_file
+
+    folder = model_dir(model_type)
+    backbone = AutoModel.from_pretrained(folder)
+    shape = PromptEncoder(backbone, _tokenizer(), PromptConfig(prompt_length=2))
+    L, H, D = shape.num_layers, shape.num_heads, shape.head_dim
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "PREFIX_TUNING", "task_type": "FEATURE_EXTRACTION", "num_virtual_tokens": 2, "num_layers": L,
+        "num_attention_heads": H, "token_dim": H * D, "base_model_name_or_path": str(folder)}))
+    save_file({"prompt_embeddings": torch.randn(2, L * 2 * H * D)}, str(adapter / "adapter_model.safetensors"))
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the base model was loaded")
+
+    monkeypatch.setattr(PromptEncoder, "from_pretrained", no_load)
+    for base in (None, folder):  # the adapter's base, or the one passed (CLI --model)
+        with pytest.raises(ValueError, match=f"does not run on '{model_type}'.*no PEFT adapter can hold"):
+            import_peft(adapter, tmp_path / "prompt", base_model=base)
+        assert not (tmp_path / "prompt").exists()
+
+
 # ------------------------------------------------------------------ accelerate_peft
 
 
