@@ -35,7 +35,7 @@ which is the shape of fastprompt's prefix on these models, so the row layout abo
 cache holds the prefix keys unrotated and runs the tokens at P..P+S-1, i.e. ``position_mode: shifted`` again. PEFT's
 prefix tuning does not run on DistilBERT, ModernBERT and MPNet (:data:`PEFT_FAILS`): export refuses them, and import
 refuses an adapter naming such a base (:func:`check_peft_runs`). It runs a sliding window or score soft-capping
-differently (:data:`PEFT_DIFFERS`): export warns.
+differently: export warns when the base model applies one (:func:`peft_differences`).
 
 fastprompt's own settings (pooler, template, position mode, ...) travel as safetensors metadata
 (``fastprompt_config``), which PEFT ignores and :func:`import_peft` restores. What PEFT's format cannot hold is
@@ -111,16 +111,26 @@ def base_model_config(name: str | os.PathLike):
         return None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
 
 
-#: model_type -> where PEFT runs an adapter of this architecture differently from fastprompt (export warns)
-PEFT_DIFFERS = {
-    "mistral": "where its config sets a sliding_window, PEFT's cache puts the prefix at positions 0..P-1 and the "
-               "window hides it from tokens more than a window past it; fastprompt keeps it visible to every token",
-    "gemma2": "its sliding layers hide PEFT's prefix (at positions 0..P-1) from tokens more than a window past it, "
-              "and PEFT runs the attention score soft-capping (attn_logit_softcapping) that a fastprompt prefix is "
-              "trained without",
-    "gemma3_text": "its sliding layers hide PEFT's prefix (at positions 0..P-1) from tokens more than a window past "
-                   "it; fastprompt keeps it visible to every token",
-}
+def peft_differences(config) -> list[str]:
+    """Where PEFT runs a prefix on the model ``config`` builds differently from fastprompt, one reason each: a
+    sliding window some layer applies (the rule :func:`~fastprompt.integrations.peft_attention.sliding_window` reads
+    off the layers, here built on the meta device: no weights), score soft-capping."""
+    from transformers import AutoModel
+
+    from .peft_attention import sliding_window
+
+    reasons = []
+    with torch.device("meta"):
+        window = sliding_window(AutoModel.from_config(config))
+    if window is not None:
+        reasons.append(f"it attends within a sliding window ({window} tokens), and PEFT's cache puts the prefix at "
+                       "positions 0..P-1, so the window hides it from tokens more than a window past it; fastprompt "
+                       "keeps it visible to every token")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        reasons.append(f"it caps its attention scores (attn_logit_softcapping = {softcap}), which PEFT runs and a "
+                       "fastprompt prefix is trained without")
+    return reasons
 
 
 @dataclass
@@ -187,12 +197,16 @@ def export_peft(prompt, output: str | os.PathLike, *, overwrite: bool = False) -
         config, tensors = read_prompt_checkpoint(path)
         base_name = _base_model_name(prompt, path, config)
     prompt_config = config["prompt_config"] or {}
-    model_type = config["backbone"].get("model_type")
-    check_peft_runs(model_type, "a PEFT adapter of this prompt could not be used; keep the fastprompt checkpoint, or "
-                    "export it to sentence-transformers")
-    if model_type in PEFT_DIFFERS:
-        logger.warning("PEFT may run this %s prompt differently from fastprompt: %s (importing the adapter back "
-                       "into fastprompt restores the trained behaviour)", model_type, PEFT_DIFFERS[model_type])
+    check_peft_runs(config["backbone"].get("model_type"), "a PEFT adapter of this prompt could not be used; keep "
+                    "the fastprompt checkpoint, or export it to sentence-transformers")
+    # what PEFT will run: the base model the adapter names (checkpoints do not record its sliding window)
+    base_config, why = base_model_config(base_name)
+    if base_config is None:
+        logger.warning("could not read the config of base model %r (%s): if it attends within a sliding window or "
+                       "caps its attention scores, PEFT runs this prompt differently from fastprompt", base_name, why)
+    for reason in peft_differences(base_config) if base_config is not None else []:
+        logger.warning("PEFT may run this prompt differently from fastprompt on %r: %s (importing the adapter back "
+                       "into fastprompt restores the trained behaviour)", base_name, reason)
     if prompt_config.get("cls_prompt"):
         raise ValueError("PEFT's prefix-tuning format cannot hold a [CLS] prompt (cls_prompt: true)")
     if config["mlp"] == "always":

@@ -112,7 +112,7 @@ def _is_causal(base) -> bool:
     return any(getattr(m, "is_causal", False) is True for m in base.modules())
 
 
-def _sliding_window(base) -> int | None:
+def sliding_window(base) -> int | None:
     """The sliding window some attention layer of ``base`` applies, else None: the attention modules' own
     ``sliding_window`` (Qwen2, Gemma 2/3, ModernBERT: None on their global layers), else the config's (Mistral's
     layers read it from there)."""
@@ -145,7 +145,7 @@ def _check_model(base, cfg) -> None:
     if not causal and getattr(getattr(base, "embeddings", None), "position_embeddings", None) is None:
         raise ValueError(f"{name} has no absolute position embeddings: accelerate_peft supports BERT/RoBERTa-like "
                          "encoders, whose positions PEFT shifts by the prefix length, and RoPE decoders")
-    window = _sliding_window(base)
+    window = sliding_window(base)
     if window is not None:
         raise ValueError(f"{name} attends within a sliding window ({window} tokens), where PEFT's prefix tuning "
                          "and the fused path differ: PEFT's cache puts the prefix at positions 0..P-1, so the window "
