@@ -283,6 +283,15 @@ def test_peft_import_refuses_a_base_peft_cannot_run(model_type, model_dir, tmp_p
         assert not (tmp_path / "prompt").exists()
 
 
+def test_peft_adapter_carries_append_eos(tiny_llama_dir, tmp_path):
+    """append_eos rides along in the adapter's fastprompt metadata, so the imported prompt tokenises as trained."""
+    encoder = PromptEncoder.from_pretrained(tiny_llama_dir, pooler="last", append_eos=True,
+                                            prompt_config=PromptConfig(prompt_length=2, position_mode="shifted"))
+    back = PromptEncoder.load(import_peft(export_peft(encoder, tmp_path / "adapter"), tmp_path / "back"))
+    assert back.append_eos
+    np.testing.assert_allclose(back.encode(SENTENCES), encoder.encode(SENTENCES), **TOL)
+
+
 # ------------------------------------------------------------------ accelerate_peft
 
 
