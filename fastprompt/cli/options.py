@@ -33,8 +33,8 @@ def positive_int(text: str) -> int:
 
 # ------------------------------------------------------------------------------ model options
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    """--model/--prompt/--pooler/--max-length/--template/--topk/--denoise/--device/--dtype/--attn-backend/
-    --trust-remote-code/--batch-size, read by :func:`load_encoder`."""
+    """--model/--prompt/--pooler/--max-length/--template/--append-eos/--topk/--denoise/--device/--dtype/
+    --attn-backend/--trust-remote-code/--batch-size, read by :func:`load_encoder`."""
     g = p.add_argument_group("model")
     g.add_argument("--model", metavar="NAME_OR_PATH",
                    help="base encoder: a local Hugging Face folder, an installed model package "
@@ -54,6 +54,9 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    help='PromptBERT template with [X] (the sentence) and [MASK], e.g. \'This sentence : "[X]" means '
                         '[MASK] .\' (default: the checkpoint\'s; with --pooler mask and none, that one); with a '
                         'template --max-length counts the sentence\'s own tokens, the template comes on top')
+    g.add_argument("--append-eos", action=argparse.BooleanOptionalAction, default=None,
+                   help="end every sequence with the tokenizer's EOS token, which decoder embedders (Qwen3-Embedding, "
+                        "e5-mistral, gte-Qwen) pool with --pooler last (default: the checkpoint's, else off)")
     g.add_argument("--topk", type=positive_int, metavar="K",
                    help="k of the topk pooler: the static embeddings of the K tokens the MLM head ranks highest at "
                         "the [MASK], weighted by their probabilities (PromptBERT Eq. 3; default: the "
@@ -81,6 +84,7 @@ def load_encoder(args: argparse.Namespace):
         raise ValueError("give --model NAME_OR_PATH, --prompt CHECKPOINT_DIR, or both")
     device = resolve_device(args.device)  # before loading: a device this machine lacks fails at once
     kwargs = {"pooler": args.pooler, "max_length": args.max_length, "template": args.template,
+              "append_eos": args.append_eos,
               "topk": args.topk, "denoise": args.denoise, "torch_dtype": getattr(torch, args.dtype),
               "attn_backend": args.attn_backend, "trust_remote_code": args.trust_remote_code}
     if args.model:

@@ -33,8 +33,9 @@ Decoders with grouped-query attention: PEFT sizes a prefix per key/value head (i
 sets ``num_attention_heads`` to ``num_key_value_heads`` and ``token_dim`` to ``num_key_value_heads * head_dim``),
 which is the shape of fastprompt's prefix on these models, so the row layout above holds unchanged. RoPE: PEFT's
 cache holds the prefix keys unrotated and runs the tokens at P..P+S-1, i.e. ``position_mode: shifted`` again. PEFT's
-prefix tuning does not run on DistilBERT, ModernBERT and MPNet (:data:`PEFT_FAILS`): export refuses them. It runs a
-sliding window or score soft-capping differently (:data:`PEFT_DIFFERS`): export warns.
+prefix tuning does not run on DistilBERT, ModernBERT and MPNet (:data:`PEFT_FAILS`): export refuses them, and import
+refuses an adapter naming such a base (:func:`check_peft_runs`). It runs a sliding window or score soft-capping
+differently: export warns when the base model applies one (:func:`peft_differences`).
 
 fastprompt's own settings (pooler, template, position mode, ...) travel as safetensors metadata
 (``fastprompt_config``), which PEFT ignores and :func:`import_peft` restores. What PEFT's format cannot hold is
@@ -84,16 +85,52 @@ PEFT_FAILS = {
     "mpnet": "MPNet computes attention in its own modules and its position bias does not cover PEFT's cache (a size "
              "mismatch at the first forward)",
 }
-#: model_type -> where PEFT runs an adapter of this architecture differently from fastprompt (export warns)
-PEFT_DIFFERS = {
-    "mistral": "where its config sets a sliding_window, PEFT's cache puts the prefix at positions 0..P-1 and the "
-               "window hides it from tokens more than a window past it; fastprompt keeps it visible to every token",
-    "gemma2": "its sliding layers hide PEFT's prefix (at positions 0..P-1) from tokens more than a window past it, "
-              "and PEFT runs the attention score soft-capping (attn_logit_softcapping) that a fastprompt prefix is "
-              "trained without",
-    "gemma3_text": "its sliding layers hide PEFT's prefix (at positions 0..P-1) from tokens more than a window past "
-                   "it; fastprompt keeps it visible to every token",
-}
+
+
+def check_peft_runs(model_type: str | None, consequence: str) -> None:
+    """ValueError when PEFT's prefix tuning does not run on ``model_type`` (:data:`PEFT_FAILS`), giving the reason
+    and then ``consequence`` (what that means for the caller)."""
+    if model_type in PEFT_FAILS:
+        raise ValueError(f"PEFT's prefix tuning does not run on {model_type!r} models ({PEFT_FAILS[model_type]}), "
+                         f"so {consequence}")
+
+
+def base_model_config(name: str | os.PathLike):
+    """``(config, None)``: the config of base model ``name`` (a folder, an installed model package or a hub id, as
+    PEFT and fastprompt load it), read without its weights and running no code of it; ``(None, why)`` when it
+    cannot be read here."""
+    from transformers import AutoConfig
+
+    from fastprompt.model.resolve import check_hub_model, resolve_model
+
+    try:
+        where, kind = resolve_model(name)
+        local_only = check_hub_model(where) if kind == "hub" else False
+        return AutoConfig.from_pretrained(where, local_files_only=local_only, trust_remote_code=False), None
+    except (OSError, ValueError, KeyError) as exc:
+        return None, str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+
+
+def peft_differences(config) -> list[str]:
+    """Where PEFT runs a prefix on the model ``config`` builds differently from fastprompt, one reason each: a
+    sliding window some layer applies (the rule :func:`~fastprompt.integrations.peft_attention.sliding_window` reads
+    off the layers, here built on the meta device: no weights), score soft-capping."""
+    from transformers import AutoModel
+
+    from .peft_attention import sliding_window
+
+    reasons = []
+    with torch.device("meta"):
+        window = sliding_window(AutoModel.from_config(config))
+    if window is not None:
+        reasons.append(f"it attends within a sliding window ({window} tokens), and PEFT's cache puts the prefix at "
+                       "positions 0..P-1, so the window hides it from tokens more than a window past it; fastprompt "
+                       "keeps it visible to every token")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap is not None:
+        reasons.append(f"it caps its attention scores (attn_logit_softcapping = {softcap}), which PEFT runs and a "
+                       "fastprompt prefix is trained without")
+    return reasons
 
 
 @dataclass
@@ -160,14 +197,16 @@ def export_peft(prompt, output: str | os.PathLike, *, overwrite: bool = False) -
         config, tensors = read_prompt_checkpoint(path)
         base_name = _base_model_name(prompt, path, config)
     prompt_config = config["prompt_config"] or {}
-    model_type = config["backbone"].get("model_type")
-    if model_type in PEFT_FAILS:
-        raise ValueError(f"PEFT's prefix tuning does not run on {model_type!r} models ({PEFT_FAILS[model_type]}), so "
-                         "a PEFT adapter of this prompt could not be used; keep the fastprompt checkpoint, or export "
-                         "it to sentence-transformers")
-    if model_type in PEFT_DIFFERS:
-        logger.warning("PEFT may run this %s prompt differently from fastprompt: %s (importing the adapter back "
-                       "into fastprompt restores the trained behaviour)", model_type, PEFT_DIFFERS[model_type])
+    check_peft_runs(config["backbone"].get("model_type"), "a PEFT adapter of this prompt could not be used; keep "
+                    "the fastprompt checkpoint, or export it to sentence-transformers")
+    # what PEFT will run: the base model the adapter names (checkpoints do not record its sliding window)
+    base_config, why = base_model_config(base_name)
+    if base_config is None:
+        logger.warning("could not read the config of base model %r (%s): if it attends within a sliding window or "
+                       "caps its attention scores, PEFT runs this prompt differently from fastprompt", base_name, why)
+    for reason in peft_differences(base_config) if base_config is not None else []:
+        logger.warning("PEFT may run this prompt differently from fastprompt on %r: %s (importing the adapter back "
+                       "into fastprompt restores the trained behaviour)", base_name, reason)
     if prompt_config.get("cls_prompt"):
         raise ValueError("PEFT's prefix-tuning format cannot hold a [CLS] prompt (cls_prompt: true)")
     if config["mlp"] == "always":
@@ -260,6 +299,7 @@ def import_peft(adapter_dir: str | os.PathLike, output: str | os.PathLike, *,
     pooler, template, position mode and other settings back; any other adapter gets ``position_mode: shifted``
     (how PEFT ran it) and ``pooler`` (default ``cls``). ``output`` must be new, empty or an earlier prompt
     checkpoint (it is replaced) unless ``overwrite``. The base model's own code runs only with ``trust_remote_code``.
+    A base model PEFT's prefix tuning does not run on (:data:`PEFT_FAILS`) is refused before it loads.
     """
     from fastprompt.io import check_apart
     from fastprompt.model import PromptConfig, PromptEncoder
@@ -271,11 +311,16 @@ def import_peft(adapter_dir: str | os.PathLike, output: str | os.PathLike, *,
     base = base_model or config.get("base_model_name_or_path") or (saved or {}).get("base_model")
     if not base:
         raise ValueError(f"the adapter in {adapter_dir} names no base model; pass the base model")
+    base_config, _ = base_model_config(base)  # unreadable: loading the base model below says why
+    model_type = (getattr(base_config, "model_type", None) if base_config is not None
+                  else (saved or {}).get("backbone", {}).get("model_type"))
+    check_peft_runs(model_type, f"no PEFT adapter can hold a prompt for base model {shown(str(base))}; train a "
+                    "fastprompt prompt on it (PromptEncoder) instead")
     if saved is not None:
         # the prefix arrives evaluated and per layer; "normal" skips a data-dependent init it would overwrite
         fields = dict(saved["prompt_config"], prefix_projection=False, shared_across_layers=False, init="normal")
         settings = {"pooler": pooler or saved["pooler"], "max_length": saved.get("max_length"),
-                    "template": saved.get("template")}
+                    "template": saved.get("template"), "append_eos": saved.get("append_eos", False)}
     else:
         fields = {"position_mode": "shifted"}
         settings = {"pooler": pooler or "cls"}

@@ -47,7 +47,7 @@ import torch
 from fastprompt.choices import BACKENDS, check_choice
 from fastprompt.model.attention import PrefixState, register_attention
 
-from .peft import PEFT_FAILS
+from .peft import check_peft_runs
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +112,7 @@ def _is_causal(base) -> bool:
     return any(getattr(m, "is_causal", False) is True for m in base.modules())
 
 
-def _sliding_window(base) -> int | None:
+def sliding_window(base) -> int | None:
     """The sliding window some attention layer of ``base`` applies, else None: the attention modules' own
     ``sliding_window`` (Qwen2, Gemma 2/3, ModernBERT: None on their global layers), else the config's (Mistral's
     layers read it from there)."""
@@ -129,9 +129,8 @@ def _check_model(base, cfg) -> None:
     name = f"{type(base).__name__} (model_type {model_type!r})"
     if getattr(config, "is_encoder_decoder", False):
         raise ValueError(f"accelerate_peft supports encoder-only and decoder-only models; {name} is an encoder-decoder")
-    if model_type in PEFT_FAILS:
-        raise ValueError(f"accelerate_peft reproduces PEFT's prefix tuning, which does not run on {name}: "
-                         f"{PEFT_FAILS[model_type]}; train a fastprompt prompt on it instead (PromptEncoder)")
+    check_peft_runs(model_type, f"accelerate_peft has no PEFT behaviour to reproduce on {name}; train a fastprompt "
+                    "prompt on it instead (PromptEncoder)")
     if not getattr(base, "_supports_attention_backend", False):
         raise ValueError(f"{name} does not route attention through transformers' AttentionInterface, which "
                          "accelerate_peft plugs into")
@@ -146,7 +145,7 @@ def _check_model(base, cfg) -> None:
     if not causal and getattr(getattr(base, "embeddings", None), "position_embeddings", None) is None:
         raise ValueError(f"{name} has no absolute position embeddings: accelerate_peft supports BERT/RoBERTa-like "
                          "encoders, whose positions PEFT shifts by the prefix length, and RoPE decoders")
-    window = _sliding_window(base)
+    window = sliding_window(base)
     if window is not None:
         raise ValueError(f"{name} attends within a sliding window ({window} tokens), where PEFT's prefix tuning "
                          "and the fused path differ: PEFT's cache puts the prefix at positions 0..P-1, so the window "

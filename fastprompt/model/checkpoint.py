@@ -64,6 +64,7 @@ class CheckpointFile:
     template: str | None = None
     denoise: bool = False
     topk: int | None = field(default=None, metadata={"ge": 1})
+    append_eos: bool = False
     backbone_weights: bool = False
     files: list[str] = field(default_factory=list)
 
@@ -153,6 +154,7 @@ def save_checkpoint(encoder, checkpoint_dir: str | os.PathLike, overwrite: bool 
         "template": encoder.template,
         "denoise": encoder.denoise,
         "topk": encoder.topk,
+        "append_eos": encoder.append_eos,
         "backbone_weights": bool(encoder.backbone_trained),
     }
     tensors = {k: v.detach().contiguous().cpu() for k, v in encoder.prompt_state_dict().items()}
@@ -259,12 +261,14 @@ def encoder_settings(checkpoint_dir: str | os.PathLike | None, saved: dict | Non
                              f"{saved.get('template')!r}; it cannot be used with another template")
         for key in ("pooler", "mlp", "max_length", "template", "topk", "pooler_head"):
             s[key] = s[key] or saved.get(key)
-        if s["denoise"] is None:
-            s["denoise"] = saved.get("denoise", False)
+        for key in ("denoise", "append_eos"):
+            if s[key] is None:
+                s[key] = saved.get(key, False)
     elif isinstance(prompt_config, dict):
         prompt_config = PromptConfig.from_dict(prompt_config)
     s.update(prompt_config=prompt_config, pooler=s["pooler"] or "cls", mlp=s["mlp"] or "none",
-             denoise=bool(s["denoise"]), topk=s["topk"] or 200, pooler_head=s["pooler_head"] or "new")
+             denoise=bool(s["denoise"]), append_eos=bool(s["append_eos"]), topk=s["topk"] or 200,
+             pooler_head=s["pooler_head"] or "new")
     return s
 
 
@@ -282,7 +286,7 @@ class CheckpointMixin:
                         template: str | None = None, denoise: bool | None = None, topk: int | None = None,
                         attn_backend: str = "auto", prefix_mode: str = "attention",
                         torch_dtype: torch.dtype | None = None, pooler_head: str | None = None,
-                        trust_remote_code: bool = False) -> _Encoder:
+                        append_eos: bool | None = None, trust_remote_code: bool = False) -> _Encoder:
         """Load a base encoder (local folder, installed model package, or hub id) and attach prompts.
 
         ``prompt``: a checkpoint folder written by :meth:`save`; its prompt, pooler and head are used (an
@@ -292,7 +296,9 @@ class CheckpointMixin:
         the checkpoint's choice. ``topk``: k of the ``topk`` pooler (200, PromptBERT's Table 9; the MLM head is
         read from the model folder, see :mod:`fastprompt.model.mlm_head`). ``pooler_head``: ``new`` (default) or
         ``mlm_transform`` (the pooler head is the base model's pretrained MLM transform, PromptBERT's supervised
-        BERT head); ``None`` keeps the checkpoint's. ``trust_remote_code``: let a model folder that names its own
+        BERT head); ``None`` keeps the checkpoint's. ``append_eos``: end every sequence with the tokenizer's EOS
+        token (decoder embedders pooled on their last token; see :meth:`tokenize`); ``None`` keeps the
+        checkpoint's, else off. ``trust_remote_code``: let a model folder that names its own
         Python classes run them (:mod:`fastprompt.remote_code`; off: such a folder is refused).
         """
         from .attention import register_attention
@@ -303,7 +309,7 @@ class CheckpointMixin:
         saved = read_checkpoint_config(prompt) if prompt is not None else None
         s = encoder_settings(prompt, saved, prompt_config=prompt_config, pooler=pooler, mlp=mlp,
                              max_length=max_length, template=template, denoise=denoise, topk=topk,
-                             pooler_head=pooler_head)
+                             pooler_head=pooler_head, append_eos=append_eos)
         holds_backbone = saved is not None and holds_backbone_weights(saved)
         cls._check_options(s["pooler"], s["mlp"], attn_backend, prefix_mode)  # before any weights load
         check_choice("pooler_head", s["pooler_head"], POOLER_HEADS)

@@ -27,7 +27,7 @@ from .pooling import Pooler, check_pooler_fits
 from .prefix import PrefixPrompt, init_prefix_from_vocab
 from .promptbert import TemplateMixin
 from .soft_prompt import InputPrompt, cls_prompt_parameter, replace_first_token
-from .template import DEFAULT_TEMPLATE, Template, wrap_batch
+from .template import DEFAULT_TEMPLATE, Template, end_with_eos, eos_token_id, wrap_batch
 
 logger = logging.getLogger(__name__)
 
@@ -53,7 +53,7 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
                  template: str | None = None, denoise: bool = False, topk: int = 200,
                  mlm_head: nn.Module | None = None, attn_backend: str = "auto",
                  prefix_mode: str = "attention", base_model: str | None = None,
-                 mlm_transform: nn.Module | None = None):
+                 mlm_transform: nn.Module | None = None, append_eos: bool = False):
         super().__init__()
         self._check_options(pooler, mlp, attn_backend, prefix_mode)
         self.architecture = arch = Architecture(backbone)
@@ -62,6 +62,9 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
         ensure_pad_token(tokenizer)
         self.tokenizer = tokenizer
         self.base_model = base_model or getattr(backbone.config, "_name_or_path", None)
+        #: end every sequence with the tokenizer's EOS (decoder embedders pool it: :meth:`tokenize`)
+        self.append_eos = bool(append_eos)
+        self._eos_id = eos_token_id(tokenizer, self.base_model) if self.append_eos else None
         # the prefix's shape (num_heads: the key/value heads) and whether the token block is causal (a decoder)
         self.num_layers, self.hidden_size, self.head_dim = arch.num_layers, arch.hidden_size, arch.head_dim
         self.num_heads, self.causal = arch.num_heads, arch.causal
@@ -178,21 +181,29 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
 
     def tokenize(self, sentences: list[str], max_length: int | None = None,
                  template: str | Template | None = None) -> dict[str, torch.Tensor]:
-        """Token ids padded to the longest sequence of the batch (dynamic padding).
+        """Token ids padded to the longest sequence of the batch (dynamic padding), on the tokenizer's
+        ``padding_side``.
 
         Without a template, ``max_length`` bounds the whole sequence (special tokens included), as a Hugging Face
         tokenizer does. With one (the encoder's, or ``template``), it bounds the sentence's own tokens and the
         template comes on top, as in PromptBERT's code; the sentence is also cut so that the whole sequence fits
-        :meth:`model_max_tokens`, and the template is never cut.
+        :meth:`model_max_tokens`, and the template is never cut. With ``append_eos`` every sequence ends with the
+        tokenizer's EOS (appended unless already last; the text is cut one token earlier so the EOS always fits;
+        with a template it counts as one of the template's tokens).
         """
         _check_sentences(sentences)
         self.check_max_length(max_length)
         max_length = max_length or self.max_length
         tpl = self._resolve_template(template)
-        if tpl is None:
+        if tpl is not None:
+            ids = wrap_batch(self.tokenizer, tpl, list(sentences), max_length, self.model_max_tokens())
+        elif self.append_eos:
+            limit = max_length or self.model_max_tokens()
+            ids = self.tokenizer(sentences, truncation=True, max_length=limit)["input_ids"]
+            ids = [end_with_eos(row, self._eos_id, limit) for row in ids]
+        else:
             return dict(self.tokenizer(sentences, padding=True, truncation=True,
                                        max_length=max_length or self.model_max_tokens(), return_tensors="pt"))
-        ids = wrap_batch(self.tokenizer, tpl, list(sentences), max_length, self.model_max_tokens())
         return dict(self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt"))
 
     def _position_shift(self) -> int:

@@ -42,7 +42,7 @@ class TemplateMixin:
         if pooler in TEMPLATE_POOLERS and template is None:
             template = DEFAULT_TEMPLATE
         self.template = template
-        self._template = parse_template(self.tokenizer, template) if template is not None else None
+        self._template = parse_template(self.tokenizer, template, self._eos_id) if template is not None else None
         self.template_words = None
         if prompt_config is not None and prompt_config.optiprompt:
             if self._template is None:
@@ -73,7 +73,7 @@ class TemplateMixin:
             return template
         if self._template is not None and template == self._template.text:
             return self._template
-        return parse_template(self.tokenizer, template)
+        return parse_template(self.tokenizer, template, self._eos_id)
 
     def _denoise_and_topk(self, vec: torch.Tensor, tpl: Template | None, attention_mask: torch.Tensor,
                           denoise: bool | None) -> torch.Tensor:

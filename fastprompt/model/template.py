@@ -15,6 +15,11 @@ tokenising the filled-in text. WordPiece (BERT) ignores spaces between words.
 ``max_length`` rule (the PromptBERT code's ``max_seq_length``): it bounds the sentence's own tokens, without
 the template and the special tokens, which come on top. Independently, the whole sequence must fit the model
 (``model_max``): when it would not, the sentence is cut further, never the template.
+
+Appended EOS (``append_eos``, for decoder embedders that pool their last token): the tokenizer's EOS ends every
+sequence. With a template it is one more trailing token (added only when the template does not already end with
+it), so it counts like the template's tokens and is never cut; a sentence whose own tokens end with the EOS
+right before it does not get a second one. Without a template :func:`end_with_eos` appends it.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ class Template:
     trail: tuple[int, ...]  # special tokens after everything ([SEP] / </s>)
     space_before_sentence: bool  # the sentence is tokenised as a word-initial text (" " + sentence)
     mask_token_id: int | None
+    eos: int | None = None  # append_eos: the EOS every sequence ends with (the last token of ``trail``)
 
     @property
     def overhead(self) -> int:
@@ -80,8 +86,25 @@ def special_tokens_around(tokenizer) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return tuple(empty[:lead]), tuple(empty[lead:])
 
 
-def parse_template(tokenizer, text: str) -> Template:
-    """Tokenise a template for ``tokenizer``; a clear ``ValueError`` when it is malformed."""
+def eos_token_id(tokenizer, model: str | None = None) -> int:
+    """The id ``append_eos`` appends: the tokenizer's EOS token; a clear ``ValueError`` when it has none."""
+    eos = getattr(tokenizer, "eos_token_id", None)
+    if eos is None:
+        raise ValueError(f"append_eos=True ends every sequence with the tokenizer's EOS token, but the tokenizer "
+                         f"of {model or type(tokenizer).__name__!r} has no EOS token; set its eos_token, or leave "
+                         "append_eos off (encoders end their sequences with their own special tokens)")
+    return eos
+
+
+def end_with_eos(ids: list[int], eos: int, limit: int) -> list[int]:
+    """``ids`` ending with ``eos``: unchanged when they already do, else with ``eos`` appended, after cutting the
+    last token when the row already holds ``limit`` tokens (so the EOS itself is never truncated away)."""
+    return list(ids) if ids[-1:] == [eos] else [*ids[:limit - 1], eos]
+
+
+def parse_template(tokenizer, text: str, eos: int | None = None) -> Template:
+    """Tokenise a template for ``tokenizer``; a clear ``ValueError`` when it is malformed. ``eos``: an EOS id every
+    sequence must end with (``append_eos``), added after the trailing special tokens unless already last."""
     if not isinstance(text, str):
         raise TypeError(f"template must be a str, got {type(text).__name__}")
     if text.count(SENTENCE) != 1:
@@ -96,10 +119,13 @@ def parse_template(tokenizer, text: str) -> Template:
         return tuple(tokenizer(part, add_special_tokens=False)["input_ids"]) if part.strip() else ()
 
     lead, trail = special_tokens_around(tokenizer)
+    after_ids = enc(after.rstrip())
+    if eos is not None and (after_ids + trail)[-1:] != (eos,):
+        trail = (*trail, eos)
     # The template's trailing space belongs to the sentence (BPE would make it a token of its own).
     space = before[-1:].isspace() if before.strip() else False
-    return Template(text=text, lead=lead, before=enc(before.strip()), after=enc(after.rstrip()), trail=trail,
-                    space_before_sentence=space, mask_token_id=tokenizer.mask_token_id)
+    return Template(text=text, lead=lead, before=enc(before.strip()), after=after_ids, trail=trail,
+                    space_before_sentence=space, mask_token_id=tokenizer.mask_token_id, eos=eos)
 
 
 def tokenize_sentences(tokenizer, template: Template, sentences: list[str]) -> list[list[int]]:
@@ -117,4 +143,8 @@ def wrap_batch(tokenizer, template: Template, sentences: list[str], max_length: 
                          f"in the model's {model_max} positions")
     if max_length is not None:
         room = min(room, max_length)
-    return [template.wrap(ids[:room]) for ids in tokenize_sentences(tokenizer, template, sentences)]
+    sentences_ids = tokenize_sentences(tokenizer, template, sentences)
+    if template.eos is not None and (template.after + template.trail)[:1] == (template.eos,):
+        # the sentence's own trailing EOS would stand right before the template's: keep one
+        sentences_ids = [ids[:-1] if ids[-1:] == [template.eos] else ids for ids in sentences_ids]
+    return [template.wrap(ids[:room]) for ids in sentences_ids]

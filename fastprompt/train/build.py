@@ -108,7 +108,8 @@ def build_encoder(cfg: TrainConfig, resume_dir: Path | None):
     return PromptEncoder.from_pretrained(enc.model, prompt_config=dataclasses.replace(cfg.prompt), pooler=enc.pooler,
                                          mlp=enc.mlp, attn_backend=enc.attn_backend, prefix_mode=enc.prefix_mode,
                                          template=tpl.template, denoise=tpl.resolved_eval_denoise, topk=tpl.topk,
-                                         pooler_head=enc.pooler_head, trust_remote_code=enc.trust_remote_code)
+                                         pooler_head=enc.pooler_head, append_eos=enc.append_eos,
+                                         trust_remote_code=enc.trust_remote_code)
 
 
 def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device, total_steps: int):

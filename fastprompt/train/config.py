@@ -66,6 +66,10 @@ class EncoderConfig(Section):
                               "MLP with pooler bn_mlp) or mlm_transform (the checkpoint's pretrained MLM transform "
                               "on the [MASK] state and on the template bias before subtracting: PromptBERT's "
                               "supervised BERT head; pooler mask)", choices=POOLER_HEADS, identity=True)
+    append_eos: bool = option(False, "end every sequence with the tokenizer's EOS token (appended unless already "
+                              "last; the text is cut one token earlier so it always fits): decoder embedders "
+                              "(Qwen3-Embedding, e5-mistral, gte-Qwen) pool it with pooler last, and many decoder "
+                              "tokenizers (Llama, Qwen2) do not append it", identity=True)
     attn_backend: str = option("auto", "implementation of the fused prefix-attention op", choices=BACKENDS,
                                identity=False)
     prefix_mode: str = option("attention", "attention (the fused op) or cache (reference: prefix in a "

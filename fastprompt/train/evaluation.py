@@ -224,7 +224,7 @@ class Evaluator:
         frozen = PromptEncoder.from_pretrained(enc.model, pooler=setting.pooler, mlp="none",
                                                attn_backend=enc.attn_backend, template=setting.template,
                                                denoise=setting.denoise, topk=setting.topk,
-                                               trust_remote_code=enc.trust_remote_code)
+                                               append_eos=enc.append_eos, trust_remote_code=enc.trust_remote_code)
         return frozen.to(self.device).eval()
 
     def frozen_dev(self) -> list[dict[str, Any]]:

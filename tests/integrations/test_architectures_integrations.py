@@ -35,7 +35,7 @@ st = pytest.importorskip("sentence_transformers", reason="sentence-transformers 
 from transformers import AutoModel  # noqa: E402
 
 from fastprompt import cli  # noqa: E402
-from fastprompt.integrations.peft import PEFT_DIFFERS, PEFT_FAILS, export_peft, import_peft  # noqa: E402
+from fastprompt.integrations.peft import PEFT_FAILS, export_peft, import_peft  # noqa: E402
 from fastprompt.integrations.peft_attention import accelerate_peft  # noqa: E402
 from fastprompt.integrations.sentence_transformers import export_sentence_transformers  # noqa: E402
 from fastprompt.model import PromptConfig, PromptEncoder  # noqa: E402
@@ -58,8 +58,10 @@ ARCHS = {**ENCODERS, "mpnet": BYPASSING["mpnet"], **DECODERS}
 #: where no sliding window hides PEFT's prefix: the sliding-window configs get a window longer than prefix + tokens
 PEFT_RUNS = [m for m in ARCHS if m not in PEFT_FAILS]
 WIDE_WINDOW = 64
+#: the test configs that attend within a sliding window, where PEFT's prefix tuning differs (export warns)
+SLIDING = [m for m in ARCHS if ARCHS[m].get("sliding_window") is not None]
 #: accelerate_peft reproduces PEFT on these (test_peft_attention.py: BERT and RoBERTa, more cases)
-ACCELERATED = [m for m in PEFT_RUNS if m not in PEFT_DIFFERS]
+ACCELERATED = [m for m in PEFT_RUNS if m not in SLIDING]
 #: and refuses these (ValueError before anything changes), each with the reason it names
 ACCELERATE_REFUSED = {"distilbert": "does not run on", "modernbert": "does not run on", "mpnet": "does not run on",
                       "mistral": r"sliding window \(3 tokens\)", "gemma2": r"sliding window \(3 tokens\)",
@@ -146,7 +148,7 @@ def test_peft_export_import_round_trip_and_peft_runs_it(model_type, model_dir, t
     encoder = _from_folder(folder, model_type, position_mode="shifted")
     with caplog.at_level(logging.WARNING, logger="fastprompt.integrations.peft"):
         adapter = export_peft(encoder, tmp_path / "adapter")
-    assert ("PEFT may run this" in caplog.text) == (model_type in PEFT_DIFFERS)
+    assert ("PEFT may run this" in caplog.text) == (model_type in SLIDING)
     config = json.loads((adapter / "adapter_config.json").read_text())
     # PEFT's sizing: one prefix key/value per key/value head
     model_config = encoder.backbone.config
@@ -162,7 +164,7 @@ def test_peft_export_import_round_trip_and_peft_runs_it(model_type, model_dir, t
     torch.testing.assert_close(ours, theirs.last_hidden_state * batch["attention_mask"][..., None], **TOL)
 
 
-@pytest.mark.parametrize("model_type", [m for m in DECODERS if m not in PEFT_DIFFERS])
+@pytest.mark.parametrize("model_type", [m for m in DECODERS if m not in SLIDING])
 def test_decoder_adapter_peft_wrote_imports(model_type, model_dir, tmp_path):
     """An adapter PEFT trained and saved on a decoder (grouped-query: PEFT sizes it per key/value head) imports
     with position_mode "shifted" and gives PEFT's outputs."""
@@ -207,12 +209,86 @@ def test_peft_export_warns_where_a_sliding_window_hides_peft_prefix(model_dir, t
     encoder = _from_folder(folder, "mistral", position_mode="shifted")
     with caplog.at_level(logging.WARNING, logger="fastprompt.integrations.peft"):
         adapter = export_peft(encoder, tmp_path / "adapter")
-    assert "sliding_window" in caplog.text
+    assert "sliding window (3 tokens)" in caplog.text
     ours, batch = _hidden(encoder)
     with torch.no_grad():
         theirs = peft.PeftModel.from_pretrained(AutoModel.from_pretrained(folder), adapter).eval()(**batch)
     assert (ours - theirs.last_hidden_state * batch["attention_mask"][..., None]).abs().max() > 1e-2
     back = PromptEncoder.load(import_peft(adapter, tmp_path / "back", base_model=folder)).eval()
+    np.testing.assert_allclose(back.encode(SENTENCES), encoder.encode(SENTENCES), **TOL)
+
+
+@pytest.mark.parametrize("model_type,overrides,warns", [
+    ("mistral", {"sliding_window": None}, False),  # Mistral 7B v0.2 and later: no window
+    ("qwen2", {}, False),  # use_sliding_window defaults to false
+    ("qwen2", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 0}, True),
+    ("gemma2", {"sliding_window": 3}, True),
+])
+def test_peft_export_warns_exactly_when_the_base_model_applies_a_sliding_window(model_type, overrides, warns,
+                                                                                 model_dir, tmp_path, caplog):
+    """The warning follows the base model the adapter names (read from its config, as PEFT will load it), not the
+    model type: Mistral without a window does not warn, Qwen2 with one does; and the window is real (PEFT's outputs
+    then differ from fastprompt's)."""
+    folder = model_dir(model_type, **overrides)
+    encoder = _from_folder(folder, model_type, position_mode="shifted")
+    encoder.save(tmp_path / "ckpt")
+    with caplog.at_level(logging.WARNING, logger="fastprompt.integrations.peft"):
+        adapter = export_peft(tmp_path / "ckpt", tmp_path / "adapter")
+    assert ("sliding window (3 tokens)" in caplog.text) == warns, caplog.text
+    assert ("PEFT may run this" in caplog.text) == warns
+    ours, batch = _hidden(encoder)
+    with torch.no_grad():
+        theirs = peft.PeftModel.from_pretrained(AutoModel.from_pretrained(folder), adapter).eval()(**batch)
+    differs = float((ours - theirs.last_hidden_state * batch["attention_mask"][..., None]).abs().max())
+    assert differs > 1e-2 if warns else differs < 1e-5
+
+
+def test_peft_export_warns_when_the_base_model_cannot_be_read(model_dir, tmp_path, caplog):
+    """A checkpoint whose base model is gone: export still writes the adapter (the prefix does not need the base)
+    and says that it could not check for a sliding window."""
+    encoder = _from_folder(model_dir("llama"), "llama", position_mode="shifted")
+    encoder.save(tmp_path / "ckpt")
+    config_file = tmp_path / "ckpt" / "fastprompt_config.json"
+    config = json.loads(config_file.read_text())
+    config_file.write_text(json.dumps({**config, "base_model": str(tmp_path / "moved-away")}))
+    with caplog.at_level(logging.WARNING, logger="fastprompt.integrations.peft"):
+        export_peft(tmp_path / "ckpt", tmp_path / "adapter")
+    assert "could not read the config of base model" in caplog.text and "sliding window" in caplog.text
+
+
+@pytest.mark.parametrize("model_type", sorted(PEFT_FAILS))
+def test_peft_import_refuses_a_base_peft_cannot_run(model_type, model_dir, tmp_path, monkeypatch):
+    """An adapter (well formed, PEFT's layout) that names a base PEFT's prefix tuning fails on cannot come from
+    PEFT: import refuses it with export's reason, before the base model loads and without writing anything."""
+    from safetensors.torch import save_file
+
+    folder = model_dir(model_type)
+    backbone = AutoModel.from_pretrained(folder)
+    shape = PromptEncoder(backbone, _tokenizer(), PromptConfig(prompt_length=2))
+    L, H, D = shape.num_layers, shape.num_heads, shape.head_dim
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "PREFIX_TUNING", "task_type": "FEATURE_EXTRACTION", "num_virtual_tokens": 2, "num_layers": L,
+        "num_attention_heads": H, "token_dim": H * D, "base_model_name_or_path": str(folder)}))
+    save_file({"prompt_embeddings": torch.randn(2, L * 2 * H * D)}, str(adapter / "adapter_model.safetensors"))
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the base model was loaded")
+
+    monkeypatch.setattr(PromptEncoder, "from_pretrained", no_load)
+    for base in (None, folder):  # the adapter's base, or the one passed (CLI --model)
+        with pytest.raises(ValueError, match=f"does not run on '{model_type}'.*no PEFT adapter can hold"):
+            import_peft(adapter, tmp_path / "prompt", base_model=base)
+        assert not (tmp_path / "prompt").exists()
+
+
+def test_peft_adapter_carries_append_eos(tiny_llama_dir, tmp_path):
+    """append_eos rides along in the adapter's fastprompt metadata, so the imported prompt tokenises as trained."""
+    encoder = PromptEncoder.from_pretrained(tiny_llama_dir, pooler="last", append_eos=True,
+                                            prompt_config=PromptConfig(prompt_length=2, position_mode="shifted"))
+    back = PromptEncoder.load(import_peft(export_peft(encoder, tmp_path / "adapter"), tmp_path / "back"))
+    assert back.append_eos
     np.testing.assert_allclose(back.encode(SENTENCES), encoder.encode(SENTENCES), **TOL)
 
 
@@ -306,7 +382,7 @@ def _table_rows() -> list[str]:
             peft_export = accelerated = "refused (PEFT fails on it)"
         else:
             peft_export = "yes" + (", warns (PEFT hides the prefix beyond a sliding window)"
-                                   if model_type in PEFT_DIFFERS else "")
+                                   if model_type in SLIDING else "")
             accelerated = "yes" if model_type in ACCELERATED else {
                 "mistral": "without a sliding window", "gemma2": "refused (sliding window, soft-capping)"}.get(
                 model_type, "refused (sliding window)")

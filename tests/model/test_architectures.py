@@ -464,3 +464,102 @@ def test_decoder_from_a_model_folder_trains_saves_and_loads(tiny_llama_dir, tmp_
     encoder.save(tmp_path / "ckpt")
     loaded = PromptEncoder.load(tmp_path / "ckpt", base_model=tiny_llama_dir)
     torch.testing.assert_close(loaded.encode(["the cat sat"]), encoder.encode(["the cat sat"]), rtol=0, atol=0)
+
+
+# ------------------------------------------------------------------ an appended EOS (decoder embedders)
+
+EOS_SENTENCES = ["the cat sat on the mat", "a dog", "it was the dog </s>", "the cat sat on the mat in the park"]
+INSTRUCTION = "what you know about [X]"  # an instruction format: nothing after the text, so the EOS follows it
+
+
+def _eos_rows(encoder, sentences, **kwargs):
+    """(real token ids of each row, the batch): the tokenizer of tiny_llama_dir adds no special token at all."""
+    batch = encoder.tokenize(sentences, **kwargs)
+    rows = [ids[mask.bool()].tolist() for ids, mask in zip(batch["input_ids"], batch["attention_mask"])]
+    return rows, batch
+
+
+@pytest.mark.parametrize("padding_side", ["right", "left"])
+@pytest.mark.parametrize("template", [None, INSTRUCTION])
+def test_append_eos_ends_every_row_with_one_eos_that_last_token_pooling_reads(tiny_llama_dir, padding_side,
+                                                                                template):
+    """append_eos: every row ends with the tokenizer's EOS (which this tokenizer never appends itself), once even
+    when the text ends with it, on either padding side, with or without an instruction template; pooler 'last'
+    returns the EOS token's hidden state."""
+    encoder = PromptEncoder.from_pretrained(tiny_llama_dir, pooler="last", template=template, append_eos=True,
+                                            prompt_config=PromptConfig(prompt_length=2, init_std=0.5)).eval()
+    encoder.tokenizer.padding_side = padding_side
+    eos = encoder.tokenizer.eos_token_id
+    plain = PromptEncoder.from_pretrained(tiny_llama_dir, pooler="last", template=template)
+    plain.tokenizer.padding_side = padding_side
+    rows, batch = _eos_rows(encoder, EOS_SENTENCES)
+    plain_rows, _ = _eos_rows(plain, EOS_SENTENCES)
+    for row, without, text in zip(rows, plain_rows, EOS_SENTENCES):
+        assert row[-1] == eos and row[-2] != eos, (text, row)
+        # the text's own EOS stands in for the appended one; any other row gets exactly one more token
+        assert row == (without if text.endswith("</s>") else [*without, eos])
+    assert all(r[-1] != eos for r, t in zip(plain_rows, EOS_SENTENCES) if not t.endswith("</s>"))
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    if padding_side == "left":
+        assert bool((ids[:, -1] == eos).all()) and bool(mask[:, -1].all())
+    last = mask.sum(1) - 1 if padding_side == "right" else torch.full((len(rows),), ids.shape[1] - 1)
+    assert bool((ids[torch.arange(len(rows)), last] == eos).all())
+    with torch.no_grad():
+        hidden = encoder.hidden_states(ids, mask)
+        pooled = encoder(ids, mask)
+    torch.testing.assert_close(pooled, hidden[torch.arange(len(rows)), last], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("template", [None, INSTRUCTION])
+def test_append_eos_survives_truncation(tiny_llama_dir, template):
+    """The text is cut one token earlier so that the EOS always fits: without a template max_length bounds the whole
+    sequence; with one it bounds the text's own tokens and the template and the EOS come on top."""
+    encoder = PromptEncoder.from_pretrained(tiny_llama_dir, pooler="last", template=template, append_eos=True)
+    eos, long = encoder.tokenizer.eos_token_id, EOS_SENTENCES[-1]
+    full = encoder.tokenizer(long, add_special_tokens=False)["input_ids"]
+    (row,), _ = _eos_rows(encoder, [long], max_length=5)
+    if template is None:
+        assert row == [*full[:4], eos]
+    else:
+        overhead = len(encoder.tokenizer("what you know about", add_special_tokens=False)["input_ids"])
+        assert row[overhead:] == [*full[:5], eos]
+    assert encoder.model_max_tokens() == 256
+    (row,), _ = _eos_rows(encoder, [" ".join(["the"] * 300)])
+    assert len(row) == 256 and row[-1] == eos
+
+
+def test_append_eos_round_trips_through_a_checkpoint_the_config_and_the_cli(tiny_llama_dir, tmp_path):
+    """Saved in the checkpoint's config, so the loaded prompt encodes the same (an explicit append_eos=False
+    overrides it); the training config and `--append-eos` of the model options build such an encoder."""
+    import argparse
+    import json
+
+    from fastprompt.cli.options import add_model_args, load_encoder
+    from fastprompt.train import build
+    from fastprompt.train.config import TrainConfig
+
+    config = PromptConfig(prompt_length=2, init_std=0.5)
+    encoder = PromptEncoder.from_pretrained(tiny_llama_dir, pooler="last", prompt_config=config,
+                                            append_eos=True).eval()
+    encoder.save(tmp_path / "ckpt")
+    assert json.loads((tmp_path / "ckpt" / "fastprompt_config.json").read_text())["append_eos"] is True
+    loaded = PromptEncoder.load(tmp_path / "ckpt", base_model=tiny_llama_dir)
+    assert loaded.append_eos
+    torch.testing.assert_close(loaded.encode(EOS_SENTENCES), encoder.encode(EOS_SENTENCES), rtol=0, atol=0)
+    off = PromptEncoder.load(tmp_path / "ckpt", base_model=tiny_llama_dir, append_eos=False)
+    assert not off.append_eos and abs(off.encode(EOS_SENTENCES) - encoder.encode(EOS_SENTENCES)).max() > 1e-3
+    cfg = TrainConfig(model=str(tiny_llama_dir), pooler="last", append_eos=True, prompt_length=2)
+    assert build.build_encoder(cfg, None).append_eos and "append_eos" in cfg.to_dict()
+    parser = argparse.ArgumentParser()
+    add_model_args(parser)
+    args = parser.parse_args(["--prompt", str(tmp_path / "ckpt"), "--model", str(tiny_llama_dir)])
+    assert load_encoder(args).append_eos  # the checkpoint's
+    args = parser.parse_args(["--model", str(tiny_llama_dir), "--pooler", "last", "--append-eos"])
+    assert load_encoder(args).append_eos
+
+
+def test_append_eos_without_an_eos_token_is_an_error():
+    """A tokenizer without an EOS token (BERT's WordPiece here) cannot end sequences with one: a clear error when
+    the encoder is built, before anything runs."""
+    with pytest.raises(ValueError, match="append_eos=True .* has no EOS token"):
+        PromptEncoder(_backbone("llama", DECODERS["llama"]), _tokenizer(), pooler="last", append_eos=True)
