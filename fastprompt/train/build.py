@@ -126,12 +126,11 @@ def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device, total_steps
         encoder.train_backbone()
     if cfg.large_batch.gradient_checkpointing:
         encoder.gradient_checkpointing_enable()
-    compiled = resolve_compile(cfg, encoder, device, total_steps)
     packed = cfg.encoder.packed
     if packed is None:  # auto: a compiled encoder would recompile for every packed length (and break its graph)
-        packed = not compiled and encoder.packing_refusal() is None
+        packed = cfg.run.compile is not True and encoder.packing_refusal() is None
     encoder.pack_sequences(packed)
-    if compiled:
+    if resolve_compile(cfg, encoder, device, total_steps, packed=packed):
         encoder.compile()
     return encoder
 

@@ -17,6 +17,8 @@ from fastprompt.model import PromptConfig
 from .test_architectures import BYPASSING, DECODERS, ENCODERS, SENTENCES, TOL, _encoder
 
 PACKABLE = {**ENCODERS, **DECODERS}
+#: the architectures whose last layer computes the pooled rows only in a packed batch
+ROWS_ONLY = ["bert", "roberta", "xlm-roberta", "electra"]
 SIDES = [(t, "right") for t in PACKABLE] + [(t, "left") for t in DECODERS]
 
 
@@ -158,7 +160,7 @@ def _pooled(enc, batch, packed, **kwargs):
 
 @pytest.mark.parametrize("pooler,template", [("cls", None), ("cls_before_pooler", None),
                                              ("mask", 'This sentence : "[X]" means [MASK] .')])
-@pytest.mark.parametrize("model_type", ["bert", "roberta", "xlm-roberta", "electra"])
+@pytest.mark.parametrize("model_type", ROWS_ONLY)
 def test_the_last_layer_computes_the_pooled_rows_only_with_the_same_maths(model_type, pooler, template):
     """BERT-style last layers compute only the row the pooler reads (fastprompt/model/pooled_rows.py): the
     sentence vectors and prompt gradients are the padded forward's, and the last hidden states hold nothing else."""
@@ -191,10 +193,33 @@ def test_pooled_rows_under_prompt_dropout_and_without_a_prefix_on_the_last_layer
             torch.testing.assert_close(got_g[name], ref_g[name], **TOL, msg=name)
 
 
-@pytest.mark.parametrize("model_type", ["distilbert", "llama", "modernbert"])
+@pytest.mark.parametrize("model_type", [t for t in PACKABLE if t not in ROWS_ONLY])
 def test_other_last_layers_run_whole_in_a_packed_batch(model_type):
     enc = _encoder(model_type, PACKABLE[model_type], PromptConfig(prompt_length=3, init_std=0.5), pooler="last"
                    if model_type in DECODERS else "cls")
     assert not enc.architecture.pooled_rows_only
     batch = enc.tokenize(SENTENCES)
     torch.testing.assert_close(_pooled(enc, batch, True)[0], _pooled(enc, batch, False)[0], **TOL)
+
+
+def test_the_library_packs_exactly_the_architectures_tested_here():
+    from fastprompt.model.backbone import PACKABLE_MODEL_TYPES
+
+    assert sorted(PACKABLE_MODEL_TYPES) == sorted(PACKABLE)
+
+
+@pytest.mark.parametrize("model_type", ["bert", "llama"])
+def test_gradient_checkpointing_recomputes_the_packed_layers(model_type):
+    """Non-reentrant checkpointing replays each layer in backward with the same packed state (the offsets, the
+    pooled rows of the last layer): the same vectors and prompt gradients as the padded forward without it."""
+    extra = dict(PACKABLE[model_type], **({} if model_type in DECODERS else dict(
+        hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)))
+    enc = _encoder(model_type, extra, PromptConfig(prompt_length=3, init_std=0.5),
+                   pooler="last" if model_type in DECODERS else "cls").train()  # checkpointing acts in training
+    batch = enc.tokenize(SENTENCES)
+    ref_v, ref_g = _pooled(enc, batch, False)
+    enc.gradient_checkpointing_enable()
+    assert enc.is_gradient_checkpointing
+    got_v, got_g = _pooled(enc, batch, True)
+    torch.testing.assert_close(got_v, ref_v, **TOL)
+    torch.testing.assert_close(got_g["prompt.prefix"], ref_g["prompt.prefix"], **TOL)
