@@ -1,8 +1,8 @@
 """Whether a training run compiles its encoder: the ``compile`` key resolved (true, false, or null = auto).
 
 ``auto`` compiles when the run is on the CPU, its encoder is not packed (``encoder.packed``), trains with
-``prompt_dropout > 0`` and is long enough for the compiled steps to pay back the compilation: its estimated matrix work (:func:`estimated_run_flops`) is at least
-:data:`AUTO_MIN_RUN_FLOPS`. Otherwise the encoder runs eagerly: on GPUs compile has not been measured; without
+``prompt_dropout > 0`` and is long enough for the compiled steps to pay back the compilation: its estimated
+matrix work (:func:`estimated_run_flops`) is at least :data:`AUTO_MIN_RUN_FLOPS`. Otherwise the encoder runs eagerly: on GPUs compile has not been measured; without
 prompt dropout the eager step (C++ attention kernel, prefix read in place) was as fast as the compiled one (within
 3%, slower compiled); short runs such as the test suite's lose more to compilation than they gain. Prompt dropout
 draws a per-example copy of every layer's prefix, elementwise work Inductor fuses: there a compiled step saved
