@@ -33,7 +33,7 @@ Decoders with grouped-query attention: PEFT sizes a prefix per key/value head (i
 sets ``num_attention_heads`` to ``num_key_value_heads`` and ``token_dim`` to ``num_key_value_heads * head_dim``),
 which is the shape of fastprompt's prefix on these models, so the row layout above holds unchanged. RoPE: PEFT's
 cache holds the prefix keys unrotated and runs the tokens at P..P+S-1, i.e. ``position_mode: shifted`` again. PEFT's
-prefix tuning does not run on DistilBERT, ModernBERT and MPNet (:data:`PEFT_FAILS`): export refuses them, and import
+prefix tuning does not run on DistilBERT, ModernBERT and MPNet (:mod:`.peft_support`): export refuses them, and import
 refuses an adapter naming such a base (:func:`check_peft_runs`). It runs a sliding window or score soft-capping
 differently: export warns when the base model applies one (:func:`peft_differences`).
 
@@ -65,6 +65,7 @@ from ._common import (
     prefix_to_rows,
     read_prompt_checkpoint,
 )
+from .peft_support import check_peft_runs
 
 logger = logging.getLogger(__name__)
 
@@ -75,26 +76,6 @@ METADATA_KEY = "fastprompt_config"
 #: The PEFT release whose adapter layout export writes (read from its code, loaded by it in the tests); written as
 #: ``peft_version``, where PEFT records the version that saved an adapter.
 PEFT_FORMAT_VERSION = "0.21.2"
-#: model_type -> why PEFT's prefix tuning does not run it (peft 0.21.2, transformers 5.24; each tested): export
-#: refuses to write an adapter PEFT cannot apply, and accelerate_peft has no PEFT behaviour to reproduce
-PEFT_FAILS = {
-    "distilbert": "PEFT cannot size its prefix (DistilBertConfig has no hidden_size: 'Please specify token_dim') "
-                  "and DistilBERT takes no key/value cache",
-    "modernbert": "ModernBERT does not take PEFT's key/value cache (its mask keeps the token length: a size "
-                  "mismatch at the first forward)",
-    "mpnet": "MPNet computes attention in its own modules and its position bias does not cover PEFT's cache (a size "
-             "mismatch at the first forward)",
-}
-
-
-def check_peft_runs(model_type: str | None, consequence: str) -> None:
-    """ValueError when PEFT's prefix tuning does not run on ``model_type`` (:data:`PEFT_FAILS`), giving the reason
-    and then ``consequence`` (what that means for the caller)."""
-    if model_type in PEFT_FAILS:
-        raise ValueError(f"PEFT's prefix tuning does not run on {model_type!r} models ({PEFT_FAILS[model_type]}), "
-                         f"so {consequence}")
-
-
 def base_model_config(name: str | os.PathLike):
     """``(config, None)``: the config of base model ``name`` (a folder, an installed model package or a hub id, as
     PEFT and fastprompt load it), read without its weights and running no code of it; ``(None, why)`` when it
@@ -299,7 +280,7 @@ def import_peft(adapter_dir: str | os.PathLike, output: str | os.PathLike, *,
     pooler, template, position mode and other settings back; any other adapter gets ``position_mode: shifted``
     (how PEFT ran it) and ``pooler`` (default ``cls``). ``output`` must be new, empty or an earlier prompt
     checkpoint (it is replaced) unless ``overwrite``. The base model's own code runs only with ``trust_remote_code``.
-    A base model PEFT's prefix tuning does not run on (:data:`PEFT_FAILS`) is refused before it loads.
+    A base model PEFT's prefix tuning does not run on (:mod:`.peft_support`) is refused before it loads.
     """
     from fastprompt.io import check_apart
     from fastprompt.model import PromptConfig, PromptEncoder

@@ -47,7 +47,7 @@ import torch
 from fastprompt.choices import BACKENDS, check_choice
 from fastprompt.model.attention import PrefixState, register_attention
 
-from .peft import check_peft_runs
+from .peft_support import check_peft_runs
 
 logger = logging.getLogger(__name__)
 

@@ -35,8 +35,9 @@ st = pytest.importorskip("sentence_transformers", reason="sentence-transformers 
 from transformers import AutoModel  # noqa: E402
 
 from fastprompt import cli  # noqa: E402
-from fastprompt.integrations.peft import PEFT_FAILS, export_peft, import_peft  # noqa: E402
+from fastprompt.integrations.peft import export_peft, import_peft  # noqa: E402
 from fastprompt.integrations.peft_attention import accelerate_peft  # noqa: E402
+from fastprompt.integrations.peft_support import PEFT_FAILS  # noqa: E402
 from fastprompt.integrations.sentence_transformers import export_sentence_transformers  # noqa: E402
 from fastprompt.model import PromptConfig, PromptEncoder  # noqa: E402
 from tests.integrations.test_peft_attention import _run  # noqa: E402
