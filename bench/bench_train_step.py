@@ -1,14 +1,18 @@
 """One training step of deep prompts: fastprompt's trainer step against PEFT prefix tuning, and both against the
 machine's FLOP floor.
 
-Both sides do the same work: the same frozen encoder (all-MiniLM-L6-v2 by default), the same batch of ``--batches``
-pairs (unsupervised SimCSE: every sentence twice, two dropout views, one forward of 2B sequences of ``--seq``
-tokens, padded to that length), the same P-token prefix on every layer with the same values and token positions
+Both sides do the same maths: the same frozen encoder (all-MiniLM-L6-v2 by default), the same batch of ``--batches``
+pairs (unsupervised SimCSE: every sentence twice, two dropout views, one forward of 2B sequences cut at ``--seq``
+tokens and padded to the batch's longest, as a trainer pads; ``--padding max_length``: every row exactly ``--seq``
+tokens), the same P-token prefix on every layer with the same values and token positions
 P..P+S-1 (PEFT's), the [CLS] vector as the sentence embedding, the same in-batch contrastive loss (cross-entropy
 over cosine similarities / 0.05), backward into the prefix, one AdamW step.
 
 - ``fastprompt``: the library's trainer step (:class:`fastprompt.train.steps.PlainStep`: PromptEncoder with the fused
-  prefix attention, SimCSE on the fused contrastive loss) and AdamW on the prompt.
+  prefix attention, SimCSE on the fused contrastive loss) and AdamW on the prompt, with the trainer's default
+  ``encoder.packed: null``: the batch's real tokens only, packed back to back, and the last layer for the pooled
+  [CLS] rows only (docs/speed.md).
+- ``fastprompt_padded``: the same step on the padded batch (packing off): what packing saves.
 - ``fastprompt_compiled``: the same with the encoder compiled (``torch.compile``, the trainer's ``run.compile``).
 - ``peft``: ``peft.get_peft_model(AutoModel, PrefixTuningConfig(task_type="FEATURE_EXTRACTION"))``, the loss in
   plain PyTorch (what a PEFT user writes), AdamW on PEFT's prefix embedding. The baseline of the ratios.
@@ -35,13 +39,16 @@ FLOP floor: the matrix products a step cannot avoid, counted from the model's sh
 (:func:`fastprompt.train.flops.step_flops`, which the ``compile: null`` decision uses too): the forward of every
 view (projections, feed-forward, attention over P + S keys, the loss's similarity matrix) and the backward to
 activations only (the backbone is frozen: no weight gradients). ``gflop`` counts the padded step (every sequence
-``--seq`` tokens, what both sides run), ``gflop_real`` the batch's real tokens only (each sentence's own length,
-truncated to ``--seq``): the work a step without padding would do. The machine's fp32 matmul rate is
+``padded_to`` tokens, what PEFT and ``fastprompt_padded`` run), ``gflop_real`` the batch's real tokens only (each
+sentence's own length, cut at ``--seq``; ``real_token_share`` = real / padded tokens): the work a packed step does
+with a whole last layer (computing the last layer for the pooled rows only does less still, so the fractions
+can exceed 1). The machine's fp32 matmul rate is
 measured in the timing process itself, two pseudo-providers alternating with the steps (so a change of load hits
 them alike): ``matmul_ffn``, one product of the feed-forward's shape ((2 B S x H) @ (H x F)), and ``matmul_attn``,
 one batched product of the attention's shape (QK^T: 2 B heads products of (S x d) @ (d x (P + S))); their medians
 give ``matmul_gflops`` and ``attn_matmul_gflops``. ``floor_ms`` = the attention products at the second rate plus
-everything else at the first; ``floor_fraction`` = floor_ms / median_ms. Elementwise work (dropout, GELU,
+everything else at the first; ``floor_fraction`` = floor_ms / median_ms; ``real_floor_ms`` and
+``real_floor_fraction`` the same for the real tokens. Elementwise work (dropout, GELU,
 LayerNorm, softmax, masking) is not in the floor: the profile (``--profile``, at the first point by default; in
 the memory processes) says where the rest of the time goes: one step's aten self time by op category in ms, and
 ``unattributed / compiled kernels``, the step's wall time minus that (Python, the profiler, and the loops
@@ -76,7 +83,7 @@ from _harness import (
 )
 
 DEFAULT_CORPUS = ROOT.parent / "shared" / "data" / "corpus" / "wiki-sentences.txt"
-PROVIDERS = ("fastprompt", "fastprompt_compiled", "peft")
+PROVIDERS = ("fastprompt", "fastprompt_padded", "fastprompt_compiled", "peft")
 MATMULS = ("matmul_ffn", "matmul_attn")  # the rate pseudo-providers of the timing process
 BASELINE = "peft"
 CONFIG_KEYS = ("model", "pairs", "seq", "prompt_length")
@@ -125,7 +132,8 @@ def _last_token(hidden, mask):
     return hidden[torch.arange(hidden.shape[0], device=hidden.device), index]
 
 
-def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, lr=1e-2, seed=0, profile=False):
+def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, lr=1e-2, seed=0, profile=False,
+          padding="longest"):
     """Build one side's model, batch and optimizer; return its training step (after one warm-up step).
 
     The step carries ``check``, run once by the memory process after the measured steps: the profile of one more
@@ -163,9 +171,8 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
                       else {"hidden_dropout_prob": dropout, "attention_probs_dropout_prob": dropout})
     tokenizer = enc.tokenizer
 
-    def tokenize(texts, max_length):  # every sequence exactly `seq` tokens: the length is what is measured
-        return dict(tokenizer(texts, padding="max_length", truncation=True, max_length=max_length,
-                              return_tensors="pt"))
+    def tokenize(texts, max_length):  # cut at `seq` tokens, padded to the batch's longest (or to exactly `seq`)
+        return dict(tokenizer(texts, padding=padding, truncation=True, max_length=max_length, return_tensors="pt"))
 
     batch = Collator(tokenize, seq)([(s,) for s in sentences(corpus, pairs)]).to(device)
     inputs = batch.model_inputs()
@@ -209,6 +216,9 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
         plain = PlainStep(side)
         params = list(enc.trainable_parameters())
         optimizer = torch.optim.AdamW(params, lr=lr)
+        # the trainer's choice (encoder.packed: null): packed batches where the architecture allows it, except
+        # when compiled; fastprompt_padded runs the same step on the padded batch
+        enc.pack_sequences(provider == "fastprompt" and enc.packing_refusal() is None)
         if provider == "fastprompt_compiled":
             enc.compile()
 
@@ -250,6 +260,11 @@ def real_lengths(tokenizer, corpus, pairs: int, seq: int) -> list[int]:
     return [len(ids) for ids in tokenizer(sentences(corpus, pairs), truncation=True, max_length=seq)["input_ids"]]
 
 
+def padded_length(lengths: list[int], seq: int, padding: str) -> int:
+    """The width every row of the padded batch has: the longest sentence (``longest``) or ``seq``."""
+    return max(lengths) if padding == "longest" else seq
+
+
 def matmul_shapes(cfg, pairs: int, seq: int, prompt_length: int) -> dict:
     """The operands of the rate pseudo-providers and the FLOPs of one call of each."""
     rows, H, F = 2 * pairs * seq, cfg.hidden_size, cfg.intermediate_size
@@ -257,6 +272,11 @@ def matmul_shapes(cfg, pairs: int, seq: int, prompt_length: int) -> dict:
     batched, d, keys = 2 * pairs * heads, H // heads, prompt_length + seq
     return {"matmul_ffn": ((rows, H), (H, F), 2 * rows * H * F),
             "matmul_attn": ((batched, seq, d), (batched, d, keys), 2 * batched * seq * d * keys)}
+
+
+def floor_of(flops, rate: dict) -> float:
+    """ms of a step's matrix work: the attention products at the attention-shaped rate, the rest at the other."""
+    return ((flops.total - flops.attention) / rate["matmul_ffn"] + flops.attention / rate["matmul_attn"]) * 1e3
 
 
 def matmul_step(provider, model, pairs, seq, prompt_length, device):
@@ -340,7 +360,10 @@ def main(argv=None):
                    help=f"the tokenizer (and vocabulary) of {RANDOM_LLAMA!r}")
     p.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="one sentence per line (generated text if absent)")
     p.add_argument("--batches", default="64", help="comma-separated pairs per batch (2 sequences each)")
-    p.add_argument("--seq", default="32", help="comma-separated tokens per sequence")
+    p.add_argument("--seq", default="32", help="comma-separated token limits per sequence")
+    p.add_argument("--padding", default="longest", choices=["longest", "max_length"],
+                   help="longest: sentences keep their own lengths (cut at --seq), padded to the batch's longest, as "
+                        "a trainer pads; max_length: every row exactly --seq tokens")
     p.add_argument("--prompt-length", type=int, default=16)
     p.add_argument("--dropout", type=float, default=0.1, help="the encoder's dropout in the timed steps")
     p.add_argument("--providers", default=",".join(PROVIDERS))
@@ -387,14 +410,16 @@ def run(args, providers, out, model_path: str) -> None:
     points = [(b, s) for s in map(int, args.seq.split(",")) for b in map(int, args.batches.split(","))]
     for i, (pairs, seq) in enumerate(points):
         config = dict(model=model_path, corpus=args.corpus, pairs=pairs, seq=seq, prompt_length=args.prompt_length,
-                      dropout=args.dropout, device=args.device)
-        flops = step_flops(cfg, seq, args.prompt_length, rows=2 * pairs)
-        real = step_flops(cfg, 2 * real_lengths(tokenizer, args.corpus, pairs, seq), args.prompt_length)
+                      dropout=args.dropout, device=args.device, padding=args.padding)
+        lengths = real_lengths(tokenizer, args.corpus, pairs, seq)
+        width = padded_length(lengths, seq, args.padding)
+        flops = step_flops(cfg, width, args.prompt_length, rows=2 * pairs)
+        real = step_flops(cfg, 2 * lengths, args.prompt_length)
         timings = run_fresh(__file__, "setup", config, mode="time", providers=[*providers, *MATMULS],
                             device=args.device, warmup=args.warmup, repeats=args.repeats, timeout=args.timeout)
         shapes = matmul_shapes(cfg, pairs, seq, args.prompt_length)
         rate = {m: shapes[m][2] / (timings[m].median_ms / 1e3) for m in MATMULS}  # FLOP/s
-        floor_ms = ((flops.total - flops.attention) / rate["matmul_ffn"] + flops.attention / rate["matmul_attn"]) * 1e3
+        floor_ms, real_floor_ms = floor_of(flops, rate), floor_of(real, rate)
         logger.info("pairs=%d seq=%d: %.1f GFLOP per step, matmul %.1f GFLOP/s (attention's shape %.1f), floor "
                     "%.0f ms", pairs, seq, flops.total / 1e9, rate["matmul_ffn"] / 1e9, rate["matmul_attn"] / 1e9,
                     floor_ms)
@@ -402,8 +427,12 @@ def run(args, providers, out, model_path: str) -> None:
         for provider in providers:
             t = timings[provider]
             point.append(dict(bench="train_step", device=args.device, provider=provider, model=args.model,
-                              pairs=pairs, seq=seq, prompt_length=args.prompt_length, **measured(t, ndigits=1),
+                              pairs=pairs, seq=seq, padding=args.padding, padded_to=width,
+                              real_token_share=round(sum(lengths) / (pairs * width), 3),
+                              prompt_length=args.prompt_length, **measured(t, ndigits=1),
                               floor_ms=round(floor_ms, 3), floor_fraction=round(floor_ms / t.median_ms, 3),
+                              real_floor_ms=round(real_floor_ms, 3),
+                              real_floor_fraction=round(real_floor_ms / t.median_ms, 3),
                               gflop=round(flops.total / 1e9, 2), gflop_real=round(real.total / 1e9, 2),
                               matmul_gflops=_sig(rate["matmul_ffn"] / 1e9),
                               attn_matmul_gflops=_sig(rate["matmul_attn"] / 1e9)))
@@ -423,8 +452,8 @@ def run(args, providers, out, model_path: str) -> None:
                     r["loss_nodrop_diff"] = abs(r["loss_nodrop"] - base)
             add_ratios(rows, BASELINE, CONFIG_KEYS)
             write_results(rows, out, CONFIG_KEYS, info, summary={"profile_ms": profiles})  # after every process
-    columns = ["provider", "pairs", "seq", "median_ms", "time_vs_baseline", "peak_mb", "mem_vs_baseline", "gflop",
-               "gflop_real", "matmul_gflops", "attn_matmul_gflops", "floor_ms", "floor_fraction", "loss_nodrop"]
+    columns = ["provider", "pairs", "seq", "padded_to", "median_ms", "time_vs_baseline", "peak_mb", "mem_vs_baseline",
+               "gflop", "gflop_real", "matmul_gflops", "floor_fraction", "real_floor_fraction", "loss_nodrop"]
     print(markdown_table(rows, columns))
     for name, ms in profiles.items():
         print(f"\nms of one step by op category, {name}: " + json.dumps(ms))

@@ -126,12 +126,16 @@ def train_step_table() -> str:
     rows, commands, machine, _ = _load(TRAIN_STEP)
     if not rows:
         return "(not measured)"
-    lines = ["| pairs | tokens | provider | step (ms, median) | vs PEFT | peak memory (MiB) | vs PEFT "
-             "| FLOP floor (ms) | fraction of the floor | loss, dropout off |", "|" + "---|" * 10]
+    lines = ["| pairs | tokens (limit) | padded to | provider | step (ms, median) | speed-up vs PEFT | peak memory "
+             "(MiB) | vs PEFT | FLOP floor, padded (ms) | fraction of the padded floor | of the real-token floor "
+             "| loss, dropout off |", "|" + "---|" * 12]
     for r in rows:
-        lines.append(f"| {r['pairs']} | {r['seq']} | {r['provider']} | {r['median_ms']:.0f} | "
-                     f"{_or(r.get('time_vs_baseline'), '.2f')}x | {_or(r.get('peak_mb'), '.0f')} | "
-                     f"{_or(r.get('mem_vs_baseline'), '.2f')}x | {r['floor_ms']:.0f} | {r['floor_fraction']:.2f} | "
+        ratio = r.get("time_vs_baseline")
+        lines.append(f"| {r['pairs']} | {r['seq']} | {r.get('padded_to', r['seq'])} | {r['provider']} | "
+                     f"{r['median_ms']:.0f} | {_or(1 / ratio if ratio else None, '.2f')}x | "
+                     f"{_or(r.get('peak_mb'), '.0f')} | {_or(r.get('mem_vs_baseline'), '.2f')}x | "
+                     f"{r['floor_ms']:.0f} | {r['floor_fraction']:.2f} | "
+                     f"{_or(r.get('real_floor_fraction'), '.2f', '(not recorded)')} | "
                      f"{_or(r.get('loss_nodrop'), '.6f', '(not computed)')} |")
     points = list(dict.fromkeys((r["pairs"], r["seq"]) for r in rows))
     first = {p: next(r for r in rows if (r["pairs"], r["seq"]) == p) for p in points}

@@ -36,20 +36,27 @@ def _config(model_dir, **kw):
                      device="cpu"), **kw)
 
 
-def _losses(bench, provider, model_dir):
+def _losses(bench, provider, model_dir, **kw):
     """A side's timed-step loss and its check's dropout-free loss at the starting parameters (after two steps
     have moved them: the check restores them)."""
-    step = bench.setup(provider, **_config(model_dir))
+    step = bench.setup(provider, **_config(model_dir, **kw))
     step()
     loss = step()["loss"]
     return loss, step.check()["loss_nodrop"]
 
 
-def test_both_sides_compute_the_same_loss(bench, tiny_bert_dir):
+@pytest.mark.parametrize("padding", ["longest", "max_length"])
+def test_both_sides_compute_the_same_loss(bench, tiny_bert_dir, padding):
+    """fastprompt packed (the trainer's default) and padded, and PEFT, on a batch padded to its longest sentence
+    (the real corpus: lengths differ) or to exactly ``seq``."""
     pytest.importorskip("peft")
-    ours, ours_nodrop = _losses(bench, "fastprompt", tiny_bert_dir)
-    theirs, theirs_nodrop = _losses(bench, "peft", tiny_bert_dir)
+    corpus = str(bench.DEFAULT_CORPUS) if bench.DEFAULT_CORPUS.is_file() else None
+    kw = dict(corpus=corpus, seq=40, padding=padding)
+    ours, ours_nodrop = _losses(bench, "fastprompt", tiny_bert_dir, **kw)
+    _, padded_nodrop = _losses(bench, "fastprompt_padded", tiny_bert_dir, **kw)
+    theirs, theirs_nodrop = _losses(bench, "peft", tiny_bert_dir, **kw)
     assert ours_nodrop == pytest.approx(theirs_nodrop, abs=1e-4, rel=1e-4)
+    assert padded_nodrop == pytest.approx(theirs_nodrop, abs=1e-4, rel=1e-4)
     assert ours_nodrop > 0.1  # a real in-batch loss (log 6 = 1.8 at random), not a degenerate one
     # the timed steps train with dropout and lr 1e-2: a finite loss near the dropout-free one
     assert abs(ours - ours_nodrop) < 1.0 and abs(theirs - theirs_nodrop) < 1.0
@@ -116,6 +123,8 @@ def test_bench_writes_every_point(bench, tiny_bert_dir, tmp_path):
         assert r["bench"] == "train_step" and int(r["seq"]) == 10
         assert float(r["median_ms"]) > 0 and float(r["peak_mb"]) >= 0 and float(r["gflop"]) > 0
         assert 0 < float(r["gflop_real"]) <= float(r["gflop"])  # the generated sentences are 8-47 words
+        assert int(r["padded_to"]) == 10 and r["padding"] == "longest"  # every sentence is cut at 10 tokens
+        assert float(r["real_floor_fraction"]) <= float(r["floor_fraction"])
         assert float(r["matmul_gflops"]) > 0 and float(r["attn_matmul_gflops"]) > 0
         # the CSV rounds floor_fraction to 3 decimals, floor_ms to 3 and median_ms to 1: the fraction recomputed
         # from the rounded columns is off by at most 5e-4 + (5e-4 + fraction * 0.05) / median_ms

@@ -102,7 +102,7 @@ def peft_differences(config) -> list[str]:
 
     reasons = []
     with torch.device("meta"):
-        window = sliding_window(AutoModel.from_config(config))
+        window = sliding_window(AutoModel.from_config(config, trust_remote_code=False))
     if window is not None:
         reasons.append(f"it attends within a sliding window ({window} tokens), and PEFT's cache puts the prefix at "
                        "positions 0..P-1, so the window hides it from tokens more than a window past it; fastprompt "

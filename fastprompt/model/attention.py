@@ -19,9 +19,16 @@ its group, as the model's own keys are. The token block is causal when the atten
 visible to every token (P-tuning v2 / PEFT semantics). The keys transformers hands over are already rotated
 by RoPE; the prefix keys are used as they are: free vectors with no position, i.e. keys "already rotated",
 exactly what PEFT's prefix cache holds.
+
+Packed batches (:meth:`fastprompt.model.backbone.Architecture.forward_packed`): the real tokens of every sequence back
+to back in one row, each with its own position ids; the state then carries the offsets (``cu_seqlens``) and every
+layer's attention runs through the variable-length op (a layer without a prefix with an empty one), so no sequence
+sees another's tokens and no (N, N) mask is ever built (:func:`packed_forward` turns transformers' mask off).
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import inspect
 from dataclasses import dataclass, field
@@ -33,6 +40,9 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 ATTN_IMPLEMENTATION = "fastprompt"
 _CACHE_KEYWORDS: dict[type, str] = {}
+#: the offsets of the packed batch running now, else None: transformers' mask builders then build nothing (see
+#: :func:`packed_forward`)
+_PACKED = contextvars.ContextVar("fastprompt_packed", default=None)
 
 
 @dataclass
@@ -40,11 +50,19 @@ class PrefixState:
     """Per-forward inputs of the prefix attention function."""
 
     layers: list  # per layer: (prefix_k, prefix_v) of shape (H, P, D) or, one per example, (B, H, P, D); or None
-    key_padding_mask: torch.Tensor  # (B, S) bool, True = real token
+    key_padding_mask: torch.Tensor | None  # (B, S) bool, True = real token; None for a packed batch
     backend: str = "auto"
     capture: dict | None = field(default=None)  # layer -> (k, v) of the first example; used by "vocab" init
     layer_of: dict | None = None  # id(attention module) -> layer, for modules without a layer_idx
     served: set = field(default_factory=set)  # the layers the attention function ran for in this forward
+    cu_seqlens: torch.Tensor | None = None  # packed batch: (B + 1,) offsets of the sequences in the one row
+    max_seqlen: int | None = None  # packed batch: the padded width the sequences came from
+    padded_index: torch.Tensor | None = None  # packed batch: (B, S) packed row of each padded slot, -1 at padding
+    pooled_rows: torch.Tensor | None = None  # packed batch: (B,) the rows the last layer computes (pooled_rows.py)
+
+    @property
+    def batch_size(self) -> int:
+        return self.cu_seqlens.numel() - 1 if self.cu_seqlens is not None else self.key_padding_mask.shape[0]
 
     @property
     def prompt_index(self) -> torch.Tensor | None:
@@ -52,7 +70,7 @@ class PrefixState:
         entry = next((e for e in self.layers if e is not None), None)
         if entry is None or entry[0].dim() == 3:
             return None
-        return torch.arange(self.key_padding_mask.shape[0], device=self.key_padding_mask.device)
+        return torch.arange(self.batch_size, device=entry[0].device)
 
 
 def layer_index(module, state: PrefixState | None) -> int | None:
@@ -78,7 +96,7 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
         state.served.add(layer)
         if state.capture is not None:
             state.capture[layer] = (key[0].detach(), value[0].detach())
-        entry = state.layers[layer] if layer < len(state.layers) else None
+        entry = prefix_entry(state, layer, key)
     if entry is None:  # no prefix on this layer (or the backbone used on its own): stock SDPA
         if softcap is not None:
             kwargs["softcap"] = softcap
@@ -96,9 +114,21 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
     if sliding_window is not None:  # as transformers' flash attention: (W - 1, W - 1), the causal mask cuts the right
         W = int(sliding_window)
         window = (W - 1, 0) if causal else (W - 1, W - 1)
+    prompt_index = state.prompt_index if pk.dim() == 4 else None
     out = prefix_attention(query, key, value, pk, pv, state.key_padding_mask, scale=scaling, dropout_p=dropout,
-                           prompt_index=state.prompt_index, backend=state.backend, causal=causal, window=window)
+                           prompt_index=prompt_index, backend=state.backend, causal=causal, window=window,
+                           cu_seqlens=state.cu_seqlens, max_seqlen=state.max_seqlen)
     return out.transpose(1, 2), None
+
+
+def prefix_entry(state: PrefixState, layer: int, key: torch.Tensor):
+    """Layer ``layer``'s (prefix_k, prefix_v), None when it has none; in a packed batch an empty prefix instead of
+    None (only the op's offsets keep the sequences apart). ``key``: the layer's (B, Hkv, S, D) keys."""
+    entry = state.layers[layer] if layer < len(state.layers) else None
+    if entry is None and state.cu_seqlens is not None:
+        empty = key.new_empty(key.shape[1], 0, key.shape[-1])
+        entry = (empty, empty)
+    return entry
 
 
 class OwnAttention:
@@ -162,14 +192,43 @@ def adapt_own_attention(backbone) -> OwnAttention | None:
     return slot
 
 
+def layer_list(backbone, num_layers: int) -> torch.nn.ModuleList | None:
+    """The backbone's list of ``num_layers`` layers (the first ``nn.ModuleList`` of that length, in module order),
+    None when it has none."""
+    return next((m for _, m in backbone.named_modules()
+                 if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers), None)
+
+
 def attention_layer_map(backbone, num_layers: int) -> dict[int, int]:
-    """id(module) -> layer index for every module inside the backbone's list of ``num_layers`` layers (the first
-    ``nn.ModuleList`` of that length, in module order): how the attention function finds the layer of a module
-    that carries no ``layer_idx`` (DistilBERT's). Empty when the backbone has no such list."""
-    for _, modules in backbone.named_modules():
-        if isinstance(modules, torch.nn.ModuleList) and len(modules) == num_layers:
-            return {id(m): i for i, block in enumerate(modules) for m in block.modules()}
-    return {}
+    """id(module) -> layer index for every module inside the backbone's list of layers (:func:`layer_list`): how
+    the attention function finds the layer of a module that carries no ``layer_idx`` (DistilBERT's). Empty when the
+    backbone has no such list."""
+    layers = layer_list(backbone, num_layers)
+    return {} if layers is None else {id(m): i for i, block in enumerate(layers) for m in block.modules()}
+
+
+@contextlib.contextmanager
+def packed_forward(cu_seqlens: torch.Tensor):
+    """While a packed batch (offsets ``cu_seqlens``) runs through a backbone: transformers' mask builders return no
+    mask. The attention function gets the offsets instead (every layer, with an empty prefix where it has none);
+    the mask transformers would build for one row of N tokens is (N, N) and could not keep the sequences apart
+    anyway. Code that hooks a backbone's modules finds the layout with :func:`packed_offsets`."""
+    token = _PACKED.set(cu_seqlens)
+    try:
+        yield
+    finally:
+        _PACKED.reset(token)
+
+
+def packed_offsets() -> torch.Tensor | None:
+    """The (B + 1,) offsets of the packed batch running now (its activations are (1, N, ...), sequence b at rows
+    ``offsets[b]:offsets[b + 1]``), None in a padded forward ((B, S, ...) activations)."""
+    return _PACKED.get()
+
+
+def _mask(*args, **kwargs):
+    """The registered mask builder: eager attention's additive float mask, none for a packed batch."""
+    return None if _PACKED.get() is not None else eager_mask(*args, **kwargs)
 
 
 def check_prefix_consumed(prefixed, served, model_name: str) -> None:
@@ -197,7 +256,7 @@ def register_attention() -> str:
     # layers without a prefix (stock SDPA, which takes an additive float mask too) and for models that compute
     # attention in their own modules: MPNet adds the mask to its scores, so it must be the additive float mask of
     # eager attention (0 / dtype min); SDPA's boolean one would add 1 and 0 and leave padding visible.
-    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, eager_mask)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _mask)
     return ATTN_IMPLEMENTATION
 
 

@@ -22,6 +22,7 @@ import torch
 from fastprompt.io import read_json
 from fastprompt.remote_code import refusing_remote_code
 
+from . import pooled_rows
 from .attention import (
     PrefixState,
     adapt_own_attention,
@@ -29,6 +30,8 @@ from .attention import (
     build_prefix_cache,
     cache_keyword,
     check_prefix_consumed,
+    layer_list,
+    packed_forward,
 )
 from .resolve import check_hub_model, resolve_model
 
@@ -233,6 +236,13 @@ def ensure_pad_token(tokenizer) -> None:
         tokenizer.pad_token = tokenizer.eos_token
 
 
+#: Model types whose packed forward (:meth:`Architecture.forward_packed`) is the padded forward's maths: every layer
+#: is row-wise but for its attention, which goes through the prefix attention function, and positions come from
+#: ``position_ids``. Each is checked against the padded forward by tests/model/test_packed.py.
+PACKABLE_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "electra", "distilbert", "llama", "mistral", "qwen2",
+                        "qwen3", "gemma", "gemma2", "gemma3_text", "modernbert")
+
+
 class Architecture:
     """How a prompt enters one loaded backbone (see the module docstring); the encoder holds one per backbone."""
 
@@ -257,6 +267,8 @@ class Architecture:
         self.causal = any(getattr(m, "is_causal", False) is True for m in backbone.modules())
         self.layer_of = attention_layer_map(backbone, self.num_layers)
         self.own_attention = adapt_own_attention(backbone)  # MPNet: attention computed in its own modules
+        #: the last layer can compute the pooled rows only (:mod:`fastprompt.model.pooled_rows`), in packed batches
+        self.pooled_rows_only = pooled_rows.install(layer_list(backbone, self.num_layers))
 
     @property
     def name(self) -> str:
@@ -314,6 +326,51 @@ class Architecture:
             inputs[cache_keyword(self.model)] = cache
             out = self.model(attention_mask=mask, use_cache=True, **inputs)
         return out.last_hidden_state
+
+    def packing_refusal(self) -> str | None:
+        """Why this backbone cannot run packed batches (:meth:`forward_packed`), or None when it can."""
+        model_type = getattr(self.model.config, "model_type", None)
+        if self.own_attention is not None:
+            return (f"{self.name} computes attention in its own modules (its relative position bias would be an "
+                    "(N, N) matrix over a packed row)")
+        if model_type not in PACKABLE_MODEL_TYPES:
+            return (f"{self.name} is not among the architectures whose packed forward is tested to equal the padded "
+                    f"one ({', '.join(PACKABLE_MODEL_TYPES)})")
+        return None
+
+    def forward_packed(self, attention_mask: torch.Tensor, layers: list, *, backend: str, position_ids: torch.Tensor,
+                       pooled: torch.Tensor | None = None, **inputs) -> torch.Tensor:
+        """:meth:`forward` of the batch's real tokens only: the rows' tokens (where ``attention_mask`` is 1, whichever
+        side the padding is on) back to back in one row of N tokens, each with the position id it has in the padded
+        batch (``position_ids``, (B, S), required: the backbone's defaults would count positions along the packed
+        row), through every layer; the attention function keeps the sequences apart with their offsets. Returns the
+        (B, S, hidden) last hidden states of the padded layout, zero at the padding.
+
+        ``pooled`` ((B,) positions in the padded rows, where :attr:`pooled_rows_only`): the last layer computes
+        those rows only, and only they are filled in."""
+        keep = attention_mask.bool()
+        B, S = keep.shape
+        lengths = keep.sum(1)
+        cu_seqlens = torch.zeros(B + 1, dtype=torch.int64, device=keep.device)
+        cu_seqlens[1:] = lengths.cumsum(0)
+        flat = keep.flatten()
+        rows = flat.nonzero().squeeze(1)
+        padded_index = torch.where(flat, flat.cumsum(0) - 1, -1).view(B, S)
+        inputs["position_ids"] = position_ids.expand(B, S)
+        packed = {k: v.flatten(0, 1)[rows].unsqueeze(0) for k, v in inputs.items() if v is not None}
+        state = PrefixState(layers, None, backend, None, self.layer_of, cu_seqlens=cu_seqlens, max_seqlen=S,
+                            padded_index=padded_index)
+        if pooled is not None:
+            if not self.pooled_rows_only:
+                raise ValueError(f"{self.name}'s last layer cannot compute pooled rows only")
+            state.pooled_rows = padded_index[torch.arange(B, device=keep.device), pooled]
+        with packed_forward(cu_seqlens):
+            out = self.model(fastprompt_state=state, **packed)
+        # every layer, not only those with a prefix: a layer outside the function would attend across sequences
+        check_prefix_consumed(range(self.num_layers), state.served, self.name)
+        hidden = out.last_hidden_state[0]
+        filled = rows if pooled is None else torch.arange(B, device=keep.device) * S + pooled
+        return hidden.new_zeros(B * S, hidden.shape[-1]).index_copy(0, filled, hidden).view(B, S, -1)
 
     def _check_cache_path(self, length: int) -> None:
         """The DynamicCache reference path needs a model that takes a cache, and differs from the attention path

@@ -93,6 +93,7 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
         self.max_length = max_length
         self.attn_backend = attn_backend
         self.prefix_mode = prefix_mode
+        self.packed = False  # pack_sequences(): run the batch's real tokens only
         self._speed_checked = True
         if self.prompt is not None and prompt_config.init == "vocab":
             init_prefix_from_vocab(self)
@@ -124,6 +125,24 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
         prompt gradients survive: :meth:`~fastprompt.model.backbone.Architecture.gradient_checkpointing`)."""
         self.architecture.gradient_checkpointing(enable)
         return self
+
+    def pack_sequences(self, enable: bool = True) -> "PromptEncoder":
+        """Run each batch's real tokens only: the rows' tokens back to back in one sequence through every layer
+        (:meth:`~fastprompt.model.backbone.Architecture.forward_packed`), the fused attention keeping the sequences
+        apart with their offsets. The same maths as the padded batch without the padding's work; a batch without
+        padding runs as it is. ValueError on a backbone or setting where that cannot hold
+        (:meth:`packing_refusal`)."""
+        refusal = self.packing_refusal() if enable else None
+        if refusal is not None:
+            raise ValueError(f"packed sequences are not available: {refusal}; run without packing")
+        self.packed = bool(enable)
+        return self
+
+    def packing_refusal(self) -> str | None:
+        """Why :meth:`pack_sequences` cannot apply to this encoder, or None when it can."""
+        if self.prefix_mode != "attention":
+            return "prefix_mode='cache' hands the prefix over as a key/value cache, which has no packed layout"
+        return self.architecture.packing_refusal()
 
     @property
     def is_gradient_checkpointing(self) -> bool:
@@ -191,9 +210,11 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
         return self.prompt_length if (self.prompt_config and self.prompt_config.position_mode == "shifted") else 0
 
     def _position_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
-                      positions: torch.Tensor | None = None) -> torch.Tensor | None:
-        """The backbone's position ids for these rows (:meth:`~fastprompt.model.backbone.Architecture.position_ids`)."""
-        explicit = self.cls_prompt is not None or self.prefix_mode == "cache"  # the backbone gets embeddings, a cache
+                      positions: torch.Tensor | None = None, explicit: bool = False) -> torch.Tensor | None:
+        """The backbone's position ids for these rows (:meth:`~fastprompt.model.backbone.Architecture.position_ids`);
+        ``explicit``: never None (a packed batch needs them)."""
+        # the backbone gets embeddings (no ids to derive positions from) or a cache
+        explicit = explicit or self.cls_prompt is not None or self.prefix_mode == "cache"
         return self.architecture.position_ids(input_ids, attention_mask, positions, shift=self._position_shift(),
                                               soft=self.input_prompt, explicit=explicit)
 
@@ -205,11 +226,14 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       token_type_ids: torch.Tensor | None = None, *, positions: torch.Tensor | None = None,
-                      _capture: dict | None = None) -> torch.Tensor:
+                      pooled: torch.Tensor | None = None, _capture: dict | None = None) -> torch.Tensor:
         """Last-layer hidden states (B, S, hidden) of the prompted backbone.
 
         ``positions`` (optional, (B, S)): each token's position counted from the first token; template denoising
         uses it to give a template fed alone the positions it has around a sentence.
+
+        ``pooled`` (optional, (B,)): the one position of each row that will be read (:meth:`_pooled_positions`); a
+        packed batch then computes the last layer at those rows only, and the other rows are zero.
         """
         if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
@@ -219,7 +243,8 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
             device = self.device
             autocast = torch.is_autocast_enabled(device.type)
             warn_if_slow(torch.get_autocast_dtype(device.type) if autocast else self.backbone.dtype, device)
-        inputs = {"position_ids": self._position_ids(input_ids, attention_mask, positions)}
+        packed = self.packed and _capture is None and (pooled is not None or not bool(attention_mask.bool().all()))
+        inputs = {"position_ids": self._position_ids(input_ids, attention_mask, positions, explicit=packed)}
         if self.cls_prompt is None and self.input_prompt is None and self.template_words is None:
             inputs["input_ids"] = input_ids
         else:  # the input-level prompts: [CLS] prompt, OptiPrompt's template words, soft input tokens
@@ -234,9 +259,14 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
                 if token_type_ids is not None:
                     token_type_ids = self.input_prompt.insert_mask(token_type_ids, fill=0)
             inputs["inputs_embeds"] = embeds
-        hidden = self.architecture.forward(attention_mask, self._layer_prefixes(attention_mask.shape[0]),
-                                           prefix_mode=self.prefix_mode, backend=self.attn_backend,
-                                           capture=_capture, token_type_ids=token_type_ids, **inputs)
+        layers = self._layer_prefixes(attention_mask.shape[0])
+        if packed:
+            hidden = self.architecture.forward_packed(attention_mask, layers, backend=self.attn_backend,
+                                                      token_type_ids=token_type_ids, pooled=pooled, **inputs)
+        else:
+            hidden = self.architecture.forward(attention_mask, layers, prefix_mode=self.prefix_mode,
+                                               backend=self.attn_backend, capture=_capture,
+                                               token_type_ids=token_type_ids, **inputs)
         return self.input_prompt.remove(hidden) if self.input_prompt is not None else hidden
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
@@ -250,8 +280,19 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
         ``template``: the template the rows were tokenised with, when not the encoder's own (PromptBERT's second
         view); it decides where the [MASK] is and which template bias denoising subtracts.
         """
-        hidden = self.hidden_states(input_ids, attention_mask, token_type_ids)
+        hidden = self.hidden_states(input_ids, attention_mask, token_type_ids,
+                                    pooled=self._pooled_positions(input_ids, attention_mask, template))
         return self.pool(hidden, input_ids, attention_mask, template=template, head=head)
+
+    def _pooled_positions(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                          template: str | Template | None = None) -> torch.Tensor | None:
+        """(B,) the one position of each row the pooler reads, where a packed batch's last layer can compute those
+        rows only; else None (mean pooling, soft input tokens that move the positions, an unpacked encoder)."""
+        if not (self.packed and self.architecture.pooled_rows_only) or self.input_prompt is not None:
+            return None
+        tpl = self._resolve_template(template)
+        return self.pooler.positions(attention_mask, input_ids, self.tokenizer.mask_token_id,
+                                     mask_positions=self._mask_positions(tpl, attention_mask))
 
     def pool(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
              template: str | Template | None = None, denoise: bool | None = None,

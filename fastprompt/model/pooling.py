@@ -68,19 +68,27 @@ class Pooler(nn.Module):
         ``mask_positions`` ((B,) indices, optional) locates the template's [MASK] directly; without it the
         first mask token of each row is taken.
         """
-        if self.pooler in FIRST_TOKEN_POOLERS:
-            return hidden[:, 0]
-        if self.pooler == "last":  # the highest real position: the row's last token, whichever side it is padded on
-            positions = torch.arange(1, hidden.shape[1] + 1, device=hidden.device)
-            last = (attention_mask.to(torch.long) * positions).argmax(1)
-            return hidden[torch.arange(hidden.shape[0], device=hidden.device), last]
         if self.pooler == "mean":
             m = attention_mask.to(hidden.dtype).unsqueeze(-1)
             return (hidden * m).sum(1) / m.sum(1).clamp_min(1.0)
+        where = self.positions(attention_mask, input_ids, mask_token_id, mask_positions)
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), where]
+
+    def positions(self, attention_mask: torch.Tensor, input_ids: torch.Tensor | None = None,
+                  mask_token_id: int | None = None, mask_positions: torch.Tensor | None = None) -> torch.Tensor | None:
+        """(B,) the one token of each row this pooler reads (see :meth:`select`); None when it reads every token
+        (mean)."""
+        B, S = attention_mask.shape
+        if self.pooler == "mean":
+            return None
+        if self.pooler in FIRST_TOKEN_POOLERS:
+            return torch.zeros(B, dtype=torch.long, device=attention_mask.device)
+        if self.pooler == "last":  # the highest real position: the row's last token, whichever side it is padded on
+            order = torch.arange(1, S + 1, device=attention_mask.device)
+            return (attention_mask.to(torch.long) * order).argmax(1)
         # mask, topk: the template's [MASK] state
-        rows = torch.arange(hidden.shape[0], device=hidden.device)
         if mask_positions is not None:
-            return hidden[rows, mask_positions]
+            return mask_positions
         if input_ids is None or mask_token_id is None:
             raise ValueError("pooler 'mask' needs input_ids and a tokenizer with a mask token")
         is_mask = input_ids == mask_token_id
@@ -88,7 +96,7 @@ class Pooler(nn.Module):
         if missing.any():
             raise ValueError(f"pooler 'mask': {int(missing.sum())} input(s) contain no mask token; "
                              "encode with a template that contains [MASK]")
-        return hidden[rows, is_mask.to(torch.int8).argmax(1)]
+        return is_mask.to(torch.int8).argmax(1)
 
     def _active(self) -> bool:
         return self.head is not None and (self.mlp == "always" or self.training)

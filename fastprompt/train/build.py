@@ -114,7 +114,8 @@ def build_encoder(cfg: TrainConfig, resume_dir: Path | None):
 
 def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device, total_steps: int):
     """The encoder on ``device`` in training mode, with what the config turns on: a trainable backbone,
-    gradient checkpointing, ``torch.compile`` (in place: parameter names, checkpoints and the module stay).
+    gradient checkpointing, packed batches, ``torch.compile`` (in place: parameter names, checkpoints and the module
+    stay).
 
     ``compile: null`` (auto) is decided on the run's ``total_steps``, not the steps left, so a resumed run
     compiles exactly when the uninterrupted one did (a compiled step draws other dropout masks than an eager one)."""
@@ -125,7 +126,11 @@ def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device, total_steps
         encoder.train_backbone()
     if cfg.large_batch.gradient_checkpointing:
         encoder.gradient_checkpointing_enable()
-    if resolve_compile(cfg, encoder, device, total_steps):
+    packed = cfg.encoder.packed
+    if packed is None:  # auto: a compiled encoder would recompile for every packed length (and break its graph)
+        packed = cfg.run.compile is not True and encoder.packing_refusal() is None
+    encoder.pack_sequences(packed)
+    if resolve_compile(cfg, encoder, device, total_steps, packed=packed):
         encoder.compile()
     return encoder
 

@@ -1,8 +1,8 @@
 """Whether a training run compiles its encoder: the ``compile`` key resolved (true, false, or null = auto).
 
-``auto`` compiles when the run is on the CPU, trains with ``prompt_dropout > 0`` and is long enough for the
-compiled steps to pay back the compilation: its estimated matrix work (:func:`estimated_run_flops`) is at least
-:data:`AUTO_MIN_RUN_FLOPS`. Otherwise the encoder runs eagerly: on GPUs compile has not been measured; without
+``auto`` compiles when the run is on the CPU, its encoder is not packed (``encoder.packed``), trains with
+``prompt_dropout > 0`` and is long enough for the compiled steps to pay back the compilation: its estimated
+matrix work (:func:`estimated_run_flops`) is at least :data:`AUTO_MIN_RUN_FLOPS`. Otherwise the encoder runs eagerly: on GPUs compile has not been measured; without
 prompt dropout the eager step (C++ attention kernel, prefix read in place) was as fast as the compiled one (within
 3%, slower compiled); short runs such as the test suite's lose more to compilation than they gain. Prompt dropout
 draws a per-example copy of every layer's prefix, elementwise work Inductor fuses: there a compiled step saved
@@ -33,13 +33,16 @@ def estimated_run_flops(config, backbone_config, steps: int, views: int = 2) -> 
     return step.total * max(int(steps), 0)
 
 
-def resolve_compile(config, encoder, device, steps: int) -> bool:
+def resolve_compile(config, encoder, device, steps: int, packed: bool = False) -> bool:
     """Whether to ``torch.compile`` the encoder for a run of ``steps`` optimisation steps (its total, so that a
-    resumed run decides as the uninterrupted one did) on ``device``."""
+    resumed run decides as the uninterrupted one did) on ``device``; ``packed``: the encoder runs packed batches."""
     setting = config.run.compile
     if setting is not None:
         return bool(setting)
     if getattr(device, "type", str(device)) != "cpu":
+        return False
+    if packed:  # packing saved more than compiling did (docs/speed.md), and every new length would recompile
+        logger.info("compile: null (auto) -> eager: the encoder runs packed batches")
         return False
     if config.prompt_dropout == 0:
         logger.info("compile: null (auto) -> eager: without prompt dropout a compiled CPU step is no faster")

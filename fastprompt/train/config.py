@@ -74,6 +74,9 @@ class EncoderConfig(Section):
                                identity=False)
     prefix_mode: str = option("attention", "attention (the fused op) or cache (reference: prefix in a "
                               "DynamicCache)", choices=PREFIX_MODES, identity=False)
+    packed: bool | None = option(None, "run each batch's real tokens only, the sequences packed back to back (the "
+                                 "padded batch's maths without its padding); null: packed wherever the architecture "
+                                 "allows it, unless compile is true (docs/speed.md)", identity=False)
     trust_remote_code: bool = option(False, "let the model (and an rtd_generator) run the Python code its folder "
                                      "names (auto_map); off, such a model is refused: read its code first",
                                      identity=False)
@@ -195,7 +198,8 @@ class RunConfig(Section):
     device: str = option("auto", "auto (cuda if available), cpu, cuda or cuda:N", identity=False)
     num_threads: int = option(0, "torch intra-op threads on CPU; 0 keeps torch's default", ge=0, identity=False)
     compile: bool | None = option(None, "torch.compile the encoder (same losses and gradients); null: only for CPU "
-                                  "runs with prompt_dropout > 0 long enough to pay back the compilation "
+                                  "runs of an unpacked encoder with prompt_dropout > 0 long enough to pay back the "
+                                  "compilation "
                                   "(docs/speed.md)", identity=False)
     max_nonfinite_steps: int = option(5, "stop after this many consecutive non-finite losses (each is skipped)",
                                       gt=0, identity=False)

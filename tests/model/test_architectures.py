@@ -363,7 +363,10 @@ def test_softcapped_attention_is_refused():
 
 
 def _table_rows() -> list[str]:
-    """The rows docs/architectures.md must have: what this module tests, and against what."""
+    """The rows docs/architectures.md must have: what this module tests, and against what (packed batches:
+    tests/model/test_packed.py)."""
+    from .test_packed import PACKABLE, ROWS_ONLY
+
     rows = []
     for model_type in [*ENCODERS, "mpnet", *DECODERS, *REFUSED]:
         status = "refused" if model_type in REFUSED else "supported"
@@ -376,7 +379,9 @@ def _table_rows() -> list[str]:
             compared.append("sentence-transformers (real weights)")  # tests/model/test_mpnet_real.py
         if model_type in PEFT_DECODERS:
             compared.append("PEFT")
-        rows.append(f"| {model_type} | {status} | {pooling} | {', '.join(compared)} |")
+        packed = "yes, last layer for the pooled rows only" if model_type in ROWS_ONLY else \
+            "yes" if model_type in PACKABLE else "no"
+        rows.append(f"| {model_type} | {status} | {pooling} | {packed} | {', '.join(compared)} |")
     return rows
 
 

@@ -1,5 +1,7 @@
 """Fixtures for trainer tests: a tiny corpus and a tiny STS folder in SentEval's layout (synthetic, fast)."""
+import json
 import random
+import shutil
 from pathlib import Path
 
 import pytest
@@ -101,3 +103,16 @@ def _restore_torch_threads():
     n = torch.get_num_threads()
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def no_dropout_bert(tiny_bert_dir, tmp_path_factory) -> Path:
+    """The tiny BERT with dropout off, so that train mode (the BatchNorm head's batch statistics) is
+    deterministic."""
+    path = tmp_path_factory.mktemp("bert-no-dropout")
+    for f in tiny_bert_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path

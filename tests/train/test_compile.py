@@ -162,6 +162,7 @@ def test_auto_compiles_only_cpu_runs_with_enough_work(base_config, tiny_bert_dir
     enough = int(AUTO_MIN_RUN_FLOPS // per_step) + 1
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert resolve_compile(cfg, Encoder, cpu, enough)
+    assert not resolve_compile(cfg, Encoder, cpu, enough, packed=True)  # packing gains more: eager
     assert not resolve_compile(cfg, Encoder, cpu, enough - 1)
     assert not resolve_compile(cfg, Encoder, cuda, 10 * enough)  # not measured on GPUs: eager
     # without prompt dropout the eager CPU step is as fast as the compiled one: eager however long the run
@@ -170,6 +171,7 @@ def test_auto_compiles_only_cpu_runs_with_enough_work(base_config, tiny_bert_dir
     for setting in (True, False):  # an explicit value is kept
         cfg.run.compile = setting
         assert resolve_compile(cfg, Encoder, cpu, 1) is setting and resolve_compile(cfg, Encoder, cuda, 1) is setting
+        assert resolve_compile(cfg, Encoder, cpu, 1, packed=True) is setting
     # the suite's runs (tiny model, a few steps) resolve to eager
     tiny = TrainConfig(**base_config())
     assert tiny.run.compile is None
@@ -186,7 +188,7 @@ def test_auto_decides_on_the_runs_total_steps_also_on_resume(base_config, tmp_pa
     seen = []
     real = compile_module.resolve_compile
     monkeypatch.setattr(compile_module, "resolve_compile",
-                        lambda cfg, enc, dev, steps: seen.append(steps) or real(cfg, enc, dev, steps))
+                        lambda cfg, enc, dev, steps, **kw: seen.append(steps) or real(cfg, enc, dev, steps, **kw))
 
     def interrupt_at_step_3(trainer, out):
         if trainer.state.global_step == 3:

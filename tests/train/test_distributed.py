@@ -7,9 +7,7 @@ shapes (12- vs 24-row forwards, two halves all-reduced): they differ by rounding
 tests/train/numerics.py ("different forward"), derived from the step's own conditioning.
 """
 import copy
-import json
 import os
-import shutil
 import socket
 import time
 
@@ -40,19 +38,6 @@ PAIRS = [("a man plays the guitar .", "a man plays music"), ("the dog runs", "a 
 NEGS = ["the cat runs", "nobody plays", "a table", "blue", "a man sits", "the dog eats", "two cars", "food"]
 SEED, STEP = 7, 3
 TEMPERATURE, MARGIN = 0.05, 0.2
-
-
-@pytest.fixture(scope="module")
-def no_dropout_bert(tiny_bert_dir, tmp_path_factory):
-    """The tiny BERT with dropout off, so that train mode (the BatchNorm head's batch statistics) is
-    deterministic."""
-    path = tmp_path_factory.mktemp("bert-no-dropout")
-    for f in tiny_bert_dir.iterdir():
-        shutil.copy(f, path / f.name)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    (path / "config.json").write_text(json.dumps(cfg))
-    return path
 
 
 def _setup(model_dir, with_term):

@@ -1,7 +1,6 @@
 """Large-batch machinery inside the Trainer: gradient cache, gradient checkpointing, two processes."""
 import json
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,18 +24,6 @@ def _assert_close(a, b, atol):
     assert a.keys() == b.keys()
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=atol, rtol=atol, msg=lambda m, k=k: f"{k}: {m}")
-
-
-@pytest.fixture(scope="module")
-def no_dropout_bert(tiny_bert_dir, tmp_path_factory):
-    """The tiny BERT with dropout off: then different micro-batchings must give the same training run."""
-    path = tmp_path_factory.mktemp("bert-no-dropout")
-    for f in tiny_bert_dir.iterdir():
-        shutil.copy(f, path / f.name)
-    cfg = json.loads((path / "config.json").read_text())
-    cfg.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    (path / "config.json").write_text(json.dumps(cfg))
-    return path
 
 
 def test_large_batch_keys_from_set_and_validation():

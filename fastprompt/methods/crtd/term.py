@@ -31,13 +31,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastprompt.choices import RTD_AVERAGES, RTD_CONDITIONS, RTD_DISCRIMINATORS, check_choice
+from fastprompt.model.attention import packed_offsets
 from fastprompt.objectives.base import AFTER_HEAD, TokenTerm, WeightSchedule
 
 
 @contextlib.contextmanager
 def conditional_input(backbone: nn.Module, h: torch.Tensor | None):
     """While active, the backbone's embedding layer outputs ``h`` (rows, hidden) at position 0 (nothing when
-    ``h`` is None)."""
+    ``h`` is None): of each row, or in a packed batch at each sequence's first token."""
     if h is None:
         yield
         return
@@ -47,7 +48,10 @@ def conditional_input(backbone: nn.Module, h: torch.Tensor | None):
                          "BERT-style backbone")
 
     def hook(module, args, out):
-        return torch.cat([h.to(out.dtype).unsqueeze(1), out[:, 1:]], dim=1)
+        offsets = packed_offsets()
+        if offsets is None:
+            return torch.cat([h.to(out.dtype).unsqueeze(1), out[:, 1:]], dim=1)
+        return out[0].index_copy(0, offsets[:-1], h.to(out.dtype)).unsqueeze(0)
 
     handle = embeddings.register_forward_hook(hook)
     try:
