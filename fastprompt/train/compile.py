@@ -5,7 +5,8 @@
 matrix work (:func:`estimated_run_flops`) is at least :data:`AUTO_MIN_RUN_FLOPS`. Otherwise the encoder runs
 eagerly: on GPUs compile has not been measured; a packed encoder gains more from packing than a compiled one did,
 and would recompile for every new length; without prompt dropout the eager step (C++ attention kernel, prefix read
-in place) was as fast as the compiled one (within 3%, slower compiled); short runs such as the test suite's lose more to compilation than they gain. Prompt dropout
+in place) was as fast as the compiled one (within 3%, slower compiled); short runs such as the test suite's lose
+more to compilation than they gain. Prompt dropout
 draws a per-example copy of every layer's prefix, elementwise work Inductor fuses: there a compiled step saved
 16-22%. The measurements are in docs/speed.md ("Compile default").
 """
