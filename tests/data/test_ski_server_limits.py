@@ -203,10 +203,17 @@ def test_sigterm_or_ctrl_c_exits_at_once_with_requests_hanging(openai_server, tm
     inp = tmp_path / "in.txt"
     inp.write_text("".join(f"Sentence {i} is here.\n" for i in range(20)))
     env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONFAULTHANDLER="1")  # SIGABRT dumps every thread's stack
-    proc = subprocess.Popen([sys.executable, "-m", "fastprompt.cli", "generate-ski", "--llm", "server", "--url",
-                             openai_server.url, "--model", "test-model", "--input", str(inp), "--output",
-                             str(tmp_path / "o.csv"), "--no-progress", "--concurrency", "4"],
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    # the child must see SIGINT as a terminal's Ctrl-C does: a test run started in the background (`cmd &` in a
+    # shell without job control, as CI scripts run) ignores SIGINT, the child inherits that and Python then never
+    # raises KeyboardInterrupt (what made this test fail only in background runs)
+    inherited = signal.signal(signal.SIGINT, signal.SIG_DFL)
+    try:
+        proc = subprocess.Popen([sys.executable, "-m", "fastprompt.cli", "generate-ski", "--llm", "server", "--url",
+                                 openai_server.url, "--model", "test-model", "--input", str(inp), "--output",
+                                 str(tmp_path / "o.csv"), "--no-progress", "--concurrency", "4"],
+                                env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    finally:
+        signal.signal(signal.SIGINT, inherited)
     try:
         deadline = time.monotonic() + 120
         while len(openai_server.requests) < 4 and time.monotonic() < deadline and proc.poll() is None:
