@@ -199,11 +199,10 @@ def layer_list(backbone, num_layers: int) -> torch.nn.ModuleList | None:
                  if isinstance(m, torch.nn.ModuleList) and len(m) == num_layers), None)
 
 
-def attention_layer_map(backbone, num_layers: int) -> dict[int, int]:
+def attention_layer_map(layers: torch.nn.ModuleList | None) -> dict[int, int]:
     """id(module) -> layer index for every module inside the backbone's list of layers (:func:`layer_list`): how
     the attention function finds the layer of a module that carries no ``layer_idx`` (DistilBERT's). Empty when the
     backbone has no such list."""
-    layers = layer_list(backbone, num_layers)
     return {} if layers is None else {id(m): i for i, block in enumerate(layers) for m in block.modules()}
 
 

@@ -265,10 +265,11 @@ class Architecture:
         self.num_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
         #: the token block is causal (a decoder): every token sees the tokens before it and the whole prefix
         self.causal = any(getattr(m, "is_causal", False) is True for m in backbone.modules())
-        self.layer_of = attention_layer_map(backbone, self.num_layers)
+        layers = layer_list(backbone, self.num_layers)
+        self.layer_of = attention_layer_map(layers)
         self.own_attention = adapt_own_attention(backbone)  # MPNet: attention computed in its own modules
         #: the last layer can compute the pooled rows only (:mod:`fastprompt.model.pooled_rows`), in packed batches
-        self.pooled_rows_only = pooled_rows.install(layer_list(backbone, self.num_layers))
+        self.pooled_rows_only = pooled_rows.install(layers)
 
     @property
     def name(self) -> str:

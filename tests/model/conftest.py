@@ -72,3 +72,14 @@ def mpnet_dir() -> Path:
     if not (path / ".complete").is_file():
         pytest.skip(f"all-mpnet-base-v2 is not at {path}: assemble it with bash ../shared/models/fetch-mpnet.sh")
     return path
+
+
+@pytest.fixture
+def two_threads():
+    """The real models' tests run on two threads, whatever the suite set before."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(threads)

@@ -14,12 +14,7 @@ SENTENCES = ["A man is playing a guitar.", "The dog runs in the park.", "Two peo
              "water and food.", "It"]
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("two_threads")
 
 
 def test_no_prompt_equals_sentence_transformers(mpnet_dir):

@@ -14,20 +14,20 @@ import torch
 
 from fastprompt.model import PromptConfig
 
-from .test_architectures import BYPASSING, DECODERS, ENCODERS, SENTENCES, TOL, _encoder
+from .test_architectures import (
+    BYPASSING,
+    DECODERS,
+    ENCODERS,
+    SENTENCES,
+    TOL,
+    _encoder,
+    _one_thread,  # noqa: F401 (the autouse fixture: tiny models on one thread)
+)
 
 PACKABLE = {**ENCODERS, **DECODERS}
 #: the architectures whose last layer computes the pooled rows only in a packed batch
 ROWS_ONLY = ["bert", "roberta", "xlm-roberta", "electra"]
 SIDES = [(t, "right") for t in PACKABLE] + [(t, "left") for t in DECODERS]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _run(enc, batch, packed, pool=True):

@@ -48,12 +48,7 @@ def smollm2_dir(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture(autouse=True)
-def _threads():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("two_threads")
 
 
 def _reference(model_dir, pooler):
