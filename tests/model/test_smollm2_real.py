@@ -2,14 +2,17 @@
 30 layers, hidden 576, 9 query heads and 3 key/value heads) used as an embedder; skipped where the package or
 ``gguf`` is absent (scripts/setup.sh installs both).
 
-The fixture writes the dequantised model once as a plain safetensors folder, which fastprompt loads like any model.
+The fixture writes the dequantised model once as a plain safetensors folder with ``fastprompt convert-gguf``, which
+fastprompt then loads like any model; one test checks that folder against transformers reading the GGUF itself.
 
 Tolerances: with no prompt both sides run the same float32 weights through transformers' own layers; fastprompt's
 attention function hands prefix-free layers to the same SDPA, so the difference is rounding in the pooling (a sum
 over <= 16 tokens of values of order 1 after L2 normalisation): 1e-5. Packed against padded: the same maths in
 another layout and summation order, float32 through 30 RMSNorm-normalised layers (~sqrt(30) x a few ulps per layer
 of O(1) activations, then normalised vectors): 1e-4 leaves an order of magnitude, while a sequence that saw another's
-tokens moves a vector by ~1e-1. ~40 s on 2 cores (loading and dequantising is most of it).
+tokens moves a vector by ~1e-1. The converted folder against the GGUF: the same float32 tensors through the same
+layers on the same input (bit-equal in practice; 1e-5 only allows another kernel choice), while one wrong tensor
+moves hidden states by O(1). ~60 s on 2 cores (loading and dequantising the file twice is most of it).
 """
 from pathlib import Path
 
@@ -25,26 +28,17 @@ SENTENCES = ["A man is playing a guitar.", "The dog runs in the park.", "Two peo
 
 @pytest.fixture(scope="module")
 def smollm2_dir(tmp_path_factory) -> Path:
+    """The package's GGUF written as a plain folder by ``fastprompt convert-gguf`` (the command users run)."""
     pytest.importorskip("gguf", reason="SmolLM2's GGUF needs the gguf package (scripts/setup.sh installs it)")
-    from transformers import AutoModel, AutoTokenizer
-
-    from fastprompt.methods.skicse.generation.local import resolve_local_model
+    from fastprompt.cli import main
+    from fastprompt.model.gguf import smollm2_gguf
 
     try:
-        source, gguf_file, _ = resolve_local_model(None)
+        smollm2_gguf()
     except (ImportError, FileNotFoundError) as exc:
         pytest.skip(f"SmolLM2-135M-Instruct is not installed: {exc}")
-    out = tmp_path_factory.mktemp("smollm2")
-    AutoTokenizer.from_pretrained(source, gguf_file=gguf_file, trust_remote_code=False).save_pretrained(out)
-    gguf = AutoModel.from_pretrained(source, gguf_file=gguf_file, dtype=torch.float32, trust_remote_code=False)
-    # transformers will not save a model it loaded from GGUF (it counts as quantized): the same weights, already
-    # dequantised to float32, in a model built from the config
-    config = gguf.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config
-    model = AutoModel.from_config(config, trust_remote_code=False)
-    model.load_state_dict(gguf.state_dict())
-    model.save_pretrained(out)
+    out = tmp_path_factory.mktemp("smollm2") / "model"
+    assert main(["convert-gguf", "--output", str(out)]) == 0
     return out
 
 
@@ -89,3 +83,23 @@ def test_a_prompt_changes_the_encoding_and_packs_to_the_same_vectors(smollm2_dir
     scaled = enc.encode(SENTENCES)
     assert np.abs(padded - plain).max() > 1e-4 and np.abs(scaled - padded).max() > 1e-2
     np.testing.assert_allclose(packed, padded, atol=1e-4, rtol=0)
+
+
+def test_the_converted_folder_is_the_gguf_model(smollm2_dir):
+    """The folder ``convert-gguf`` wrote against transformers reading the GGUF file itself: the same tokens, and
+    the same hidden states."""
+    from transformers import AutoModel, AutoTokenizer
+
+    from fastprompt.model.gguf import smollm2_gguf
+
+    gguf = smollm2_gguf()
+    tok_gguf = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+    tok_dir = AutoTokenizer.from_pretrained(smollm2_dir, trust_remote_code=False)
+    assert [tok_dir(s)["input_ids"] for s in SENTENCES] == [tok_gguf(s)["input_ids"] for s in SENTENCES]
+    assert tok_dir.eos_token == tok_gguf.eos_token
+    ids = tok_gguf(SENTENCES[2], return_tensors="pt")
+    with torch.no_grad():
+        want = AutoModel.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
+                                         trust_remote_code=False).eval()(**ids).last_hidden_state
+        got = AutoModel.from_pretrained(smollm2_dir, trust_remote_code=False).eval()(**ids).last_hidden_state
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -22,9 +22,10 @@ from fastprompt.methods.skicse.generation.filters import (
     echo_ratio,
 )
 from fastprompt.methods.skicse.generation.generate import Backend, GenerationReport, generate_ski
-from fastprompt.methods.skicse.generation.local import DEFAULT_LOCAL_MODEL, LocalBackend
+from fastprompt.methods.skicse.generation.local import LocalBackend
 from fastprompt.methods.skicse.generation.prompt import SKI_PROMPT_TEMPLATE, Sampling
 from fastprompt.methods.skicse.generation.server import LLMServerError, ServerBackend
+from fastprompt.model.gguf import DEFAULT_LOCAL_MODEL
 
 __all__ = [
     "DEFAULT_LOCAL_MODEL",

