@@ -78,6 +78,47 @@ def check_gguf_output(output: str | os.PathLike, overwrite: bool = False) -> Pat
     return out
 
 
+def read_gguf(source: str, gguf_file: str, dtype: str = "float32"):
+    """(tokenizer, causal LM) that transformers reads from ``source/gguf_file``, weights dequantised to ``dtype``;
+    a truncated or foreign file is one ValueError."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if importlib.util.find_spec("gguf") is None:
+        raise ImportError("reading a .gguf file needs the gguf package: pip install gguf accelerate")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file, trust_remote_code=False)
+        model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=getattr(torch, dtype),
+                                                     trust_remote_code=False)
+    except (ValueError, struct.error) as exc:  # the gguf reader's errors on a truncated or foreign file
+        raise ValueError(f"cannot read {Path(source) / gguf_file}: it is truncated, not a GGUF file or an "
+                         f"architecture transformers cannot load from GGUF ({shown(str(exc))[1:-1]})") from None
+    return tokenizer, model
+
+
+def save_dequantised(tokenizer, model, output: str | os.PathLike) -> Path:
+    """Write a model :func:`read_gguf` returned as a plain folder at ``output`` (replacing it atomically: the
+    caller checked that it may). transformers refuses to save a model it loaded from GGUF, so the same tensors go
+    into a model built from the config (on the meta device: no second copy of the weights)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from fastprompt.io import atomic_directory
+
+    config = model.config
+    if hasattr(config, "quantization_config"):  # the weights are dequantised: the folder is a plain model
+        del config.quantization_config
+    with torch.device("meta"):
+        plain = AutoModelForCausalLM.from_config(config, dtype=model.dtype, trust_remote_code=False)
+    plain.load_state_dict(model.state_dict(), assign=True)
+    plain.tie_weights()
+    plain.generation_config = model.generation_config
+    with atomic_directory(output) as tmp:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return Path(output)
+
+
 def gguf_to_folder(model: str | None, output: str | os.PathLike, *, dtype: str = "float32",
                    overwrite: bool = False) -> Path:
     """Write the GGUF model ``model`` (see :func:`resolve_local_model`; None: SmolLM2-135M-Instruct from
@@ -87,10 +128,7 @@ def gguf_to_folder(model: str | None, output: str | os.PathLike, *, dtype: str =
 
     ``output`` must be new or empty unless ``overwrite``; it is written in a temporary folder and moved into
     place only when complete, so an interrupted conversion leaves nothing half-written. Returns ``output``."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from fastprompt.io import atomic_directory, check_apart
+    from fastprompt.io import check_apart
 
     check_choice("dtype", dtype, DTYPES)
     out = check_gguf_output(output, overwrite)
@@ -99,28 +137,8 @@ def gguf_to_folder(model: str | None, output: str | os.PathLike, *, dtype: str =
         raise ValueError(f"{model}: not a .gguf file (a Hugging Face folder or hub id loads as it is; nothing to "
                          "convert)")
     check_apart(out, [Path(source) / gguf_file])
-    if importlib.util.find_spec("gguf") is None:
-        raise ImportError("reading a .gguf file needs the gguf package: pip install gguf accelerate")
     logger.info("reading %s (dequantising to %s)", model_id, dtype)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_file, trust_remote_code=False)
-        loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_file, dtype=getattr(torch, dtype),
-                                                      trust_remote_code=False)
-    except (ValueError, struct.error) as exc:  # the gguf reader's errors on a truncated or foreign file
-        raise ValueError(f"cannot read {Path(source) / gguf_file}: it is truncated, not a GGUF file or an "
-                         f"architecture transformers cannot load from GGUF ({shown(str(exc))[1:-1]})") from None
-    config = loaded.config
-    if hasattr(config, "quantization_config"):  # the weights are dequantised: the folder is a plain model
-        del config.quantization_config
-    # the same tensors in a model that transformers will save: built without memory, then handed the weights
-    with torch.device("meta"):
-        model_out = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype), trust_remote_code=False)
-    model_out.load_state_dict(loaded.state_dict(), assign=True)
-    model_out.tie_weights()
-    model_out.generation_config = loaded.generation_config
-    del loaded
-    with atomic_directory(out) as tmp:
-        model_out.save_pretrained(tmp)
-        tokenizer.save_pretrained(tmp)
+    tokenizer, loaded = read_gguf(source, gguf_file, dtype)
+    save_dequantised(tokenizer, loaded, out)
     logger.info("wrote %s", out)
     return out

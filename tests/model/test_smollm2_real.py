@@ -2,8 +2,8 @@
 30 layers, hidden 576, 9 query heads and 3 key/value heads) used as an embedder; skipped where the package or
 ``gguf`` is absent (scripts/setup.sh installs both).
 
-The fixture writes the dequantised model once as a plain safetensors folder with ``fastprompt convert-gguf``, which
-fastprompt then loads like any model; one test checks that folder against transformers reading the GGUF itself.
+The fixtures read the GGUF once and write it as a plain safetensors folder as ``fastprompt convert-gguf`` does,
+which fastprompt then loads like any model; one test checks that folder against the model read from the GGUF.
 
 Tolerances: with no prompt both sides run the same float32 weights through transformers' own layers; fastprompt's
 attention function hands prefix-free layers to the same SDPA, so the difference is rounding in the pooling (a sum
@@ -12,7 +12,7 @@ another layout and summation order, float32 through 30 RMSNorm-normalised layers
 of O(1) activations, then normalised vectors): 1e-4 leaves an order of magnitude, while a sequence that saw another's
 tokens moves a vector by ~1e-1. The converted folder against the GGUF: the same float32 tensors through the same
 layers on the same input (bit-equal in practice; 1e-5 only allows another kernel choice), while one wrong tensor
-moves hidden states by O(1). ~60 s on 2 cores (loading and dequantising the file twice is most of it).
+moves hidden states by O(1). ~40 s on 2 cores (loading and dequantising the file is most of it).
 """
 from pathlib import Path
 
@@ -27,19 +27,24 @@ SENTENCES = ["A man is playing a guitar.", "The dog runs in the park.", "Two peo
 
 
 @pytest.fixture(scope="module")
-def smollm2_dir(tmp_path_factory) -> Path:
-    """The package's GGUF written as a plain folder by ``fastprompt convert-gguf`` (the command users run)."""
+def smollm2_gguf_model():
+    """(tokenizer, causal LM) as transformers reads them from the package's GGUF file (read once per module)."""
     pytest.importorskip("gguf", reason="SmolLM2's GGUF needs the gguf package (scripts/setup.sh installs it)")
-    from fastprompt.cli import main
-    from fastprompt.model.gguf import smollm2_gguf
+    from fastprompt.model.gguf import read_gguf, smollm2_gguf
 
     try:
-        smollm2_gguf()
+        path = smollm2_gguf()
     except (ImportError, FileNotFoundError) as exc:
         pytest.skip(f"SmolLM2-135M-Instruct is not installed: {exc}")
-    out = tmp_path_factory.mktemp("smollm2") / "model"
-    assert main(["convert-gguf", "--output", str(out)]) == 0
-    return out
+    return read_gguf(str(path.parent), path.name)
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(smollm2_gguf_model, tmp_path_factory) -> Path:
+    """That model written as a plain folder, as ``fastprompt convert-gguf`` writes it."""
+    from fastprompt.model.gguf import save_dequantised
+
+    return save_dequantised(*smollm2_gguf_model, tmp_path_factory.mktemp("smollm2") / "model")
 
 
 pytestmark = pytest.mark.usefixtures("two_threads")
@@ -85,21 +90,17 @@ def test_a_prompt_changes_the_encoding_and_packs_to_the_same_vectors(smollm2_dir
     np.testing.assert_allclose(packed, padded, atol=1e-4, rtol=0)
 
 
-def test_the_converted_folder_is_the_gguf_model(smollm2_dir):
-    """The folder ``convert-gguf`` wrote against transformers reading the GGUF file itself: the same tokens, and
+def test_the_converted_folder_is_the_gguf_model(smollm2_gguf_model, smollm2_dir):
+    """The folder ``convert-gguf`` writes against transformers reading the GGUF file itself: the same tokens, and
     the same hidden states."""
     from transformers import AutoModel, AutoTokenizer
 
-    from fastprompt.model.gguf import smollm2_gguf
-
-    gguf = smollm2_gguf()
-    tok_gguf = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
+    tok_gguf, gguf = smollm2_gguf_model
     tok_dir = AutoTokenizer.from_pretrained(smollm2_dir, trust_remote_code=False)
     assert [tok_dir(s)["input_ids"] for s in SENTENCES] == [tok_gguf(s)["input_ids"] for s in SENTENCES]
     assert tok_dir.eos_token == tok_gguf.eos_token
     ids = tok_gguf(SENTENCES[2], return_tensors="pt")
     with torch.no_grad():
-        want = AutoModel.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                         trust_remote_code=False).eval()(**ids).last_hidden_state
+        want = gguf.eval().model(**ids).last_hidden_state
         got = AutoModel.from_pretrained(smollm2_dir, trust_remote_code=False).eval()(**ids).last_hidden_state
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
