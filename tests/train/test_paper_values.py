@@ -25,7 +25,7 @@ PINNED = json.loads((Path(__file__).with_name("recipe_values.json")).read_text(e
 #: the recipes sized for a 2-core CPU (fastprompt's own settings on all-MiniLM-L6-v2, docs/results-minilm.md)
 CPU_RECIPES = ("quickstart.yaml", "quickstart-unsup.yaml")
 #: recipes for models no paper trained (this project's sizing for a CPU): not in the papers' table
-PROJECT_MODELS = ("minilm", "mpnet")
+PROJECT_MODELS = ("minilm", "mpnet", "smollm2")
 
 
 def mismatches(values: dict, resolved: dict) -> list[str]:
