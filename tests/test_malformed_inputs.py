@@ -170,7 +170,8 @@ def test_a_truncated_gguf_is_one_line(tmp_path):
 
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\x00" * 92)
-    with pytest.raises(ValueError, match=rf"{bad} is truncated or not a GGUF file \("):
+    with pytest.raises(ValueError, match=rf"cannot load the local LLM '{bad}': cannot read {bad}: it is truncated, "
+                       r"not a GGUF file or an architecture transformers cannot load from GGUF \("):
         LocalBackend(str(bad))
 
 

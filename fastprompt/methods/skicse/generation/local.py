@@ -7,15 +7,12 @@ transformers dequantises GGUF weights to float32 when it loads them (needs the `
 from __future__ import annotations
 
 import logging
-import struct
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 
 from fastprompt.choices import DTYPES, check_choice
-from fastprompt.messages import shown
 from fastprompt.methods.skicse.generation.filters import Generation
 from fastprompt.methods.skicse.generation.prompt import Sampling
-from fastprompt.model.gguf import resolve_local_model
+from fastprompt.model.gguf import read_gguf, resolve_local_model
 from fastprompt.remote_code import refusing_remote_code
 
 logger = logging.getLogger(__name__)
@@ -86,22 +83,21 @@ class LocalBackend:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         source, gguf_file, self.model_id = resolve_local_model(model)
-        kwargs = {"gguf_file": gguf_file} if gguf_file else {}
         try:
-            # a GGUF file, or safetensors: never a pickled pytorch_model.bin
-            with refusing_remote_code(source, trust_remote_code):
-                self.tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code, **kwargs)
-                self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype),
-                                                                  trust_remote_code=trust_remote_code,
-                                                                  **(kwargs or {"use_safetensors": True}))
+            if gguf_file:  # fastprompt convert-gguf's reader: a truncated or foreign file is one ValueError
+                self.tokenizer, self.model = read_gguf(source, gguf_file, dtype)
+            else:  # safetensors: never a pickled pytorch_model.bin
+                with refusing_remote_code(source, trust_remote_code):
+                    self.tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+                    self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype),
+                                                                      trust_remote_code=trust_remote_code,
+                                                                      use_safetensors=True)
         except OSError as exc:  # transformers' "not a folder, not on the hub" error
             raise ValueError(f"cannot load the local LLM {model!r}: {exc}") from exc
-        except (ValueError, struct.error) as exc:
+        except ValueError as exc:
             if not gguf_file:
                 raise
-            # the gguf reader fails on a truncated or foreign file with struct.error or a numpy reshape error
-            raise ValueError(f"cannot load the local LLM {model!r}: {Path(source) / gguf_file} is truncated or not "
-                             f"a GGUF file ({shown(str(exc))[1:-1]})") from None
+            raise ValueError(f"cannot load the local LLM {model!r}: {exc}") from None
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model.to(self.device).eval()
         self.batch_size, self.dtype, self.gguf_file = batch_size, dtype, gguf_file
