@@ -28,8 +28,9 @@ def bar_postfix(loss: float | None, dev: float | None) -> str:
 class LoggedEncoder:
     """``encode`` in about ``reports`` chunks, logging ``what: encoded i/n sentences`` after each.
 
-    The sentences are ordered by length (as :meth:`PromptEncoder.encode` orders them) and cut into whole
-    batches, so every batch is the one a single ``encode`` call would form: the vectors are the same.
+    The sentences are taken in the :class:`~fastprompt.model.PromptEncoder`'s ``encoding_order`` (the order its
+    ``encode`` batches them in) and cut into whole batches, so every batch is the one a single ``encode`` call would
+    form: the vectors are the same.
     """
 
     def __init__(self, model, what: str, reports: int = 10):
@@ -37,7 +38,7 @@ class LoggedEncoder:
 
     def encode(self, sentences, batch_size: int = 64, show_progress_bar=None, **kwargs) -> np.ndarray:
         n = len(sentences)
-        order = np.argsort([-len(s) for s in sentences], kind="stable")
+        order = self.model.encoding_order(sentences, kwargs.get("max_length"))
         chunk = batch_size * max(1, math.ceil(n / batch_size / self.reports))
         out, start_time = None, time.perf_counter()
         for start in range(0, n, chunk):

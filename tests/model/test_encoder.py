@@ -129,6 +129,22 @@ def test_encode_order_normalisation_and_similarity(tiny_bert_dir):
     np.testing.assert_allclose(np.diag(sim[:, :2]), 1.0, atol=1e-5)
 
 
+def test_encode_batches_by_token_count(tiny_bert_dir):
+    """Ordered by characters, the line of digits (one token each) would be batched with the short lines and pad
+    them to its 11 tokens; by token count each batch pads only to its own longest row."""
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, pooler="mean")
+    sentences = ["the man plays the guitar", "1 2 3 4 5 6 7 8 9", "a dog", "the woman"]
+    assert enc.tokenize(sentences)["attention_mask"].sum(1).tolist() == [7, 11, 4, 4]
+    assert enc.encoding_order(sentences).tolist() == [1, 0, 2, 3]  # ties keep the input order
+    shapes, tokenize = [], enc.tokenize
+    enc.tokenize = lambda batch, *a, **k: shapes.append(tokenize(batch, *a, **k)["input_ids"].shape) or \
+        tokenize(batch, *a, **k)
+    got = enc.encode(sentences, batch_size=2)
+    assert shapes[-2:] == [(2, 11), (2, 4)]  # the batches encode formed, after the counting pass
+    # in input order; against each sentence alone: the same sums in other batch shapes, float32 rounding (~1e-7)
+    np.testing.assert_allclose(got, np.concatenate([PromptEncoder.encode(enc, [s]) for s in sentences]), atol=1e-5)
+
+
 def test_mask_pooler_uses_template(tiny_bert_dir):
     enc = PromptEncoder.from_pretrained(tiny_bert_dir, pooler="mask")
     batch = enc.tokenize(SENTENCES)
