@@ -163,9 +163,11 @@ def run_fresh(script: str | Path, setup: str, config: dict, *, mode: str, provid
 
     ``mode="memory"``: one provider; returns :func:`measure_steps`'s dict (``steps`` runs). ``mode="time"``:
     every provider's step built in the same process and timed by :func:`time_alternating`; returns
-    ``{provider: Timing}``. With ``kill_above_mb``, the child is stopped once its resident memory exceeds it
-    and ``{"status": "killed above N MB", "process_peak_mb": ...}`` is returned (a point that does not fit
-    cannot take the machine down). A child that fails raises RuntimeError with the end of its stderr.
+    ``{provider: Timing}``, each ``extra`` updated with what the step's ``after_timing()`` returns, when it has one
+    (run once after the timed rounds, in the same ordinary process). With ``kill_above_mb``, the child is stopped
+    once its resident memory exceeds it and ``{"status": "killed above N MB", "process_peak_mb": ...}`` is
+    returned (a point that does not fit cannot take the machine down). A child that fails raises RuntimeError with
+    the end of its stderr.
     """
     providers = list(providers)
     if mode not in ("memory", "time"):
@@ -218,6 +220,10 @@ def _child(spec: dict) -> dict:
     calls = {p: setup(p, **spec["config"]) for p in spec["providers"]}
     timings = time_alternating(calls, warmup=spec["warmup"], repeats=spec["repeats"],
                                sync=device_sync(spec["device"]))
+    for name, call in calls.items():  # untimed, after every timed round: e.g. a profile of one more step
+        after = getattr(call, "after_timing", None)
+        if after is not None:
+            timings[name].extra.update(after())
     return {name: asdict(t) for name, t in timings.items()}
 
 

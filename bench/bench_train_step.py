@@ -50,9 +50,9 @@ give ``matmul_gflops`` and ``attn_matmul_gflops``. ``floor_ms`` = the attention 
 everything else at the first; ``floor_fraction`` = floor_ms / median_ms; ``real_floor_ms`` and
 ``real_floor_fraction`` the same for the real tokens. Elementwise work (dropout, GELU,
 LayerNorm, softmax, masking) is not in the floor: the profile (``--profile``, at the first point by default; in
-the memory processes) says where the rest of the time goes: one step's aten self time by op category in ms, and
-``unattributed / compiled kernels``, the step's wall time minus that (Python, the profiler, and the loops
-Inductor generates for the compiled step, which are not aten ops), so every row adds up to the step.
+the timing process, after its timed rounds) says where the rest of the time goes: one step's aten self time by op
+category in ms, and ``unattributed / compiled kernels``, the step's wall time minus that (Python, the profiler,
+and the loops Inductor generates for the compiled step, which are not aten ops), so every row adds up to the step.
 
     python bench/bench_train_step.py                      # CPU, MiniLM, 64 pairs, 32 tokens (~8 min on 2 cores)
     python bench/bench_train_step.py --batches 64,256     # what docs/speed.md shows (~25 min)
@@ -136,9 +136,10 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
           padding="longest"):
     """Build one side's model, batch and optimizer; return its training step (after one warm-up step).
 
-    The step carries ``check``, run once by the memory process after the measured steps: the profile of one more
-    step (when ``profile``), then ``loss_nodrop``, the loss with dropout off at the parameters the side started
-    from. ``provider`` may also be one of :data:`MATMULS`, the timing process's matmul-rate pseudo-providers."""
+    The step carries ``check``, run once by the memory process after the measured steps: ``loss_nodrop``, the loss
+    with dropout off at the parameters the side started from; with ``profile``, also ``after_timing``, run by the
+    timing process after its timed rounds: the profile of one more step. ``provider`` may also be one of
+    :data:`MATMULS`, the timing process's matmul-rate pseudo-providers."""
     import torch
     import torch.nn.functional as F
     from transformers import AutoConfig, AutoModel
@@ -241,7 +242,7 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
         return {"loss": train_step()}
 
     def check():
-        out = {"profile_ms": profile_step(train_step, device)} if profile else {}
+        out = {}
         with torch.no_grad():
             for p, p0 in zip(params, initial):
                 p.copy_(p0)
@@ -251,6 +252,9 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
         return out
 
     step.check = check
+    if profile:  # in the timing process, after the timed rounds: the memory process's malloc settings (every
+        # large tensor a fresh mmap, faulted in on first write) would slow the ops that first write a buffer
+        step.after_timing = lambda: {"profile_ms": profile_step(train_step, device)}
     return step
 
 
@@ -371,7 +375,7 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-memory", action="store_true",
-                   help="skip the per-provider memory processes (and with them the loss check and the profile)")
+                   help="skip the per-provider memory processes (and with them the loss check)")
     p.add_argument("--profile", default="first", choices=["first", "all", "none"],
                    help="op-category profile of each provider at the first (or every) point")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per child process")
@@ -415,8 +419,12 @@ def run(args, providers, out, model_path: str) -> None:
         width = padded_length(lengths, seq, args.padding)
         flops = step_flops(cfg, width, args.prompt_length, rows=2 * pairs)
         real = step_flops(cfg, 2 * lengths, args.prompt_length)
-        timings = run_fresh(__file__, "setup", config, mode="time", providers=[*providers, *MATMULS],
-                            device=args.device, warmup=args.warmup, repeats=args.repeats, timeout=args.timeout)
+        profiled = args.profile == "all" or (args.profile == "first" and i == 0)
+        timings = run_fresh(__file__, "setup", dict(config, profile=profiled), mode="time",
+                            providers=[*providers, *MATMULS], device=args.device, warmup=args.warmup,
+                            repeats=args.repeats, timeout=args.timeout)
+        if profiled:
+            profiles.update({f"{p} pairs={pairs} seq={seq}": timings[p].extra["profile_ms"] for p in providers})
         shapes = matmul_shapes(cfg, pairs, seq, args.prompt_length)
         rate = {m: shapes[m][2] / (timings[m].median_ms / 1e3) for m in MATMULS}  # FLOP/s
         floor_ms, real_floor_ms = floor_of(flops, rate), floor_of(real, rate)
@@ -439,13 +447,10 @@ def run(args, providers, out, model_path: str) -> None:
         rows += point
         add_ratios(rows, BASELINE, CONFIG_KEYS)
         write_results(rows, out, CONFIG_KEYS, info, summary={"profile_ms": profiles})  # the times, at once
-        profiled = args.profile == "all" or (args.profile == "first" and i == 0)
         for row in [] if args.no_memory else point:
-            mem = run_fresh(__file__, "setup", dict(config, profile=profiled), mode="memory",
-                            providers=[row["provider"]], device=args.device, timeout=args.timeout)
+            mem = run_fresh(__file__, "setup", config, mode="memory", providers=[row["provider"]],
+                            device=args.device, timeout=args.timeout)
             row.update(measured(memory=mem), loss_nodrop=mem["extra"]["loss_nodrop"])
-            if profiled:
-                profiles[f"{row['provider']} pairs={pairs} seq={seq}"] = mem["extra"]["profile_ms"]
             base = next((r.get("loss_nodrop") for r in point if r["provider"] == BASELINE), None)
             for r in point:
                 if base is not None and r.get("loss_nodrop") is not None:
