@@ -158,8 +158,8 @@ def measure_steps(step: Callable[[], object], device: str, steps: int = 1) -> di
 # ------------------------------------------------------------------------------------------------ processes
 def run_fresh(script: str | Path, setup: str, config: dict, *, mode: str, providers: Iterable[str], device: str,
               warmup: int = 1, repeats: int = 10, steps: int = 1, timeout: float = 3600.0,
-              kill_above_mb: float | None = None) -> dict:
-    """Run ``setup`` of ``script`` in a fresh Python process and measure there.
+              kill_above_mb: float | None = None, preload: Iterable[str] = ()) -> dict:
+    """Run ``setup`` of ``script`` in a fresh process and measure there.
 
     ``mode="memory"``: one provider; returns :func:`measure_steps`'s dict (``steps`` runs). ``mode="time"``:
     every provider's step built in the same process and timed by :func:`time_alternating`; returns
@@ -167,7 +167,13 @@ def run_fresh(script: str | Path, setup: str, config: dict, *, mode: str, provid
     (run once after the timed rounds, in the same ordinary process). With ``kill_above_mb``, the child is stopped
     once its resident memory exceeds it and ``{"status": "killed above N MB", "process_peak_mb": ...}`` is
     returned (a point that does not fit cannot take the machine down). A child that fails raises RuntimeError with
-    the end of its stderr.
+    the end of its output.
+
+    On the CPU the child is forked from a server that has imported :data:`PRELOAD` and ``preload`` (more modules
+    the bench's steps import) and nothing else: no tensor work, no threads started. A child then starts in
+    milliseconds instead of importing torch, transformers and peft again (seconds each). The server starts at the
+    first call and serves the process's later calls, with the first call's modules. CUDA cannot be used in a
+    forked child, so there the child is a new interpreter.
     """
     providers = list(providers)
     if mode not in ("memory", "time"):
@@ -176,36 +182,131 @@ def run_fresh(script: str | Path, setup: str, config: dict, *, mode: str, provid
         raise ValueError(f"a memory measurement runs one provider per process, got {providers}")
     spec = dict(script=str(Path(script).resolve()), setup=setup, config=config, mode=mode, providers=providers,
                 device=device, warmup=warmup, repeats=repeats, steps=steps)
-    env = dict(os.environ, **(MALLOC_ENV if mode == "memory" else {}))
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), json.dumps(spec)], stdout=out,
-                                stderr=err, env=env, text=True)
-        start, peak_mb = time.monotonic(), 0.0
-        while proc.poll() is None:
+    what = f"{Path(script).name} {mode} {providers} {config}"
+    child = _Interpreter(spec) if device.startswith("cuda") else _Forked(spec, [*PRELOAD, *preload])
+    start, peak_mb = time.monotonic(), 0.0
+    try:
+        while child.running():
             if kill_above_mb is not None:
                 try:
-                    peak_mb = max(peak_mb, _status_kb("VmRSS", str(proc.pid)) / 1024)
+                    peak_mb = max(peak_mb, _status_kb("VmRSS", str(child.pid)) / 1024)
                 except (OSError, RuntimeError):  # the child is exiting
                     pass
                 if peak_mb > kill_above_mb:
-                    proc.kill()
-                    proc.wait()
+                    child.kill()
                     return {"status": f"killed above {kill_above_mb:.0f} MB", "process_peak_mb": peak_mb}
             if time.monotonic() - start > timeout:
-                proc.kill()
-                proc.wait()
-                raise RuntimeError(f"{Path(script).name} {mode} {providers} {config}: over {timeout:.0f} s")
-            time.sleep(0.1)
-        out.seek(0)
-        err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    if proc.returncode != 0:
-        raise RuntimeError(f"{Path(script).name} {mode} {providers} {config} failed (exit {proc.returncode}):\n"
-                           f"{stderr[-3000:]}")
-    result = json.loads(stdout.strip().splitlines()[-1])
+                raise RuntimeError(f"{what}: over {timeout:.0f} s")
+            time.sleep(0.05)
+    except BaseException:  # the timeout, or Ctrl-C: no child outlives the bench
+        child.kill()
+        raise
+    ok, text = child.result()
+    if not ok:
+        raise RuntimeError(f"{what} failed:\n{text[-3000:]}")
+    result = json.loads(text)
     if mode == "time":
         return {name: Timing(**t) for name, t in result.items()}
     return dict(result, status="ok")
+
+
+#: What the CPU children's server imports before forking them (see :func:`run_fresh`): the libraries most benches'
+#: steps load.
+PRELOAD = ("torch", "transformers", "transformers.modeling_utils", "fastprompt", "fastprompt.model.encoder", "peft")
+# glibc's mallopt parameters (malloc.h) that MALLOC_ENV's two variables set
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+
+
+class _Interpreter:
+    """A child that is a new Python interpreter running this file on the spec (CUDA children)."""
+
+    def __init__(self, spec: dict):
+        self._out, self._err = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+        env = dict(os.environ, **(MALLOC_ENV if spec["mode"] == "memory" else {}))
+        self._proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), json.dumps(spec)],
+                                      stdout=self._out, stderr=self._err, env=env, text=True)
+        self.pid = self._proc.pid
+
+    def running(self) -> bool:
+        return self._proc.poll() is None
+
+    def kill(self):
+        self._proc.kill()
+        self._proc.wait()
+
+    def result(self) -> tuple[bool, str]:
+        with self._out, self._err:
+            self._out.seek(0)
+            self._err.seek(0)
+            stdout, stderr = self._out.read(), self._err.read()
+        if self._proc.returncode != 0:
+            return False, f"exit {self._proc.returncode}:\n{stderr}"
+        return True, stdout.strip().splitlines()[-1]
+
+
+class _Forked:
+    """A child forked from multiprocessing's fork server (CPU children; see :func:`run_fresh`)."""
+
+    def __init__(self, spec: dict, preload: list[str]):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("forkserver")
+        ctx.set_forkserver_preload([m for m in preload if importlib.util.find_spec(m.split(".")[0])])
+        self._conn, child_conn = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(target=_forked_child, args=(spec, child_conn))
+        self._proc.start()
+        child_conn.close()
+        self.pid, self._message = self._proc.pid, None
+
+    def running(self) -> bool:
+        self._receive()
+        return self._proc.is_alive()
+
+    def _receive(self):
+        # read while the child runs: a message larger than the pipe's buffer would otherwise block its exit
+        if self._message is None and self._conn.poll():
+            try:
+                self._message = self._conn.recv()
+            except EOFError:  # it died before sending: result() reports its exit code
+                self._message = False
+
+    def kill(self):
+        self._proc.kill()
+        self._proc.join()
+
+    def result(self) -> tuple[bool, str]:
+        self._proc.join()
+        self._receive()
+        self._conn.close()
+        if not self._message:
+            return False, f"the child exited with code {self._proc.exitcode} and no result"
+        return self._message
+
+
+def _forked_child(spec: dict, conn) -> None:
+    """A forked child's body: the memory mode's glibc settings (what MALLOC_ENV sets in a new interpreter), the
+    output kept in a temporary file (its end comes back with a failure), then :func:`_child`."""
+    import ctypes
+    import traceback
+
+    if spec["mode"] == "memory":
+        libc = ctypes.CDLL(None)
+        libc.mallopt(_M_MMAP_THRESHOLD, int(MALLOC_ENV["MALLOC_MMAP_THRESHOLD_"]))
+        libc.mallopt(_M_TRIM_THRESHOLD, int(MALLOC_ENV["MALLOC_TRIM_THRESHOLD_"]))
+        libc.malloc_trim(0)  # what the server's heap holds free goes back now, not at the step's first free
+    log = tempfile.TemporaryFile("w+")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    try:
+        conn.send((True, json.dumps(_child(spec))))
+    except BaseException:
+        sys.stderr.flush()
+        log.seek(0)
+        conn.send((False, log.read()[-6000:] + traceback.format_exc()))
+    finally:
+        conn.close()
 
 
 def _child(spec: dict) -> dict:

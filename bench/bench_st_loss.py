@@ -43,6 +43,8 @@ PROVIDERS = ("fastprompt", "mnrl", "cached_mnrl", "fastprompt_cached")
 BASELINE = "mnrl"
 CONFIG_KEYS = ("part", "encoder", "batch", "columns", "hardness")
 PACKAGES = ("transformers", "sentence-transformers")
+#: What its steps import beyond the harness's PRELOAD (the children's server imports it once)
+PRELOAD = ("sentence_transformers", "sentence_transformers.sentence_transformer.losses")
 MINI_BATCH = 32
 DIM = 384
 #: the small encoder (``--encoder small``): BERT shape, random weights, ``--model``'s vocabulary
@@ -205,10 +207,10 @@ def main(argv=None) -> int:
         if part == "step":
             config.update(model=args.model, data=str(args.data))
         times = run_fresh(__file__, "setup", config, mode="time", providers=args.providers, device="cpu",
-                          warmup=1, repeats=repeats, timeout=args.timeout)
+                          warmup=1, repeats=repeats, timeout=args.timeout, preload=PRELOAD)
         for pr in args.providers:
             mem = run_fresh(__file__, "setup", config, mode="memory", providers=[pr], device="cpu",
-                            timeout=args.timeout)
+                            timeout=args.timeout, preload=PRELOAD)
             row = dict(bench="st_loss", device="cpu", provider=pr, part=part, encoder=encoder, batch=batch,
                        columns=ncols, hardness=hardness, **measured(times[pr], mem, ndigits=2), threads=threads)
             if part == "step":

@@ -60,7 +60,16 @@ def test_timing_summary_and_alternation():
         _harness.time_alternating({"a": lambda: None}, repeats=0)
 
 
-def test_fresh_process_peak_memory_counts_the_step_only(script):
+@pytest.fixture(params=["forked", "interpreter"])
+def child_kind(request, monkeypatch):
+    """Both kinds of child: forked from the preloaded server (every CPU run) and a new interpreter (CUDA runs,
+    here on the CPU)."""
+    if request.param == "interpreter":
+        monkeypatch.setattr(_harness, "_Forked", lambda spec, preload: _harness._Interpreter(spec))
+    return request.param
+
+
+def test_fresh_process_peak_memory_counts_the_step_only(script, child_kind):
     big = _harness.run_fresh(script, "setup", {"mb": 96}, mode="memory", providers=["toy"], device="cpu", steps=2)
     small = _harness.run_fresh(script, "setup", {"mb": 0}, mode="memory", providers=["toy"], device="cpu")
     assert big["status"] == "ok" and big["exact_peak"] and len(big["times_ms"]) == 2
@@ -73,7 +82,7 @@ def test_fresh_process_peak_memory_counts_the_step_only(script):
     assert big["process_peak_mb"] >= big["peak_mb"] + 32
 
 
-def test_fresh_process_timing_watchdog_and_failures(script):
+def test_fresh_process_timing_watchdog_and_failures(script, child_kind):
     timings = _harness.run_fresh(script, "setup", {"mb": 1}, mode="time", providers=["x", "y"], device="cpu",
                                  warmup=0, repeats=3)
     assert set(timings) == {"x", "y"} and timings["x"].repeats == 3 and timings["x"].median_ms > 0
