@@ -83,21 +83,20 @@ class LocalBackend:
         if batch_size < 1:
             raise ValueError(f"batch_size must be at least 1, got {batch_size}")
         source, gguf_file, self.model_id = resolve_local_model(model)
-        try:
-            if gguf_file:  # fastprompt convert-gguf's reader: a truncated or foreign file is one ValueError
+        if gguf_file:  # fastprompt convert-gguf's reader: a truncated or foreign file is one ValueError
+            try:
                 self.tokenizer, self.model = read_gguf(source, gguf_file, dtype)
-            else:  # safetensors: never a pickled pytorch_model.bin
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"cannot load the local LLM {model!r}: {exc}") from None
+        else:  # safetensors: never a pickled pytorch_model.bin
+            try:
                 with refusing_remote_code(source, trust_remote_code):
                     self.tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
                     self.model = AutoModelForCausalLM.from_pretrained(source, dtype=getattr(torch, dtype),
                                                                       trust_remote_code=trust_remote_code,
                                                                       use_safetensors=True)
-        except OSError as exc:  # transformers' "not a folder, not on the hub" error
-            raise ValueError(f"cannot load the local LLM {model!r}: {exc}") from exc
-        except ValueError as exc:
-            if not gguf_file:
-                raise
-            raise ValueError(f"cannot load the local LLM {model!r}: {exc}") from None
+            except OSError as exc:  # transformers' "not a folder, not on the hub" error
+                raise ValueError(f"cannot load the local LLM {model!r}: {exc}") from exc
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.model.to(self.device).eval()
         self.batch_size, self.dtype, self.gguf_file = batch_size, dtype, gguf_file
