@@ -46,6 +46,7 @@ import torch
 
 from fastprompt.choices import BACKENDS, check_choice
 from fastprompt.model.attention import PrefixState, register_attention
+from fastprompt.model.backbone import offset_position_ids, padding_offset
 
 from .peft_support import check_peft_runs
 
@@ -185,11 +186,11 @@ def peft_prefix(model) -> torch.Tensor:
 
 def _shifted_positions(base, input_ids, inputs_embeds, shift: int):
     """The positions the model gives the tokens after a cache of length ``shift`` (what PEFT runs)."""
-    emb = getattr(base, "embeddings", None)
-    if hasattr(emb, "create_position_ids_from_input_ids"):  # RoBERTa family: numbered from padding_idx + 1
+    pad = padding_offset(base)
+    if pad is not None:  # RoBERTa family: numbered from padding_idx + 1
         if input_ids is None:
             return None  # RoBERTa numbers inputs_embeds from padding_idx + 1 whatever the cache length
-        return emb.create_position_ids_from_input_ids(input_ids, emb.padding_idx, shift)
+        return offset_position_ids(input_ids, pad, shift)
     ref = input_ids if input_ids is not None else inputs_embeds
     B, S = ref.shape[:2]
     return (torch.arange(S, device=ref.device) + shift).unsqueeze(0).expand(B, -1)

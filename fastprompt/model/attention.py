@@ -149,17 +149,21 @@ def _mpnet_self_attention(module, slot: OwnAttention, hidden_states, attention_m
     """MPNetSelfAttention.forward with the prefix: MPNet's relative position bias is the additive ``attn_bias`` of
     the token block; the prefix columns get none (the prefix has no position, so no relative distance to bucket,
     as in P-tuning v2 where the prefix only enters attention). ``attention_mask`` (eager's additive mask) is
-    replaced by the state's (B, S) padding mask."""
+    replaced by the state's (B, S) padding mask. In a packed batch every layer runs the variable-length op (an
+    empty prefix where it has none), with the (1, H, L, L) bias of :func:`_mpnet_position_bias`, which the op
+    indexes by each sequence's own positions."""
     state = slot.state
     layer = layer_index(module, state)
     entry = None
     if state is not None and layer is not None:
         state.served.add(layer)
-        entry = state.layers[layer] if layer < len(state.layers) else None
         if state.capture is not None:
             shape = (*hidden_states.shape[:-1], -1, module.attention_head_size)
             k, v = (lin(hidden_states[:1]).view(1, *shape[1:]).transpose(1, 2)[0] for lin in (module.k, module.v))
             state.capture[layer] = (k.detach(), v.detach())
+        # the (H, 0, D) shape prefix_entry reads from the keys: MPNet has as many key heads as query heads
+        entry = prefix_entry(state, layer, hidden_states.new_empty(1, module.num_attention_heads, 0,
+                                                                    module.attention_head_size))
     if entry is None or output_attentions:
         if entry is not None:
             raise ValueError("output_attentions is not available with a prefix (the fused op keeps no probabilities)")
@@ -172,23 +176,37 @@ def _mpnet_self_attention(module, slot: OwnAttention, hidden_states, attention_m
     pk, pv = (t.to(q.dtype) for t in entry)
     out = prefix_attention(q, k, v, pk, pv, state.key_padding_mask, scale=module.attention_head_size ** -0.5,
                            dropout_p=module.dropout.p if module.training else 0.0, prompt_index=state.prompt_index,
-                           backend=state.backend, attn_bias=position_bias)
+                           backend=state.backend, attn_bias=position_bias, cu_seqlens=state.cu_seqlens,
+                           max_seqlen=state.max_seqlen)
     return (module.o(out.transpose(1, 2).reshape(B, S, -1)),)
 
 
-#: attention module class name -> the adapter that computes it with the prefix
-OWN_ATTENTION = {"MPNetSelfAttention": _mpnet_self_attention}
+def _mpnet_position_bias(module, slot: OwnAttention, x, position_ids=None, num_buckets=32):
+    """MPNetEncoder.compute_position_bias; in a packed batch ((1, N) activations) the bias of one padded row of
+    ``max_seqlen`` tokens, (1, H, L, L), instead of an (N, N) matrix over the packed row. The bias depends on the
+    distance between two tokens only, so the op's indexing by each sequence's own positions gives every sequence
+    the bias it has in the padded batch (left or right padded alike)."""
+    state = slot.state
+    if state is not None and state.cu_seqlens is not None and position_ids is None:
+        x = x.new_empty(1, state.max_seqlen, 0)
+    return type(module).compute_position_bias(module, x, position_ids, num_buckets)
+
+
+#: module class name -> (the method fastprompt replaces, the adapter that computes it with the prefix)
+OWN_ATTENTION = {"MPNetSelfAttention": ("forward", _mpnet_self_attention),
+                 "MPNetEncoder": ("compute_position_bias", _mpnet_position_bias)}
 
 
 def adapt_own_attention(backbone) -> OwnAttention | None:
-    """Give the attention modules of ``backbone`` listed in :data:`OWN_ATTENTION` the prefix (see
-    :class:`OwnAttention`); None when it has none."""
+    """Give the modules of ``backbone`` listed in :data:`OWN_ATTENTION` the prefix (see :class:`OwnAttention`);
+    None when it has none."""
     modules = [m for m in backbone.modules() if type(m).__name__ in OWN_ATTENTION]
     if not modules:
         return None
     slot = OwnAttention()
     for m in modules:
-        m.forward = functools.partial(OWN_ATTENTION[type(m).__name__], m, slot)
+        method, adapter = OWN_ATTENTION[type(m).__name__]
+        setattr(m, method, functools.partial(adapter, m, slot))
     return slot
 
 

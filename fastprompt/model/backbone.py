@@ -14,6 +14,7 @@ import contextlib
 import inspect
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -174,6 +175,27 @@ def load_backbone(name_or_path: str | os.PathLike, *, attn_implementation: str, 
     return tokenizer, model
 
 
+def padding_offset(model) -> int | None:
+    """The padding index of a model whose position ids start after it (``padding_idx + 1``: the RoBERTa family,
+    MPNet), None for one whose positions start at 0. Such embeddings number positions with
+    ``create_position_ids_from_input_ids``, a method (RoBERTa) or a function of their module (MPNet)."""
+    emb = getattr(model, "embeddings", None)
+    pad = getattr(emb, "padding_idx", None)
+    if not isinstance(pad, int):
+        return None
+    module = sys.modules.get(type(emb).__module__)
+    numbered = hasattr(emb, "create_position_ids_from_input_ids") or \
+        hasattr(module, "create_position_ids_from_input_ids")
+    return pad if numbered else None
+
+
+def offset_position_ids(input_ids: torch.Tensor, pad: int, shift: int = 0) -> torch.Tensor:
+    """Position ids of a :func:`padding_offset` model: ``pad + 1 + shift`` onwards at the tokens, ``pad`` at the
+    padding (transformers' ``create_position_ids_from_input_ids`` with ``past_key_values_length=shift``)."""
+    mask = input_ids.ne(pad).long()
+    return (mask.cumsum(1) + shift) * mask + pad
+
+
 def check_position_offset(model, where: str) -> None:
     """Refuse BERT weights under a RoBERTa-family ``model_type`` (positions silently shifted by one or two).
 
@@ -182,11 +204,9 @@ def check_position_offset(model, where: str) -> None:
     transformers initialises to zero and which never gets a gradient. Weights trained with positions from 0
     (BERT) use that row for a real position, so it is not zero. The key names cannot tell: BertModel and
     RobertaModel save the same ones."""
-    emb = getattr(model, "embeddings", None)
-    table = getattr(emb, "position_embeddings", None)
-    pad = getattr(emb, "padding_idx", None)
-    if (not hasattr(emb, "create_position_ids_from_input_ids") or table is None or not isinstance(pad, int)
-            or not 0 <= pad < table.weight.shape[0]):
+    table = getattr(getattr(model, "embeddings", None), "position_embeddings", None)
+    pad = padding_offset(model)
+    if pad is None or table is None or not 0 <= pad < table.weight.shape[0]:
         return
     if bool(table.weight[pad].detach().ne(0).any()):
         model_type = getattr(model.config, "model_type", "?")
@@ -203,10 +223,8 @@ def max_input_length(model, shifted_by: int = 0) -> int | None:
     n = getattr(model.config, "max_position_embeddings", None)
     if not isinstance(n, int):
         return None
-    emb = getattr(model, "embeddings", None)
-    start = 0
-    if emb is not None and hasattr(emb, "create_position_ids_from_input_ids"):
-        start = emb.padding_idx + 1
+    pad = padding_offset(model)
+    start = 0 if pad is None else pad + 1
     return n - start - shifted_by
 
 
@@ -237,10 +255,11 @@ def ensure_pad_token(tokenizer) -> None:
 
 
 #: Model types whose packed forward (:meth:`Architecture.forward_packed`) is the padded forward's maths: every layer
-#: is row-wise but for its attention, which goes through the prefix attention function, and positions come from
-#: ``position_ids``. Each is checked against the padded forward by tests/model/test_packed.py.
-PACKABLE_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "electra", "distilbert", "llama", "mistral", "qwen2",
-                        "qwen3", "gemma", "gemma2", "gemma3_text", "modernbert")
+#: is row-wise but for its attention, which goes through the prefix attention function (MPNet: its adapters, with its
+#: relative position bias given per sequence), and positions come from ``position_ids``. Each is checked against the
+#: padded forward by tests/model/test_packed.py.
+PACKABLE_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "electra", "distilbert", "mpnet", "llama", "mistral",
+                        "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "modernbert")
 
 
 class Architecture:
@@ -287,18 +306,18 @@ class Architecture:
         """
         if not (shift > 0 or explicit or positions is not None or soft is not None):
             return None
-        emb = getattr(self.model, "embeddings", None)
+        pad = padding_offset(self.model)
         if positions is None and soft is None:
-            if hasattr(emb, "create_position_ids_from_input_ids"):  # RoBERTa family: offsets by padding_idx
-                return emb.create_position_ids_from_input_ids(input_ids, emb.padding_idx, shift)
+            if pad is not None:  # RoBERTa family, MPNet: offsets by padding_idx
+                return offset_position_ids(input_ids, pad, shift)
             S = input_ids.shape[1]
             return (torch.arange(S, device=input_ids.device) + shift).unsqueeze(0).expand(input_ids.shape[0], -1)
         if positions is None:
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
         if soft is not None:
             positions, attention_mask = soft.insert_positions(positions), soft.insert_mask(attention_mask)
-        if hasattr(emb, "create_position_ids_from_input_ids"):
-            return torch.where(attention_mask.bool(), positions + emb.padding_idx + 1 + shift, emb.padding_idx)
+        if pad is not None:
+            return torch.where(attention_mask.bool(), positions + pad + 1 + shift, pad)
         return positions + shift
 
     def forward(self, attention_mask: torch.Tensor, layers: list, *, prefix_mode: str, backend: str,
@@ -308,14 +327,7 @@ class Architecture:
         that holds one, or expanded into a DynamicCache (``"cache"``, the reference path)."""
         if prefix_mode == "attention":
             state = PrefixState(layers, attention_mask.bool(), backend, capture, self.layer_of)
-            if self.own_attention is None:
-                out = self.model(attention_mask=attention_mask, fastprompt_state=state, **inputs)
-            else:
-                self.own_attention.state = state
-                try:
-                    out = self.model(attention_mask=attention_mask, **inputs)
-                finally:  # the backbone called on its own runs without the prefix
-                    self.own_attention.state = None
+            out = self._run_with(state, attention_mask=attention_mask, **inputs)
             check_prefix_consumed([i for i, e in enumerate(layers) if e is not None], state.served, self.name)
         elif all(e is None for e in layers):
             out = self.model(attention_mask=attention_mask, **inputs)
@@ -328,12 +340,20 @@ class Architecture:
             out = self.model(attention_mask=mask, use_cache=True, **inputs)
         return out.last_hidden_state
 
+    def _run_with(self, state: PrefixState, **inputs):
+        """The backbone's forward with ``state`` reaching its attention: as the ``fastprompt_state`` keyword
+        transformers threads down, or through the adapters' slot for attention computed in its own modules (MPNet)."""
+        if self.own_attention is None:
+            return self.model(fastprompt_state=state, **inputs)
+        self.own_attention.state = state
+        try:
+            return self.model(**inputs)
+        finally:  # the backbone called on its own runs without the prefix
+            self.own_attention.state = None
+
     def packing_refusal(self) -> str | None:
         """Why this backbone cannot run packed batches (:meth:`forward_packed`), or None when it can."""
         model_type = getattr(self.model.config, "model_type", None)
-        if self.own_attention is not None:
-            return (f"{self.name} computes attention in its own modules (its relative position bias would be an "
-                    "(N, N) matrix over a packed row)")
         if model_type not in PACKABLE_MODEL_TYPES:
             return (f"{self.name} is not among the architectures whose packed forward is tested to equal the padded "
                     f"one ({', '.join(PACKABLE_MODEL_TYPES)})")
@@ -366,7 +386,7 @@ class Architecture:
                 raise ValueError(f"{self.name}'s last layer cannot compute pooled rows only")
             state.pooled_rows = padded_index[torch.arange(B, device=keep.device), pooled]
         with packed_forward(cu_seqlens):
-            out = self.model(fastprompt_state=state, **packed)
+            out = self._run_with(state, **packed)
         # every layer, not only those with a prefix: a layer outside the function would attend across sequences
         check_prefix_consumed(range(self.num_layers), state.served, self.name)
         hidden = out.last_hidden_state[0]

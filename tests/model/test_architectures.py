@@ -67,16 +67,23 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def _tokenizer(padding_side="right"):
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]", *WORDS]
+#: MPNet's embeddings take 1 as the padding index whatever the config says (the real MPNet's [PAD] id), and number
+#: positions by the tokens that are not it: its tiny tokenizer puts [PAD] there
+PAD_ID = {"mpnet": 1}
+
+
+def _tokenizer(padding_side="right", model_type=None):
+    special = ["[PAD]", "[UNK]"] if PAD_ID.get(model_type, 0) == 0 else ["[UNK]", "[PAD]"]
+    vocab = [*special, "[CLS]", "[SEP]", "[MASK]", *WORDS]
     tok = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
     tok.padding_side = padding_side
     return tok
 
 
 def _backbone(model_type, extra, seed=0, dtype=torch.float64):
-    tok = _tokenizer()
-    config = AutoConfig.for_model(model_type, **COMMON, **extra, vocab_size=len(tok), pad_token_id=0)
+    tok = _tokenizer(model_type=model_type)
+    config = AutoConfig.for_model(model_type, **COMMON, **extra, vocab_size=len(tok),
+                                  pad_token_id=PAD_ID.get(model_type, 0))
     torch.manual_seed(seed)
     return AutoModel.from_config(config, attn_implementation=register_attention(), dtype=dtype).eval()
 
@@ -87,7 +94,8 @@ def _encoder(model_type, extra, prompt_config=None, padding_side="right", pooler
     causal = model_type in DECODERS
     pooler = pooler or ("last" if causal else "mean")
     torch.manual_seed(1)
-    enc = PromptEncoder(backbone, _tokenizer(padding_side), prompt_config, pooler=pooler, **kwargs).to(dtype)
+    enc = PromptEncoder(backbone, _tokenizer(padding_side, model_type), prompt_config, pooler=pooler,
+                        **kwargs).to(dtype)
     return enc.eval()
 
 
@@ -342,6 +350,52 @@ def test_input_prompts_still_reach_a_bypassing_model():
         encoder.input_prompt.embedding.mul_(3)
     # a tiny random model mixes tokens weakly (~1e-4 here); bypassed, the change would be exactly 0
     assert (encoder(batch["input_ids"], batch["attention_mask"]) - before).abs().max() > 1e-6
+
+
+@pytest.mark.parametrize("model_type", ["roberta", "xlm-roberta", "mpnet", "bert", "distilbert", "modernbert"])
+def test_position_ids_are_numbered_as_the_model_numbers_them(model_type):
+    """RoBERTa's embeddings number positions from padding_idx + 1 with a method, MPNet's with a function of their
+    module: fastprompt's explicit ids (packed batches, soft input tokens, a [CLS] prompt, shifted prompts) must be
+    theirs, on both. The models that count from 0 have no offset."""
+    import sys
+
+    from fastprompt.model.backbone import max_input_length, offset_position_ids, padding_offset
+
+    encoder = _encoder(model_type, {**ENCODERS, **BYPASSING}[model_type])
+    model = encoder.backbone
+    batch = encoder.tokenize(SENTENCES)
+    ids = batch["input_ids"]
+    if model_type in ("bert", "distilbert", "modernbert"):
+        assert padding_offset(model) is None
+        return
+    pad = padding_offset(model)
+    emb = model.embeddings
+    assert pad == emb.padding_idx == encoder.tokenizer.pad_token_id == PAD_ID.get(model_type, 0)
+    assert max_input_length(model) == model.config.max_position_embeddings - pad - 1
+    own = getattr(emb, "create_position_ids_from_input_ids", None)
+    for shift in (0, 3):
+        if own is None:  # MPNet: a function of the module, without a shift
+            if shift:
+                continue
+            want = sys.modules[type(emb).__module__].create_position_ids_from_input_ids(ids, pad)
+        else:
+            want = own(ids, pad, shift)
+        assert torch.equal(offset_position_ids(ids, pad, shift), want)
+        assert torch.equal(encoder.architecture.position_ids(ids, batch["attention_mask"], shift=shift,
+                                                             explicit=True), want)
+
+
+def test_mpnet_with_zero_soft_input_tokens_is_the_plain_model():
+    """Soft input tokens make fastprompt pass explicit position ids; with none inserted, MPNet's hidden states
+    must be those it computes on its own (they were not, when MPNet's positions started at 0 instead of 2)."""
+    plain = _encoder("mpnet", {})
+    soft = _encoder("mpnet", {}, PromptConfig(prompt_type="input", input_prompt_length=0))
+    batch = plain.tokenize(SENTENCES)
+    real = batch["attention_mask"].bool()
+    with torch.no_grad():
+        a = plain.hidden_states(batch["input_ids"], batch["attention_mask"])
+        b = soft.hidden_states(batch["input_ids"], batch["attention_mask"])
+    torch.testing.assert_close(b[real], a[real], **TOL)
 
 
 def test_decoder_refuses_first_token_pooling_and_a_cls_prompt_it_cannot_place():
