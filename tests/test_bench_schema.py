@@ -37,6 +37,11 @@ def test_bench_measures_and_writes_through_the_harness(script):
     writes = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
               and n.func.attr in ("DictWriter", "writer", "write_text", "dump")]
     assert not writes, f"{script.name} writes a file itself (line {writes[0].lineno if writes else ''})"
+    # the harness's forked children import the starting script again (multiprocessing): its work must run under
+    # __main__ only, never at import
+    guards = [n for n in tree.body if isinstance(n, ast.If) and ast.unparse(n.test) == "__name__ == '__main__'"]
+    calls = [n for n in tree.body if isinstance(n, ast.Expr) and isinstance(n.value, ast.Call)]
+    assert guards and not calls, f"{script.name} must run its work under if __name__ == '__main__' only"
 
 
 @pytest.mark.parametrize("path", RESULTS, ids=lambda p: p.name)
