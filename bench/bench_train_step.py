@@ -234,6 +234,9 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
 
         module = enc
 
+    # from_pretrained returns a model in eval mode (dropout off); both sides train as a trainer does, with the
+    # encoder's dropout on (fastprompt's Trainer calls encoder.train(); a PEFT user calls model.train())
+    module.train()
     initial = [p.detach().clone() for p in params]
     train_step()  # warm-up: one-off allocations, the optimizer state, the compilation
     sync()
