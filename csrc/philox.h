@@ -37,9 +37,10 @@ FASTPROMPT_INLINE PhiloxKey philox_key(int64_t seed, double dropout_p) {
   return {lo, (lo >> 31) ? 0xFFFFFFFFu : 0u, hi, static_cast<float>(dropout_p)};
 }
 
-// Word 0 of Philox4x32-10 at counter (c0, c1, key.c2, 0). Branch-free integer code: loops over c0 vectorise.
-FASTPROMPT_INLINE uint32_t philox_word0(uint32_t c0, uint32_t c1, const PhiloxKey& key) {
-  uint32_t c2 = key.c2, c3 = 0, k0 = key.k0, k1 = key.k1;
+// The ten rounds of Philox4x32-10 on the counter (c0, c1, c2, c3) with key (k0, k1), in place: the counter
+// words become the four output words. Branch-free integer code: loops over counters vectorise.
+FASTPROMPT_INLINE void philox_rounds(uint32_t& c0, uint32_t& c1, uint32_t& c2, uint32_t& c3, uint32_t k0,
+                                     uint32_t k1) {
   for (int round = 0; round < 10; ++round) {
     const uint64_t p0 = static_cast<uint64_t>(0xD2511F53u) * c0;  // A * c0
     const uint64_t p2 = static_cast<uint64_t>(0xCD9E8D57u) * c2;  // B * c2
@@ -52,6 +53,12 @@ FASTPROMPT_INLINE uint32_t philox_word0(uint32_t c0, uint32_t c1, const PhiloxKe
     k0 += 0x9E3779B9u;
     k1 += 0xBB67AE85u;
   }
+}
+
+// Word 0 of Philox4x32-10 at counter (c0, c1, key.c2, 0).
+FASTPROMPT_INLINE uint32_t philox_word0(uint32_t c0, uint32_t c1, const PhiloxKey& key) {
+  uint32_t c2 = key.c2, c3 = 0;
+  philox_rounds(c0, c1, c2, c3, key.k0, key.k1);
   return c0;
 }
 

@@ -43,18 +43,13 @@
 #include <string>
 #include <vector>
 
+#include "cpu_levels.h"
 #include "philox.h"
 
 // The vector helpers are always inlined, so the AVX-512 argument-passing ABI note does not apply.
 #pragma GCC diagnostic ignored "-Wpsabi"
 
-// Several x86-64 levels of the inner loops (prefix_attention_simd.h) are compiled side by side with GCC:
-// x86-64-v4 (AVX-512), x86-64-v3 (AVX2 + FMA) and the baseline the rest of the file is compiled for. Other
-// compilers and architectures get the baseline only. FASTPROMPT_CPU_ISA picks one (see simd_kernels below).
-#if (defined(__x86_64__) || defined(_M_X64)) && defined(__GNUC__) && !defined(__clang__) && \
-    !defined(FASTPROMPT_NO_ISA_LEVELS)
-#define FASTPROMPT_ISA_LEVELS 1
-#endif
+// The inner loops (prefix_attention_simd.h) are compiled once per x86-64 level of cpu_levels.h.
 
 namespace fastprompt {
 namespace {
@@ -118,47 +113,10 @@ const SimdKernels kSimdLevels[] = {  // best first
     {"baseline", &isa_baseline::gemm, &isa_baseline::softmax_row, &isa_baseline::softmax_backward_row},
 };
 
-bool cpu_supports(const SimdKernels& level) {
-#ifdef FASTPROMPT_ISA_LEVELS
-  __builtin_cpu_init();
-  if (std::strcmp(level.name, "x86-64-v4") == 0) return __builtin_cpu_supports("x86-64-v4");
-  if (std::strcmp(level.name, "x86-64-v3") == 0) return __builtin_cpu_supports("x86-64-v3");
-#endif
-  return std::strcmp(level.name, "baseline") == 0;
-}
+static_assert(sizeof(kSimdLevels) / sizeof(kSimdLevels[0]) == kIsaLevelCount, "one copy per level of kIsaLevels");
 
-// The levels this build has and this CPU supports, best first.
-std::vector<std::string> supported_levels() {
-  std::vector<std::string> names;
-  for (const SimdKernels& level : kSimdLevels)
-    if (cpu_supports(level)) names.emplace_back(level.name);
-  return names;
-}
-
-// The level to run: `requested` is "auto" (or empty: the best level this CPU supports) or a level's name, which
-// must be compiled in and supported by this CPU. Read on every call from FASTPROMPT_CPU_ISA, so tests can run
-// each level on one machine (what a CPU without AVX-512 runs is then tested on one with it).
-const SimdKernels& simd_kernels(const std::string& requested) {
-  if (requested.empty() || requested == "auto") {
-    for (const SimdKernels& level : kSimdLevels)
-      if (cpu_supports(level)) return level;
-  }
-  std::string known;
-  for (const SimdKernels& level : kSimdLevels) {
-    if (requested == level.name) {
-      TORCH_CHECK(cpu_supports(level), "FASTPROMPT_CPU_ISA=", requested,
-                  ": this CPU does not support that level; unset it or choose one of ", c10::Join(", ", supported_levels()));
-      return level;
-    }
-    known += known.empty() ? level.name : std::string(", ") + level.name;
-  }
-  TORCH_CHECK(false, "FASTPROMPT_CPU_ISA=", requested, " is not a level of this build (auto, ", known, ")");
-}
-
-const SimdKernels& simd_kernels() {
-  const char* env = std::getenv("FASTPROMPT_CPU_ISA");
-  return simd_kernels(env == nullptr ? std::string() : std::string(env));
-}
+// The compiled copy of the level to run (cpu_levels.h: FASTPROMPT_CPU_ISA, or the best level this CPU supports).
+const SimdKernels& simd_kernels() { return kSimdLevels[isa_level_index()]; }
 
 // --------------------------------------------------------------------------------------------------------
 // operands
@@ -303,10 +261,6 @@ int64_t seed_value(const at::Tensor& seed) {
   return seed.item<int64_t>();
 }
 
-bool poison_outputs() {  // tests: every output element must be written by the kernel
-  const char* env = std::getenv("FASTPROMPT_CPU_POISON");
-  return env != nullptr && env[0] == '1';
-}
 
 // Query rows per tile: fewer under a causal mask or a window, so a block's token columns follow its rows' band
 // (a causal block of 16 rows computes at most 16 token columns past its last row's diagonal).
@@ -765,7 +719,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tensor, at::Tenso
 
 // The level FASTPROMPT_CPU_ISA selects now, and the levels this build has and this CPU supports.
 std::string prefix_attention_cpu_isa() { return simd_kernels().name; }
-std::vector<std::string> prefix_attention_cpu_isa_levels() { return supported_levels(); }
+std::vector<std::string> prefix_attention_cpu_isa_levels() { return isa_supported_levels(); }
 
 // The keep-mask (B, H, S, P + S) of the kernels' dropout (for tests and for the reference to replay).
 at::Tensor prefix_attention_cpu_keep_mask(int64_t B, int64_t H, int64_t S, int64_t P, double dropout_p,

@@ -23,7 +23,7 @@ import torch
 from fastprompt.io import read_json
 from fastprompt.remote_code import refusing_remote_code
 
-from . import pooled_rows
+from . import add_norm, pooled_rows
 from .attention import (
     PrefixState,
     adapt_own_attention,
@@ -287,6 +287,8 @@ class Architecture:
         layers = layer_list(backbone, self.num_layers)
         self.layer_of = attention_layer_map(layers)
         self.own_attention = adapt_own_attention(backbone)  # MPNet: attention computed in its own modules
+        #: output modules running dropout + residual add + LayerNorm as one fused op in training (:mod:`.add_norm`)
+        self.fused_add_norm = add_norm.install(backbone)
         #: the last layer can compute the pooled rows only (:mod:`fastprompt.model.pooled_rows`), in packed batches
         self.pooled_rows_only = pooled_rows.install(layers)
 

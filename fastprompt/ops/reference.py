@@ -307,3 +307,11 @@ def _packed_reference(q, k, v, prefix_k, prefix_v, key_padding_mask, cu_seqlens,
     out = torch.cat([out[b, :, :n] for b, n in enumerate(lengths)], 1).unsqueeze(0)
     lse = torch.cat([lse[b, :, :n] for b, n in enumerate(lengths)], 1).unsqueeze(0)
     return (out, lse) if return_lse else out
+
+
+def dropout_add_layer_norm_reference(x, residual, weight, bias, eps, dropout_p, keep=None):
+    """``layer_norm(x * keep / (1 - p) + residual)`` over the last dimension, in plain PyTorch: the ground truth of
+    :func:`fastprompt.ops.add_norm.dropout_add_layer_norm` given its keep decisions ``keep`` (bool, x's shape,
+    True = kept; :func:`fastprompt.ops.add_norm.keep_mask` of the flattened rows), None for no dropout."""
+    dropped = x if keep is None else x * keep.to(x.dtype) * (1.0 / (1.0 - dropout_p))
+    return torch.nn.functional.layer_norm(dropped + residual, (x.shape[-1],), weight, bias, eps)
