@@ -1,7 +1,7 @@
 // The per-row loops of the fused dropout + residual add + LayerNorm (dropout_add_norm.cpp). No include guard on
 // purpose: dropout_add_norm.cpp includes this file once per x86-64 level of cpu_levels.h, each time inside its
 // own namespace and under `#pragma GCC target(...)`, so each level gets its own compiled copy. Expects kLanes,
-// PhiloxKey and philox_rounds from the includer. Plain loops written for the compiler to vectorise; the row
+// PhiloxKey and philox_words (philox.h) from the includer. Plain loops written for the compiler to vectorise; the row
 // sums accumulate in kLanes fixed partial sums combined in a fixed order, so the levels differ only in rounding
 // (x86-64-v3 and v4 contract a * b + c into one fused multiply-add), never in the order of a sum.
 
@@ -38,26 +38,14 @@ void keep_row(uint64_t e0, int64_t n, uint32_t threshold, float scale, const Phi
               uint32_t* __restrict words, float* __restrict m, uint8_t* __restrict bits) {
   const uint64_t q0 = e0 >> 2, q1 = (e0 + static_cast<uint64_t>(n) + 3) >> 2;  // the counters the row reads
   const int64_t nq = static_cast<int64_t>(q1 - q0);
-  uint32_t* __restrict w0 = words;  // the four words of each counter, one array per word (vectorises)
-  uint32_t* __restrict w1 = words + nq;
-  uint32_t* __restrict w2 = words + 2 * nq;
-  uint32_t* __restrict w3 = words + 3 * nq;
-  uint32_t* __restrict seq = words + 4 * nq;  // then in element order: seq[4 j + k] = word k of counter q0 + j
-  for (int64_t j = 0; j < nq; ++j) {
-    const uint64_t q = q0 + static_cast<uint64_t>(j);
-    uint32_t c0 = static_cast<uint32_t>(q), c1 = static_cast<uint32_t>(q >> 32), c2 = key.c2, c3 = 0;
-    philox_rounds(c0, c1, c2, c3, key.k0, key.k1);
-    w0[j] = c0;
-    w1[j] = c1;
-    w2[j] = c2;
-    w3[j] = c3;
-  }
-  for (int64_t j = 0; j < nq; ++j) {
-    seq[4 * j] = w0[j];
-    seq[4 * j + 1] = w1[j];
-    seq[4 * j + 2] = w2[j];
-    seq[4 * j + 3] = w3[j];
-  }
+  uint32_t* __restrict seq = words + 4 * nq;  // seq[4 j + k] = word k of counter q0 + j
+  philox_words(
+      nq,
+      [&](int64_t j) {
+        const uint64_t q = q0 + static_cast<uint64_t>(j);
+        return std::pair<uint32_t, uint32_t>(static_cast<uint32_t>(q), static_cast<uint32_t>(q >> 32));
+      },
+      key, words, seq);
   const uint32_t* __restrict row = seq + (e0 & 3);  // row[c]: the word of element e0 + c
   for (int64_t c = 0; c < n; ++c) m[c] = row[c] >= threshold ? scale : 0.0f;
   const int64_t full = n / 8;

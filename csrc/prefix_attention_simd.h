@@ -2,7 +2,8 @@
 // exp, the row reductions and the per-row softmax steps. No include guard on purpose: prefix_attention.cpp
 // includes this file once per x86-64 level, each time inside its own namespace and under
 // `#pragma GCC target(...)`, so each level gets its own compiled copy (see kSimdLevels there). Expects kLanes,
-// kMr, kNegInf, PhiloxKey, philox_keep, RowSpan and FASTPROMPT_SIMD_BYTES (the level's vector width) from the includer.
+// kMr, kNegInf, PhiloxKey, philox_row_words, philox_word_keeps, RowSpan and FASTPROMPT_SIMD_BYTES (the level's
+// vector width) from the includer.
 
 // Each level's vector is its register width (FASTPROMPT_SIMD_BYTES, defined by the includer: 64 for AVX-512, 32
 // for AVX2, 16 for SSE); a strip of kLanes = 16 columns (the tiles' padding) is kNv such vectors. A vector wider
@@ -136,16 +137,22 @@ FASTPROMPT_INLINE void hide(float* s, const RowSpan& sp, int64_t nc, float value
 
 // x[c] *= (kept ? w : 0) over the visible columns, the keep decision of column c drawn at its key column of the
 // virtual concatenation (c for the prefix, sp.cols[c - t0] for a token); y[c] = x[c] before the product times the
-// same factor when y is not null (the backward: probabilities and their gradient).
+// same factor when y is not null (the backward: probabilities and their gradient). The row's Philox words are
+// drawn once for its key columns up to the last visible one (four per Philox call, philox.h).
 FASTPROMPT_INLINE void drop_row(float* __restrict x, float* __restrict y, const RowSpan& sp, uint32_t row_base,
                                 uint32_t bh, const PhiloxKey& key, float w) {
+  int64_t n = sp.P;  // key columns [0, n) cover every visible column
+  for (int64_t c = sp.ta; c < sp.tb; ++c) n = std::max<int64_t>(n, sp.cols[c - sp.t0] + 1);
+  static thread_local std::vector<uint32_t> buffer;
+  if (static_cast<int64_t>(buffer.size()) < 8 * (n / 4 + 2)) buffer.resize(8 * (n / 4 + 2));
+  const uint32_t* words = philox_row_words(row_base, n, bh, key, buffer.data());
   for (int64_t c = 0; c < sp.P; ++c) {
-    const float f = philox_keep(row_base + static_cast<uint32_t>(c), bh, key) ? w : 0.0f;
+    const float f = philox_word_keeps(words[c], key.p) ? w : 0.0f;
     if (y != nullptr) y[c] *= f;
     x[c] *= f;
   }
   for (int64_t c = sp.ta; c < sp.tb; ++c) {
-    const float f = philox_keep(row_base + static_cast<uint32_t>(sp.cols[c - sp.t0]), bh, key) ? w : 0.0f;
+    const float f = philox_word_keeps(words[sp.cols[c - sp.t0]], key.p) ? w : 0.0f;
     if (y != nullptr) y[c] *= f;
     x[c] *= f;
   }

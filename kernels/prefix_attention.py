@@ -39,12 +39,17 @@ UNBOUNDED = 1 << 30
 
 @triton.jit
 def _keep(seed_lo, seed_hi, bh, rows, cols, n_cols, dropout_p):
-    """Dropout keep-mask at (rows x cols) of the virtual concatenation (rows/cols broadcast)."""
-    c0 = (rows * n_cols + cols).to(tl.uint32)
+    """Dropout keep-mask at (rows x cols) of the virtual concatenation (rows/cols broadcast): element
+    e = rows * n_cols + cols (mod 2^32) reads word e % 4 of Philox at counter (e // 4, bh, seed_hi, 0), as the C++
+    kernel does (csrc/philox.h), which draws one Philox call per four elements."""
+    e = (rows * n_cols + cols).to(tl.uint32)
+    c0 = e >> 2
     c1 = (c0 * 0 + bh).to(tl.uint32)
     c2 = (c0 * 0 + seed_hi).to(tl.uint32)
     c3 = c0 * 0
-    r, _, _, _ = tl.philox(seed_lo, c0, c1, c2, c3)
+    r0, r1, r2, r3 = tl.philox(seed_lo, c0, c1, c2, c3)
+    word = e & 3
+    r = tl.where(word == 0, r0, tl.where(word == 1, r1, tl.where(word == 2, r2, r3)))
     return tl.uint_to_uniform_float(r) >= dropout_p
 
 

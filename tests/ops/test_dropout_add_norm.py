@@ -20,33 +20,22 @@ import torch
 from fastprompt.ops import _cpp, add_norm, attention_cpu
 from fastprompt.ops.reference import dropout_add_layer_norm_reference
 
+from .philox_reference import M32, philox, seed_words
+
 pytestmark = pytest.mark.skipif(not _cpp.available(), reason=str(_cpp.missing_reason()))
 
 ISA_LEVELS = attention_cpu.isa_levels() if _cpp.available() else []
-M32 = 0xFFFFFFFF
 
 # (N, C): one element, C below a byte of bits (7) and below the 16 partial sums, C = 37 (rows start at every
 # offset into a Philox counter's four words), MiniLM's 384, a long row.
 SHAPES = [(1, 1), (2, 7), (9, 16), (17, 37), (64, 384), (5, 1000)]
 
 
-def philox(counter, key):
-    """Philox4x32-10 in Python integers (Salmon et al., SC'11)."""
-    c0, c1, c2, c3 = counter
-    k0, k1 = key
-    for _ in range(10):
-        p0, p2 = 0xD2511F53 * c0, 0xCD9E8D57 * c2
-        c0, c1, c2, c3 = ((p2 >> 32) ^ c1 ^ k0) & M32, p2 & M32, ((p0 >> 32) ^ c3 ^ k1) & M32, p0 & M32
-        k0, k1 = (k0 + 0x9E3779B9) & M32, (k1 + 0xBB67AE85) & M32
-    return c0, c1, c2, c3
-
-
 def python_keep(element: int, dropout_p: float, seed: int) -> bool:
     """The documented decision of flat element ``element`` (csrc/dropout_add_norm.cpp's header)."""
-    s = seed & 0xFFFF_FFFF_FFFF_FFFF
-    lo, hi = s & M32, s >> 32
+    _, hi, key = seed_words(seed)
     q = element // 4
-    word = philox((q & M32, q >> 32, hi, 0), (lo, M32 if lo >> 31 else 0))[element % 4]
+    word = philox((q & M32, q >> 32, hi, 0), key)[element % 4]
     return word >= min(round(dropout_p * 2**32), M32)
 
 

@@ -18,6 +18,8 @@ import torch
 from fastprompt.ops import _cpp, attention_cpu, prefix_attention
 from fastprompt.ops.reference import prefix_attention_reference
 
+from .philox_reference import M32, philox, seed_words
+
 pytestmark = pytest.mark.skipif(not _cpp.available(), reason=str(_cpp.missing_reason()))
 
 TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (1e-3, 1e-3), torch.bfloat16: (1e-2, 1e-2)}
@@ -213,6 +215,26 @@ def test_keep_mask_is_the_triton_kernels_mask():
         out, _ = torch.ops.fastprompt.prefix_attention_fwd(zeros, zeros, vvals, torch.zeros(H, P, n), pvals, None,
                                                            None, 1.0, p, torch.tensor(attention_cpu.signed_seed(seed)))
         assert torch.equal(out != 0, attention_cpu.keep_mask(B, H, S, P, p, seed)), seed
+
+
+def test_keep_mask_is_the_documented_philox_decision():
+    """Each decision is word e % 4 of Philox at counter (e / 4, b * H + h, seed_hi, 0), e = i * (P + S) + j
+    (csrc/philox.h), computed here by the Python Philox of tests/ops/philox_reference.py (written from the paper)."""
+    B, H, S, P, p = 2, 3, 5, 3, 0.3
+    n = P + S
+    for seed in (7, -5, 0x8000_0001, (1 << 40) + 3):
+        _, hi, key = seed_words(seed)
+        want = torch.empty(B, H, S, n, dtype=torch.bool)
+        for b in range(B):
+            for h in range(H):
+                for i in range(S):
+                    for j in range(n):
+                        e = (i * n + j) & M32
+                        r = philox((e >> 2, b * H + h, hi, 0), key)[e & 3]
+                        r = r - (1 << 32) if r >> 31 else r  # as int32
+                        x = r if r >= 0 else -r - 1
+                        want[b, h, i, j] = float(torch.tensor(x, dtype=torch.float32) * 4.6566127342e-10) >= p
+        assert torch.equal(attention_cpu.keep_mask(B, H, S, P, p, seed), want), seed
 
 
 def test_dropout_is_a_function_of_the_seed():
