@@ -19,7 +19,7 @@ module's own forward everywhere else.
 """
 from __future__ import annotations
 
-import functools
+from typing import Optional
 
 import torch
 
@@ -54,9 +54,8 @@ def dropout_add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torc
                   else torch.zeros((), dtype=torch.int64))
     else:
         seed_t = torch.tensor(signed_seed(seed), dtype=torch.int64)
-    _register()
     rows = x.reshape(-1, C).contiguous()
-    y, _, _, _ = torch.ops.fastprompt.dropout_add_layer_norm_cpu_fwd(
+    y, _, _, _ = _fwd_op(
         rows, residual.reshape(-1, C).to(torch.float32).contiguous(),
         None if weight is None else weight.to(torch.float32).contiguous(),
         None if bias is None else bias.to(torch.float32).contiguous(), float(eps), float(dropout_p), seed_t)
@@ -71,41 +70,62 @@ def keep_mask(rows: int, cols: int, dropout_p: float, seed: int) -> torch.Tensor
                                                                      signed_seed(seed))
 
 
-@functools.cache
-def _register() -> None:
-    """Autograd and fake (meta) implementations of the C++ forward, once, on first use (the extension is loaded)."""
-    fwd = "fastprompt::dropout_add_layer_norm_cpu_fwd"
+# ------------------------------------------------------------------------------------------------
+# the op: the C++ kernels (fastprompt::dropout_add_layer_norm_cpu_fwd / _bwd, which know nothing of autograd) wrapped
+# in torch.library custom ops with fake implementations and a registered backward
 
-    @torch.library.register_fake(fwd)
-    def _fake(x, residual, weight, bias, eps, dropout_p, seed):
-        N, C = x.shape
-        return (x.new_empty(N, C), x.new_empty(N, C), x.new_empty(N),
-                x.new_empty(N, (C + 7) // 8 if dropout_p > 0 else 0, dtype=torch.uint8))
 
-    @torch.library.register_fake("fastprompt::dropout_add_layer_norm_cpu_bwd")
-    def _fake_bwd(dy, xhat, rstd, weight, keep_bits, dropout_p, need_dx, need_dresidual):
-        return (dy.new_empty(dy.shape if need_dx else (0,)), dy.new_empty(dy.shape if need_dresidual else (0,)))
+@torch.library.custom_op("fastprompt::dropout_add_layer_norm_fwd", mutates_args=())
+def _fwd_op(x: torch.Tensor, residual: torch.Tensor, weight: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+            eps: float, dropout_p: float, seed: torch.Tensor
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, xhat, rstd, keep bits) of (rows, C) float32 inputs (the kernel's outputs; xhat, rstd and the bits are
+    saved for the backward)."""
+    return torch.ops.fastprompt.dropout_add_layer_norm_cpu_fwd(x, residual, weight, bias, eps, dropout_p, seed)
 
-    def setup_context(ctx, inputs, output):
-        _, _, weight, bias, _, dropout_p, _ = inputs
-        _, xhat, rstd, bits = output
-        ctx.save_for_backward(xhat, rstd, bits, weight)
-        ctx.dropout_p = dropout_p
-        ctx.has_bias = bias is not None
-        ctx.mark_non_differentiable(xhat, rstd, bits)
-        ctx.set_materialize_grads(False)
 
-    def backward(ctx, dy, _dxhat, _drstd, _dbits):
-        if dy is None:
-            return (None,) * 7
-        xhat, rstd, bits, weight = ctx.saved_tensors
-        need = ctx.needs_input_grad
-        dy = dy.contiguous()
-        dx, dres = torch.ops.fastprompt.dropout_add_layer_norm_cpu_bwd(dy, xhat, rstd, weight, bits, ctx.dropout_p,
-                                                                       need[0], need[1])
-        dweight = (dy * xhat).sum(0) if weight is not None and need[2] else None
-        dbias = dy.sum(0) if ctx.has_bias and need[3] else None
-        return (dx if need[0] else None, dres if need[1] else None, dweight, dbias, None, None, None)
+@_fwd_op.register_fake
+def _fwd_fake(x, residual, weight, bias, eps, dropout_p, seed):
+    N, C = x.shape
+    return (x.new_empty(N, C), x.new_empty(N, C), x.new_empty(N),
+            x.new_empty(N, (C + 7) // 8 if dropout_p > 0 else 0, dtype=torch.uint8))
 
-    torch.library.register_autograd(fwd, backward, setup_context=setup_context)
 
+@torch.library.custom_op("fastprompt::dropout_add_layer_norm_bwd", mutates_args=())
+def _bwd_op(dy: torch.Tensor, xhat: torch.Tensor, rstd: torch.Tensor, weight: Optional[torch.Tensor],
+            keep_bits: torch.Tensor, dropout_p: float, need_dx: bool, need_dresidual: bool
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(dx, dresidual); a gradient not asked for is an empty tensor."""
+    return torch.ops.fastprompt.dropout_add_layer_norm_cpu_bwd(dy, xhat, rstd, weight, keep_bits, dropout_p, need_dx,
+                                                               need_dresidual)
+
+
+@_bwd_op.register_fake
+def _bwd_fake(dy, xhat, rstd, weight, keep_bits, dropout_p, need_dx, need_dresidual):
+    return (dy.new_empty(dy.shape if need_dx else (0,)), dy.new_empty(dy.shape if need_dresidual else (0,)))
+
+
+def _setup_context(ctx, inputs, output):
+    _, _, weight, bias, _, dropout_p, _ = inputs
+    _, xhat, rstd, bits = output
+    ctx.save_for_backward(xhat, rstd, bits, weight)
+    ctx.dropout_p = dropout_p
+    ctx.has_bias = bias is not None
+    ctx.mark_non_differentiable(xhat, rstd, bits)
+    ctx.set_materialize_grads(False)
+
+
+def _backward(ctx, dy, _dxhat, _drstd, _dbits):
+    if dy is None:
+        return (None,) * 7
+    xhat, rstd, bits, weight = ctx.saved_tensors
+    need = ctx.needs_input_grad
+    dy = dy.contiguous()
+    dx, dres = _bwd_op(dy, xhat, rstd, weight, bits, ctx.dropout_p, need[0], need[1])
+    # the LayerNorm's own parameters (frozen in prompt tuning): sums over the rows, here rather than in the kernel
+    dweight = (dy * xhat).sum(0) if weight is not None and need[2] else None
+    dbias = dy.sum(0) if ctx.has_bias and need[3] else None
+    return (dx if need[0] else None, dres if need[1] else None, dweight, dbias, None, None, None)
+
+
+_fwd_op.register_autograd(_backward, setup_context=_setup_context)
