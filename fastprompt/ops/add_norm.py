@@ -3,10 +3,10 @@ BERT-style attention or feed-forward block (``dense -> dropout -> LayerNorm(h + 
 (``csrc/dropout_add_norm.cpp``), forward and backward.
 
 Why: under SimCSE's dropout, eager PyTorch's ``nn.Dropout`` on the CPU was the largest cost of a packed training
-step after the matrix products (``aten::bernoulli_``: ~8.6 ns per element on the 2-core AMD EPYC, 160 ms of a 1.5 s
-step of all-MiniLM-L6-v2 at 64 pairs x 32 tokens; docs/speed.md). The fused op draws its dropout decisions with
-the counter-based Philox generator of the attention kernels, reads and writes each row once, and keeps the
-decisions as bits instead of a byte mask.
+step after the matrix products (``aten::bernoulli_``: ~8.6 ns per element on the 2-core AMD EPYC, 163 ms of a 1.9 s
+step of all-MiniLM-L6-v2 at 64 pairs x 32 tokens; docs/ops/dropout_add_norm.md). The fused op draws its dropout
+decisions with the counter-based Philox generator of the attention kernels, reads and writes each row once, and keeps
+the decisions as bits instead of a byte mask.
 
 The same maths as the module: kept values are scaled by ``1 / (1 - p)`` and each element is kept with probability
 ``1 - p`` (to within 2^-33), but the draws differ from torch's generator (as torch.compile's do). The seed is
@@ -24,6 +24,7 @@ from typing import Optional
 import torch
 
 from fastprompt.ops import _cpp
+from fastprompt.ops.attention import draw_seed
 from fastprompt.ops.attention_cpu import signed_seed
 
 
@@ -46,19 +47,16 @@ def dropout_add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torc
         raise ValueError(f"dropout_add_layer_norm: residual {tuple(residual.shape)} must have x's shape "
                          f"{tuple(x.shape)}")
     C = x.shape[-1]
-    for name, t in (("weight", weight), ("bias", bias)):
-        if t is not None and tuple(t.shape) != (C,):
-            raise ValueError(f"dropout_add_layer_norm: {name} {tuple(t.shape)} must be ({C},), x's last dimension")
-    if seed is None:
-        seed_t = (torch.randint(0, 2**63 - 1, (), dtype=torch.int64) if dropout_p > 0
-                  else torch.zeros((), dtype=torch.int64))
-    else:
-        seed_t = torch.tensor(signed_seed(seed), dtype=torch.int64)
-    rows = x.reshape(-1, C).contiguous()
-    y, _, _, _ = _fwd_op(
-        rows, residual.reshape(-1, C).to(torch.float32).contiguous(),
-        None if weight is None else weight.to(torch.float32).contiguous(),
-        None if bias is None else bias.to(torch.float32).contiguous(), float(eps), float(dropout_p), seed_t)
+    for name, t, shape in (("residual", residual, x.shape), ("weight", weight, (C,)), ("bias", bias, (C,))):
+        if t is not None and (tuple(t.shape) != tuple(shape) or t.dtype != torch.float32 or t.device != x.device):
+            raise ValueError(f"dropout_add_layer_norm: {name} must be a float32 CPU tensor of shape {tuple(shape)} "
+                             f"(x's last dimension {C}), got {t.dtype} {tuple(t.shape)} on {t.device}")
+    if seed is None:  # from torch's default CPU generator, so its RNG state replays the draw
+        seed = draw_seed() if dropout_p > 0 else 0
+    seed_t = torch.tensor(signed_seed(seed), dtype=torch.int64)
+    y, _, _, _ = _fwd_op(x.reshape(-1, C).contiguous(), residual.reshape(-1, C).contiguous(),
+                         None if weight is None else weight.contiguous(),
+                         None if bias is None else bias.contiguous(), float(eps), float(dropout_p), seed_t)
     return y.view(x.shape)
 
 

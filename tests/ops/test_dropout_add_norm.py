@@ -154,8 +154,10 @@ def test_thread_count_does_not_change_the_result():
     (dict(dropout_p=1.0), "0 <= dropout_p < 1"),
     (dict(dropout_p=-0.1), "0 <= dropout_p < 1"),
     (dict(residual=torch.randn(3, 5)), "must have x's shape"),
-    (dict(weight=torch.randn(5)), r"weight \(5,\) must be \(4,\)"),
-], ids=["float64", "p=1", "p<0", "residual shape", "weight shape"])
+    (dict(residual=torch.randn(3, 4, dtype=torch.float64)), "residual must be a float32 CPU tensor"),
+    (dict(weight=torch.randn(5)), r"weight must be a float32 CPU tensor of shape \(4,\)"),
+    (dict(bias=torch.randn(4, dtype=torch.float64)), "bias must be a float32 CPU tensor"),
+], ids=["float64", "p=1", "p<0", "residual shape", "residual float64", "weight shape", "bias float64"])
 def test_bad_input_raises(case, match):
     args = dict(x=torch.randn(3, 4), residual=torch.randn(3, 4), weight=torch.randn(4), bias=torch.randn(4),
                 eps=1e-5, dropout_p=0.1)
