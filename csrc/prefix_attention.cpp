@@ -261,7 +261,6 @@ int64_t seed_value(const at::Tensor& seed) {
   return seed.item<int64_t>();
 }
 
-
 // Query rows per tile: fewer under a causal mask or a window, so a block's token columns follow its rows' band
 // (a causal block of 16 rows computes at most 16 token columns past its last row's diagonal).
 int64_t row_block(const Operands& o) { return o.causal || o.left >= 0 || o.right >= 0 ? kBandBlock : kRowBlock; }

@@ -17,14 +17,13 @@ import math
 import pytest
 import torch
 
-from fastprompt.ops import _cpp, add_norm, attention_cpu
+from fastprompt.ops import _cpp, add_norm
 from fastprompt.ops.reference import dropout_add_layer_norm_reference
 
 from .philox_reference import M32, philox, seed_words
 
 pytestmark = pytest.mark.skipif(not _cpp.available(), reason=str(_cpp.missing_reason()))
 
-ISA_LEVELS = attention_cpu.isa_levels() if _cpp.available() else []
 
 # (N, C): one element, C below a byte of bits (7) and below the 16 partial sums, C = 37 (rows start at every
 # offset into a Philox counter's four words), MiniLM's 384, a long row.
@@ -62,19 +61,6 @@ def test_keep_mask_depends_on_the_element_index_only_and_drops_p():
     dropped = int((~add_norm.keep_mask(1024, n // 1024, p, seed)).sum())
     sigma = math.sqrt(n * p * (1 - p))
     assert abs(dropped - n * p) < 6 * sigma  # binomial: a wrong threshold (e.g. 0.1 of 2^31) is far outside
-
-
-@pytest.fixture(params=ISA_LEVELS)
-def isa(request, monkeypatch):
-    """Each x86-64 level this CPU supports in turn (FASTPROMPT_CPU_ISA)."""
-    monkeypatch.setenv("FASTPROMPT_CPU_ISA", request.param)
-    return request.param
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """The op fills its outputs with NaN (its bits with 0xA5) before writing them: an element it forgets shows."""
-    monkeypatch.setenv("FASTPROMPT_CPU_POISON", "1")
 
 
 def make_inputs(N, C, seed=0, affine=True):

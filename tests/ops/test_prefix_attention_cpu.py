@@ -78,24 +78,6 @@ def assert_close(name, got, want, dtype=torch.float32):
     torch.testing.assert_close(got.float(), want.float(), atol=atol, rtol=rtol, msg=lambda m: f"{name}: {m}")
 
 
-ISA_LEVELS = attention_cpu.isa_levels() if _cpp.available() else []
-
-
-@pytest.fixture(params=ISA_LEVELS)
-def isa(request, monkeypatch):
-    """Each x86-64 level this CPU supports in turn (FASTPROMPT_CPU_ISA): the AVX2 and baseline code a CPU without
-    AVX-512 runs is tested here too."""
-    monkeypatch.setenv("FASTPROMPT_CPU_ISA", request.param)
-    assert attention_cpu.isa() == request.param
-    return request.param
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """The kernel fills its outputs with NaN before writing them: an element it forgets shows up."""
-    monkeypatch.setenv("FASTPROMPT_CPU_POISON", "1")
-
-
 # ------------------------------------------------------------------------------------------------
 # against the reference
 

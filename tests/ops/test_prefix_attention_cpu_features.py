@@ -72,22 +72,6 @@ def assert_close(name, got, want, atol=ATOL, rtol=RTOL):
                                msg=lambda m: f"{name}: {m}")
 
 
-ISA_LEVELS = attention_cpu.isa_levels() if _cpp.available() else []
-
-
-@pytest.fixture(params=ISA_LEVELS)
-def isa(request, monkeypatch):
-    """Each x86-64 level this CPU supports (FASTPROMPT_CPU_ISA)."""
-    monkeypatch.setenv("FASTPROMPT_CPU_ISA", request.param)
-    return request.param
-
-
-@pytest.fixture
-def poisoned(monkeypatch):
-    """The kernel fills its outputs (and gradients) with NaN first: an element it forgets shows up."""
-    monkeypatch.setenv("FASTPROMPT_CPU_POISON", "1")
-
-
 # ------------------------------------------------------------------------------------------------
 # cases: padded (B, H, Hkv, S, P, D, T, padding, causal, window, bias, dropout) and packed
 
