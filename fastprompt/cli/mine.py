@@ -60,12 +60,15 @@ def add_mine_negatives_parser(subparsers) -> argparse.ArgumentParser:
 
 def run_mine_negatives(args: argparse.Namespace) -> int:
     from fastprompt.data.corpus import read_text_corpus
-    from fastprompt.data.mining import mine_negatives
+    from fastprompt.data.mining import mine_negatives, written_paths
     from fastprompt.data.train_files import load_query_rows
     from fastprompt.io import check_apart, check_output_file
 
+    # Before anything is read or written: no file mining writes (or --overwrite deletes) may be an input, the
+    # settings file and the embedding cache beside --output included.
     check_output_file(args.output, "--output")
-    check_apart(args.output, [args.input, *args.candidates])
+    for path in written_paths(args.output):
+        check_apart(path, [args.input, *args.candidates])
     rows = load_query_rows(args.input)
     extra = [t for path in args.candidates for (t,) in read_text_corpus(path).rows]
     encoder = load_encoder(args)

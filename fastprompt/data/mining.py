@@ -100,6 +100,13 @@ def encode_cached(encoder, texts: list[str], cache: Path, *, chunk: int, batch_s
     return np.concatenate(parts)
 
 
+def written_paths(output: str | os.PathLike) -> tuple[Path, Path, Path]:
+    """Every path a mining run writes (or, with ``--overwrite``, deletes): the JSONL, its ``.meta.json`` and its
+    ``.cache/`` folder. None of them may be an input."""
+    output = Path(output)
+    return output, output.with_name(output.name + ".meta.json"), output.with_name(output.name + ".cache")
+
+
 def _done_rows(output: Path) -> int:
     """Complete lines already in ``output`` (a torn last line of a killed run is cut off first)."""
     from fastprompt.io import drop_torn_tail
@@ -114,7 +121,7 @@ def _done_rows(output: Path) -> int:
 
 
 def _check_meta(output: Path, settings: MiningSettings, resume: bool) -> None:
-    meta = output.with_name(output.name + ".meta.json")
+    meta = written_paths(output)[1]
     if resume and meta.is_file():
         before = read_json(meta, "mining settings")
         if before != asdict(settings):
@@ -143,7 +150,7 @@ def mine_negatives(encoder, rows: QueryRows, output: str | os.PathLike, *, extra
     settings.check()
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    cache = output.with_name(output.name + ".cache")
+    cache = written_paths(output)[2]
     if overwrite:
         output.unlink(missing_ok=True)
         for f in cache.glob("emb-*.npy") if cache.is_dir() else ():

@@ -114,3 +114,28 @@ def test_pairs_csv_is_mined_into_rows_training_reads(tmp_path, tiny_bert_dir):
         cli.main([*argv, "--range-for-sampling", "5-2"])
     assert cli.main(["mine-negatives", "--model", str(tiny_bert_dir), "--input", str(corpus), "--output",
                      str(tmp_path / "x.jsonl"), "--no-progress"]) == 2  # sentences alone have no positives
+
+
+@pytest.mark.parametrize("side", [".meta.json", ".cache/emb-000000.npy"])
+@pytest.mark.parametrize("as_candidates", [False, True], ids=["input", "candidates"])
+def test_an_input_that_is_a_file_mining_writes_is_refused_and_kept(tmp_path, tiny_bert_dir, capsys, side,
+                                                                   as_candidates):
+    """A settings file or cached embedding of --output given back as --input or --candidates, with --overwrite:
+    refused before anything is read or written (the settings JSON used to replace the input), every byte kept."""
+    out = tmp_path / "out.jsonl"
+    out.write_text('{"query": "q", "pos": ["p"], "neg": []}\n', encoding="utf-8")
+    (tmp_path / "out.jsonl.meta.json").write_text('{"model": "m"}\n', encoding="utf-8")
+    (tmp_path / "out.jsonl.cache").mkdir()
+    np.save(tmp_path / "out.jsonl.cache" / "emb-000000.npy", np.zeros((1, 8), np.float32))
+    pairs = tmp_path / "pairs.csv"
+    pairs.write_text("sent0,sent1\na,b\nc,d\n", encoding="utf-8")
+    victim = tmp_path / f"out.jsonl{side}"
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    before = {p: p.read_bytes() for p in files}
+    inputs = ["--input", str(pairs), "--candidates", str(victim)] if as_candidates else ["--input", str(victim)]
+    assert cli.main(["mine-negatives", "--model", str(tiny_bert_dir), *inputs, "--output", str(out), "--overwrite",
+                     "--no-progress", "--device", "cpu"]) == 2
+    err = capsys.readouterr().err
+    assert str(victim) in err and "choose another --output" in err
+    assert sorted(p for p in tmp_path.rglob("*") if p.is_file()) == files
+    assert {p: p.read_bytes() for p in files} == before
