@@ -3,7 +3,9 @@
 ``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` runs the whole Triton → PTX →
 cubin pipeline on the CPU (ptxas ships inside the triton wheel). From the cubin we read the register
 count and the per-thread local memory (register spills) with the wheel's ``cuobjdump``; the shared
-memory Triton allocates is ``metadata.shared``. Tests use this to prove that every specialisation an op
+memory Triton allocates is ``metadata.shared``; the matrix instructions the SASS holds say whether a
+kernel's products run on tensor cores (``HGMMA``: Hopper's warpgroup ``wgmma``; ``HMMA``: ``mma.sync``, the
+Ampere-style tensor-core instruction; neither: the FMA units). Tests use this to prove that every specialisation an op
 can launch fits the device (no spills, shared memory within the per-block limit) on sm_80 and sm_90.
 
 A kernel module exposes its launchable specialisations as ``aot_specs(full: bool) -> list[KernelSpec]``;
@@ -68,6 +70,12 @@ class KernelResources:
     shared_limit: int
     num_warps: int
     num_stages: int
+    # the fastest tensor-core instruction in the SASS: "wgmma" (HGMMA, sm_90), "mma" (HMMA: mma.sync) or "none"
+    mma: str = "none"
+
+    @property
+    def tensor_cores(self) -> bool:
+        return self.mma != "none"
 
     @property
     def fits(self) -> bool:
@@ -100,11 +108,14 @@ _RES_RE = re.compile(r"Function (\S+):\s*\n\s*REG:(\d+) STACK:(\d+) SHARED:(\d+)
 
 _SASS_FN_RE = re.compile(r"Function : (\S+)")
 _STL_RE = re.compile(r"\bSTL(\.[A-Z0-9]+)*\b")
+# tensor-core instructions in SASS, fastest first: Hopper's warpgroup MMA (wgmma in PTX), then mma.sync
+_MMA_SASS = (("wgmma", re.compile(r"\bHGMMA\b")), ("mma", re.compile(r"\bHMMA\b")))
 
 
 def cubin_resources(cubin: bytes) -> dict:
-    """``{function: {"regs", "stack", "static_shared", "local", "stl"}}`` from ``cuobjdump -res-usage`` and
-    the number of STL (spill store) instructions in ``cuobjdump -sass``."""
+    """``{function: {"regs", "stack", "static_shared", "local", "stl", "mma"}}`` from ``cuobjdump -res-usage``,
+    the number of STL (spill store) instructions in ``cuobjdump -sass`` and the fastest tensor-core instruction
+    kind there (``"wgmma"``, ``"mma"`` or ``"none"``)."""
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
@@ -112,7 +123,7 @@ def cubin_resources(cubin: bytes) -> dict:
         sass = subprocess.run([cuobjdump_path(), "-sass", f.name], capture_output=True, text=True, check=True)
     found = {
         m.group(1): {"regs": int(m.group(2)), "stack": int(m.group(3)), "static_shared": int(m.group(4)),
-                     "local": int(m.group(5)), "stl": 0}
+                     "local": int(m.group(5)), "stl": 0, "mma": "none"}
         for m in _RES_RE.finditer(res.stdout)
     }
     if not found:
@@ -122,8 +133,13 @@ def cubin_resources(cubin: bytes) -> dict:
         m = _SASS_FN_RE.search(line)
         if m:
             current = m.group(1)
-        elif current in found and _STL_RE.search(line):
-            found[current]["stl"] += 1
+        elif current in found:
+            if _STL_RE.search(line):
+                found[current]["stl"] += 1
+            for rank, (kind, pattern) in enumerate(_MMA_SASS):
+                have = found[current]["mma"]
+                if pattern.search(line) and (have == "none" or rank < [k for k, _ in _MMA_SASS].index(have)):
+                    found[current]["mma"] = kind
     return found
 
 
@@ -155,7 +171,7 @@ def compile_spec(spec: KernelSpec, cc: int) -> KernelResources:
     return KernelResources(
         name=spec.name, cc=cc, n_regs=res["regs"], n_spills=local // 4, local_bytes=local, spill_stores=res["stl"],
         shared=int(compiled.metadata.shared) + res["static_shared"], shared_limit=SHARED_MEM_LIMIT[cc],
-        num_warps=spec.num_warps, num_stages=spec.num_stages,
+        num_warps=spec.num_warps, num_stages=spec.num_stages, mma=res["mma"],
     )
 
 
@@ -199,10 +215,10 @@ def check_module(module: str, ccs=(80, 90), full: bool = False, jobs: int | None
 
 def format_table(rows: list[KernelResources]) -> str:
     lines = [f"{'kernel':44s} {'cc':>3s} {'warps':>5s} {'stages':>6s} {'regs':>5s} {'spills':>6s} {'STL':>4s} "
-             f"{'shared':>7s} {'limit':>7s} fits"]
+             f"{'shared':>7s} {'limit':>7s} {'mma':>5s} fits"]
     for r in rows:
         lines.append(f"{r.name:44s} {r.cc:3d} {r.num_warps:5d} {r.num_stages:6d} {r.n_regs:5d} {r.n_spills:6d} "
-                     f"{r.spill_stores:4d} {r.shared:7d} {r.shared_limit:7d} {'yes' if r.fits else 'NO'}")
+                     f"{r.spill_stores:4d} {r.shared:7d} {r.shared_limit:7d} {r.mma:>5s} {'yes' if r.fits else 'NO'}")
     return "\n".join(lines)
 
 

@@ -101,21 +101,34 @@ TOY = textwrap.dedent('''
         x = tl.load(X + o[:, None] * BLOCK + o[None, :])
         tl.store(Y + o[:, None] * BLOCK + o[None, :], tl.dot(x, x, input_precision="ieee"))
 
+    @triton.jit
+    def half_square(X, Y, BLOCK: tl.constexpr):
+        # a half-precision 64x64x64 product in one warpgroup: tensor cores (wgmma on sm_90, mma.sync on sm_80)
+        o = tl.arange(0, BLOCK)
+        x = tl.load(X + o[:, None] * BLOCK + o[None, :])
+        tl.store(Y + o[:, None] * BLOCK + o[None, :], tl.dot(x, x))
+
     def aot_specs(full=False):
         return [KernelSpec("copy", copy, {"X": "*fp32", "Y": "*fp32", "N": "i32"}, {"BLOCK": 256},
                            divisible_by_16=("X", "Y")),
-                KernelSpec("square", square, {"X": "*fp32", "Y": "*fp32"}, {"BLOCK": 64}, num_warps=1)]
+                KernelSpec("square", square, {"X": "*fp32", "Y": "*fp32"}, {"BLOCK": 64}, num_warps=1),
+                KernelSpec("half_square", half_square, {"X": "*fp16", "Y": "*fp32"}, {"BLOCK": 64}, num_warps=4,
+                           divisible_by_16=("X", "Y"))]
 ''')
 
 
-def test_aot_helper_reports_registers_and_detects_spills(tmp_path, monkeypatch):
+def test_aot_helper_reports_registers_spills_and_tensor_core_instructions(tmp_path, monkeypatch):
     (tmp_path / "toy_aot_kernels.py").write_text(TOY)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))
-    rows = {r.name: r for r in aot.check_module("toy_aot_kernels", ccs=(90,), jobs=1)}
-    copy, square = rows["copy"], rows["square"]
+    rows = {(r.name, r.cc): r for r in aot.check_module("toy_aot_kernels", ccs=(80, 90), jobs=1)}
+    copy, square = rows["copy", 90], rows["square", 90]
     assert copy.fits and copy.n_regs > 0 and copy.n_spills == 0 and copy.spill_stores == 0
     assert copy.shared_limit == aot.SHARED_MEM_LIMIT[90] == 232448
     assert not square.fits and square.spill_stores > 0 and square.local_bytes > 0 and square.shared > 0
+    # the mma column: none for a copy and an exact fp32 product (FMA units), the tensor-core instruction of
+    # each architecture for a half-precision product
+    assert copy.mma == square.mma == "none" and not copy.tensor_cores
+    assert rows["half_square", 90].mma == "wgmma" and rows["half_square", 80].mma == "mma"
     # the CLI fails (exit 1) when a kernel does not fit
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
