@@ -7,8 +7,6 @@ Triton kernels in detail").
 """
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -262,9 +260,9 @@ def _ds_tile(cos, target, own, masked, rows, rmask, cmask, gcol, t, n_rows, L, C
 
 @triton.jit
 def _bwd_rows_kernel(X, RX, C0, RC0, C1, RC1, DIMS, TID, IDS0, IDS1, GX, GC0, GC1, THR, L, CCE, CDIAG, CHG, HIDX,
-                     DA, Q, n_rows, m0, m1, d, dg, ndims, stride_x, stride_c0, stride_c1, stride_gx, stride_gc0,
-                     stride_gc1, stride_da, label_offset, inv_tau, bias_own, a_in, a_own, has_ids, margin_mode,
-                     grad_scale,
+                     DA, Q, SCALE, n_rows, m0, m1, d, dg, ndims, stride_x, stride_c0, stride_c1, stride_gx,
+                     stride_gc0, stride_gc1, stride_da, label_offset, inv_tau, bias_own, a_in, a_own, has_ids,
+                     margin_mode,
                      NSEG: tl.constexpr, DPAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -275,6 +273,7 @@ def _bwd_rows_kernel(X, RX, C0, RC0, C1, RC1, DIMS, TID, IDS0, IDS1, GX, GC0, GC
     rmask = rows < n_rows
     dcol = tl.arange(0, DPAD)[None, :]
     r_last = tl.load(RX + (ndims - 1) * n_rows + rows, mask=rmask, other=1.0)
+    grad_scale = tl.load(SCALE)
     da_base = _zeroed_accumulator(DA, r0, rmask, stride_da, d, BLOCK_M, BLOCK_K)
     q = tl.zeros((BLOCK_M, DPAD), tl.float32)
     for seg in tl.static_range(NSEG):
@@ -303,9 +302,9 @@ def _bwd_rows_kernel(X, RX, C0, RC0, C1, RC1, DIMS, TID, IDS0, IDS1, GX, GC0, GC
 
 
 @triton.jit
-def _bwd_cols_kernel(X, RX, C, RC, DIMS, TID, IDS, GX, GC, THR, L, CCE, CDIAG, CHG, HIDX, DB, QC,
+def _bwd_cols_kernel(X, RX, C, RC, DIMS, TID, IDS, GX, GC, THR, L, CCE, CDIAG, CHG, HIDX, DB, QC, SCALE,
                      n_rows, m0, m_seg, base, d, dg, ndims, stride_x, stride_c, stride_gx, stride_gc, stride_db,
-                     label_offset, inv_tau, bias_own, a_in, a_own, has_ids, margin_mode, grad_scale,
+                     label_offset, inv_tau, bias_own, a_in, a_own, has_ids, margin_mode,
                      SEG: tl.constexpr, DPAD: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      UPCAST: tl.constexpr, DOT_PREC: tl.constexpr):
@@ -316,6 +315,7 @@ def _bwd_cols_kernel(X, RX, C, RC, DIMS, TID, IDS, GX, GC, THR, L, CCE, CDIAG, C
     cmask = cols < m_seg
     dcol = tl.arange(0, DPAD)[None, :]
     r_last = tl.load(RC + (ndims - 1) * m_seg + cols, mask=cmask, other=1.0)
+    grad_scale = tl.load(SCALE)
     db_base = _zeroed_accumulator(DB, c0, cmask, stride_db, d, BLOCK_N, BLOCK_K)
     q = tl.zeros((BLOCK_N, DPAD), tl.float32)
     for r0 in range(0, n_rows, BLOCK_M):
@@ -371,6 +371,26 @@ def dim_pad(ndims: int) -> int:
     return 1 if ndims == 1 else max(8, triton.next_power_of_2(ndims))
 
 
+_TABLES: dict = {}
+
+
+def device_table(values, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small constant table (Matryoshka dims, weights) on ``device``, built once per (values, dtype, device) and
+    cached: a per-call ``torch.tensor(list, device=cuda)`` is a host-to-device copy that waits for the GPU. On CUDA
+    the values travel from pinned memory without blocking (the caching host allocator keeps the pinned buffer alive
+    until the copy is done). The tables stay valid under CUDA-graph capture (built before, by the warm-up call)."""
+    device = torch.device(device)
+    key = (tuple(values), dtype, device)
+    table = _TABLES.get(key)
+    if table is None:
+        host = torch.tensor(list(values), dtype=dtype)
+        table = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host
+        if len(_TABLES) > 256:  # a bounded cache: configurations are few, but never let it grow without end
+            _TABLES.clear()
+        _TABLES[key] = table
+    return table
+
+
 def _launch(x, blocks: dict | None, ndims: int) -> tuple[dict, dict]:
     """(constexprs, launch options) for inputs like ``x``; ``blocks`` overrides tile sizes."""
     cfg = config(x.dtype, interpreting()).with_tiles(**(blocks or {}))
@@ -389,12 +409,12 @@ class _Operands:
         self.rx = rx.to(f32).contiguous()
         self.n, self.d = x.shape
         self.ndims = len(dims)
-        self.dims = torch.tensor(dims, dtype=torch.int32, device=x.device)
+        self.dims = device_table(dims, torch.int32, x.device)
         self.cols = [c.contiguous() for c in cols]
         self.rcols = [r.to(f32).contiguous() for r in rcols]
         self.sizes = [c.shape[0] for c in self.cols]
         self.has_ids = int(tid is not None)
-        dummy_ids = torch.zeros(1, dtype=torch.int64, device=x.device)
+        dummy_ids = device_table((0,), torch.int64, x.device)  # never read (has_ids = 0)
         self.tid = tid.contiguous() if tid is not None else dummy_ids
         self.ids = [i.contiguous() if i is not None else dummy_ids for i in col_ids]
         self.margin_mode = 0 if thr is None else (2 if gx is not None else 1)
@@ -443,12 +463,14 @@ def stats(x, rx, cols, rcols, dims, tid, col_ids, gx, gcols, thr, label_offset, 
     return lse, pos, hard, hidx
 
 
-def _grad_scale(coefficients, ratio) -> float:
+def _grad_scale(coefficients, r) -> torch.Tensor:
     """dS is cast to the input dtype for the tensor-core products; a power-of-two scale brings its largest
-    coefficient (times the largest prefix-norm ratio it is multiplied by) to [1, 2), so that fp16 neither
-    flushes the small softmax terms (~1/(N tau)) to zero nor overflows."""
-    cmax = float(torch.stack([c.abs().max() for c in coefficients]).max() * ratio)
-    return 2.0 ** -math.floor(math.log2(cmax)) if cmax > 0 and math.isfinite(cmax) else 1.0
+    coefficient (times the largest prefix-norm ratio r^t / r^last it is multiplied by) to [1, 2), so that fp16
+    neither flushes the small softmax terms (~1/(N tau)) to zero nor overflows. Computed on the device (a
+    one-element fp32 tensor the kernels load): no host read."""
+    cmax = torch.stack([c.abs().amax() for c in coefficients]).amax() * (r / r[-1]).amax()
+    scale = torch.exp2(-torch.floor(torch.log2(cmax)))
+    return torch.where((cmax > 0) & torch.isfinite(cmax), scale, torch.ones_like(scale)).reshape(1)
 
 
 def grads(x, rx, cols, rcols, dims, tid, col_ids, gx, gcols, thr, label_offset, inv_tau, bias_own, a_in, a_own,
@@ -463,26 +485,26 @@ def grads(x, rx, cols, rcols, dims, tid, col_ids, gx, gcols, thr, label_offset, 
     f32 = dict(device=x.device, dtype=torch.float32)
     runtime = dict(o.scalars, has_ids=o.has_ids, margin_mode=o.margin_mode)
     # rows: DA holds Σ_t dS^t (r^t / r^last) unit_t(c); poisoned, each program zeroes and fills its own rows
-    scale = _grad_scale(coefficients, float((o.rx / o.rx[-1]).max()))
+    scale = _grad_scale(coefficients, o.rx)
     da = torch.full((o.n, o.d), float("nan"), **f32)
     q = torch.full((o.ndims, o.n), float("nan"), **f32)
     _bwd_rows_kernel[(triton.cdiv(o.n, flags["BLOCK_M"]),)](
-        o.x, o.rx, *o.segment_args(), *o.common(), *co, da, q, *o.sizes_and_strides(), da.stride(0), **runtime,
-        grad_scale=scale, NSEG=len(o.cols), **flags, **launch)
+        o.x, o.rx, *o.segment_args(), *o.common(), *co, da, q, scale, *o.sizes_and_strides(), da.stride(0),
+        **runtime, NSEG=len(o.cols), **flags, **launch)
     ex = da.mul_((o.rx[-1] / scale)[:, None])
     ecol = torch.full((sum(o.sizes), o.d), float("nan"), **f32)
     qcols = []
     base = 0
     dims_t, tid, ids0, ids1, gx_, gc0, gc1, thr_ = o.common()
     for seg, (c, rc, m_seg) in enumerate(zip(o.cols, o.rcols, o.sizes)):
-        scale = _grad_scale(coefficients, float((rc / rc[-1]).max()))
+        scale = _grad_scale(coefficients, rc)
         db = ecol[base:base + m_seg]
         qc = torch.full((o.ndims, m_seg), float("nan"), **f32)
         gc = (gc0, gc1)[seg]
         _bwd_cols_kernel[(triton.cdiv(m_seg, flags["BLOCK_N"]),)](
-            o.x, o.rx, c, rc, dims_t, tid, (ids0, ids1)[seg], gx_, gc, thr_, *co, db, qc, o.n, o.sizes[0], m_seg,
-            base, o.d, o.dg, o.ndims, o.x.stride(0), c.stride(0), o.gx.stride(0), gc.stride(0), db.stride(0),
-            **runtime, grad_scale=scale, SEG=seg, **flags, **launch)
+            o.x, o.rx, c, rc, dims_t, tid, (ids0, ids1)[seg], gx_, gc, thr_, *co, db, qc, scale, o.n, o.sizes[0],
+            m_seg, base, o.d, o.dg, o.ndims, o.x.stride(0), c.stride(0), o.gx.stride(0), gc.stride(0), db.stride(0),
+            **runtime, SEG=seg, **flags, **launch)
         db.mul_((rc[-1] / scale)[:, None])
         qcols.append(qc)
         base += m_seg
@@ -519,18 +541,17 @@ def _coefficient_signature():
 def _bwd_rows_signature(ty):
     sig = {"X": f"*{ty}", "RX": "*fp32", "C0": f"*{ty}", "RC0": "*fp32", "C1": f"*{ty}", "RC1": "*fp32", **_OPTIONAL,
            "IDS0": "*i64", "IDS1": "*i64", "GX": f"*{ty}", "GC0": f"*{ty}", "GC1": f"*{ty}",
-           **_coefficient_signature(), "DA": "*fp32", "Q": "*fp32"}
+           **_coefficient_signature(), "DA": "*fp32", "Q": "*fp32", "SCALE": "*fp32"}
     sig.update(_sizes("n_rows", "m0", "m1", "d", "dg", "ndims", "stride_x", "stride_c0", "stride_c1", "stride_gx",
-                      "stride_gc0", "stride_gc1", "stride_da"), **_runtime(), **_sizes("has_ids", "margin_mode"),
-               grad_scale="fp32")
+                      "stride_gc0", "stride_gc1", "stride_da"), **_runtime(), **_sizes("has_ids", "margin_mode"))
     return sig
 
 
 def _bwd_cols_signature(ty):
     sig = {"X": f"*{ty}", "RX": "*fp32", "C": f"*{ty}", "RC": "*fp32", **_OPTIONAL, "IDS": "*i64",
-           "GX": f"*{ty}", "GC": f"*{ty}", **_coefficient_signature(), "DB": "*fp32", "QC": "*fp32"}
+           "GX": f"*{ty}", "GC": f"*{ty}", **_coefficient_signature(), "DB": "*fp32", "QC": "*fp32", "SCALE": "*fp32"}
     sig.update(_sizes("n_rows", "m0", "m_seg", "base", "d", "dg", "ndims", "stride_x", "stride_c", "stride_gx",
-                      "stride_gc", "stride_db"), **_runtime(), **_sizes("has_ids", "margin_mode"), grad_scale="fp32")
+                      "stride_gc", "stride_db"), **_runtime(), **_sizes("has_ids", "margin_mode"))
     return sig
 
 

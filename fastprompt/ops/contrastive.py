@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from fastprompt.backends import OpSupport, register_op, resolve_backend
 from fastprompt.choices import HARDNESS_MODES, MARGIN_STRATEGIES, PARTITION_MODES, REDUCTIONS, check_choice
 from fastprompt.constants import COSINE_EPS
+from fastprompt.host_sync import checks_stay_on_device
 from fastprompt.ops import _cpp
 from fastprompt.ops.reference import contrastive_loss_reference, fn_threshold, hardness_coefficients
 from fastprompt.ops.types import ContrastiveStats, Guide
@@ -182,14 +183,25 @@ def _validate(z1, z2, z3, a):
             raise ValueError(f"matryoshka_weights must be {len(dims)} finite numbers, got {weights}")
     elif weights is not None:
         raise ValueError("matryoshka_weights need matryoshka_dims")
-    if a["check_finite"] and not torch.compiler.is_compiling():
-        names = [("z1", z1), ("z2", z2), ("z3", z3), ("reverse_columns", rev)]
-        for name, z in names:
-            if z is not None and not bool(torch.isfinite(z).all()):
-                raise ValueError(f"{name} contains NaN or Inf values")
-        if ids is not None and bool((ids[offset:offset + n] < 0).any()):
-            raise ValueError("column_ids of the positives must be >= 0 (a negative id marks a column without text)")
     return neg
+
+
+def _check_values(z1, z2, z3, rev, ids, offset):
+    """NaN/Inf inputs and negative positive ids: a ValueError on CPU tensors; on the GPU (or wherever
+    :func:`fastprompt.host_sync.checks_stay_on_device` says so) a device-side assertion (``torch._assert_async``),
+    which waits for nothing: a failure surfaces as a CUDA error at the next synchronisation."""
+    n = z1.shape[0]
+    checks = [(torch.isfinite(z).all(), f"{name} contains NaN or Inf values")
+              for name, z in (("z1", z1), ("z2", z2), ("z3", z3), ("reverse_columns", rev)) if z is not None]
+    if ids is not None:
+        checks.append(((ids[offset:offset + n] >= 0).all(),
+                       "column_ids of the positives must be >= 0 (a negative id marks a column without text)"))
+    on_device = checks_stay_on_device(z1, ids)
+    for ok, message in checks:
+        if on_device:
+            torch._assert_async(ok, message)
+        elif not bool(ok):  # host read: CPU tensors only (checks_stay_on_device is False)
+            raise ValueError(message)
 
 
 def _validate_guide(guide, z1, m2, neg, rev):
@@ -358,6 +370,16 @@ def _grads(be, prob: _Problem, coefficients):
     return tk.grads(*prob.args(), *coefficients)
 
 
+def _weights(cfg: _Cfg, like: torch.Tensor) -> torch.Tensor:
+    """The Matryoshka weights as a (D,) tensor like ``like``: on the C++ backend a host tensor, else a cached device
+    table (no host-to-device copy per call)."""
+    if cfg.backend == "cpu":
+        return torch.tensor(cfg.weights, dtype=like.dtype)
+    from fastprompt.kernels.contrastive_loss import device_table
+
+    return device_table(cfg.weights, like.dtype, like.device)
+
+
 def _row_losses(cfg: _Cfg, st, rst):
     """Per-row losses Σ_t w_t (ce_t + hinge_weight hinge_t) from the statistics (D, n)."""
     lse, pos, hard = st[0], st[1], st[2]
@@ -370,16 +392,14 @@ def _row_losses(cfg: _Cfg, st, rst):
         ce = lse - pos * inv_tau
     if cfg.hinge_weight != 0.0:
         ce = ce + cfg.hinge_weight * (cfg.hinge_margin + hard - pos).clamp_min(0)
-    w = torch.tensor(cfg.weights, dtype=ce.dtype, device=ce.device)
-    return (w[:, None] * ce).sum(0)
+    return (_weights(cfg, ce)[:, None] * ce).sum(0)
 
 
 def _coefficients(cfg: _Cfg, grad_rows, st, rst):
     """The per-row coefficients of dS (L, cce, cdiag, chg, hidx), (D, n) each, for the anchors' problem and the
     reverse one (None unless symmetric), for the upstream gradient of each row's loss."""
     lse, pos, hard, hidx = st
-    w = torch.tensor(cfg.weights, dtype=lse.dtype, device=lse.device)
-    gw = grad_rows.to(lse.dtype)[None, :] * w[:, None]  # (D, n)
+    gw = grad_rows.to(lse.dtype)[None, :] * _weights(cfg, lse)[:, None]  # (D, n)
     half = 0.5 if cfg.symmetric and not cfg.joint else 1.0
     cce = gw * (half / cfg.temperature)
     if cfg.hinge_weight != 0.0:
@@ -555,6 +575,7 @@ def _setup_context(ctx, inputs, output):
     tensors, params = inputs[:_N_TENSORS], inputs[_N_TENSORS:]
     _, lse, lse_sym, pos, _, hard, hidx, g1, g2, g3, gr = output
     ctx.grad_weight = params[-1]
+    ctx.backend = params[-3]
     ctx.n_inputs = len(inputs)
     ctx.present = (tensors[2] is not None, tensors[3] is not None)  # z3, reverse_columns
     ctx.mark_non_differentiable(*output[1:])
@@ -570,9 +591,10 @@ def _backward(ctx, grad_rows, *unused):
         # rows.mean()/.sum() of the wrapper make grad_rows uniform: rescale the precomputed gradients
         grads = ctx.saved_tensors
         factor = grad_rows[0] / ctx.grad_weight if grad_rows is not None else 0.0
-        # (eager only: a plain tensor; tracing sees fake / functional tensor subclasses, no data to test)
-        eager = type(grad_rows) is torch.Tensor and not torch.compiler.is_compiling()
-        if not (eager and float(factor) == 1.0):  # the usual loss.backward(): no copy
+        # the C++ backend (host tensors) skips the copy of the usual loss.backward() (factor 1); elsewhere reading
+        # the factor would wait for the GPU. (Eager only: tracing sees fake / functional tensors, no data to test.)
+        host = ctx.backend == "cpu" and type(grad_rows) is torch.Tensor and not torch.compiler.is_compiling()
+        if not (host and float(factor) == 1.0):  # host read: the C++ backend's CPU tensors only
             grads = tuple(None if g is None else g * factor.to(g.dtype) for g in grads)
         return tuple(grads) + (None,) * (ctx.n_inputs - 4)
     saved = ctx.saved_tensors
@@ -679,6 +701,8 @@ def contrastive_loss(
     if guide is not None and neg is None:
         guide = guide._replace(z3=None)
     be = resolve_backend(SUPPORT, z1, backend)
+    if check_finite and not torch.compiler.is_compiling():
+        _check_values(z1, z2, z3, reverse_columns if symmetric else None, column_ids, positive_offset)
     if be == "reference":
         kw = {k: v for k, v in args.items() if k != "check_finite"}
         return contrastive_loss_reference(z1, z2, z3, return_stats=return_stats, **kw)
