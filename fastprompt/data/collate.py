@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from fastprompt.data.retrieval import PAD_TEXT
+from fastprompt.host_sync import host_side
 
 #: Column names of rows with 1, 2 and 3 sentences when the data does not name them.
 DEFAULT_COLUMNS = {1: ("sent0",), 2: ("sent0", "sent1"), 3: ("sent0", "sent1", "hard_neg")}
@@ -35,6 +36,10 @@ class Batch:
     ``text_ids``: (rows,) int64, view-major, when the collator was asked for them: a 63-bit hash of each row's text
     (:func:`text_id`; equal texts, equal ids, on every process) or -1 for a padding negative. The loss side reads
     them (the fused loss's false-negative mask); they are not model inputs.
+
+    ``lengths``: each row's number of real tokens, as host integers: counted from the attention mask while it is
+    still a CPU tensor (at collation) and kept by :meth:`to`, so a packed forward, the gradient cache's micro-batch
+    plan and the token count never read the mask back from the GPU.
     """
 
     input_ids: torch.Tensor
@@ -46,12 +51,20 @@ class Batch:
     extras: dict[str, torch.Tensor] = field(default_factory=dict)
     template_index: torch.Tensor | None = None
     text_ids: torch.Tensor | None = None
+    lengths: tuple[int, ...] | None = None
 
     def __post_init__(self):
         self.view_names = tuple(self.view_names) or self.default_view_names(self.n_views)
         if len(self.view_names) != self.n_views:
             raise ValueError(f"{self.n_views} views need {self.n_views} names, got {self.view_names}")
         self.check_extras()
+        if self.lengths is None and self.attention_mask.device.type == "cpu":
+            with host_side():  # a collator's fresh CPU tensor, on the host in every run
+                self.lengths = tuple(self.attention_mask.sum(1).tolist())  # host read: a CPU tensor
+        elif self.lengths is not None:
+            self.lengths = tuple(int(n) for n in self.lengths)
+            if len(self.lengths) != self.attention_mask.shape[0]:
+                raise ValueError(f"lengths has {len(self.lengths)} entries for {self.attention_mask.shape[0]} rows")
 
     @staticmethod
     def default_view_names(n_views: int) -> tuple[str, ...]:
@@ -71,11 +84,15 @@ class Batch:
         return self.n_views * self.batch_size
 
     def to(self, device: torch.device | str) -> "Batch":
-        tt = self.token_type_ids.to(device) if self.token_type_ids is not None else None
-        return Batch(self.input_ids.to(device), self.attention_mask.to(device), tt, self.n_views, self.batch_size,
-                     self.view_names, {k: v.to(device) for k, v in self.extras.items()},
-                     self.template_index.to(device) if self.template_index is not None else None,
-                     self.text_ids.to(device) if self.text_ids is not None else None)
+        """The batch on ``device`` (host lengths kept). The copies do not block the host (``non_blocking``: a
+        blocking copy to a GPU waits for every kernel queued before it); the CPU tensors are not written again."""
+
+        def move(x):
+            return None if x is None else x.to(device, non_blocking=True)
+
+        return Batch(move(self.input_ids), move(self.attention_mask), move(self.token_type_ids), self.n_views,
+                     self.batch_size, self.view_names, {k: move(v) for k, v in self.extras.items()},
+                     move(self.template_index), move(self.text_ids), self.lengths)
 
     def model_inputs(self) -> dict[str, torch.Tensor]:
         out = {"input_ids": self.input_ids, "attention_mask": self.attention_mask}
@@ -87,7 +104,9 @@ class Batch:
 
     @property
     def num_tokens(self) -> int:
-        return int(self.attention_mask.sum())
+        """Real tokens in the batch (from the host lengths; read from the mask only for a batch built without)."""
+        # host read: only for a batch built without host lengths
+        return sum(self.lengths) if self.lengths is not None else int(self.attention_mask.sum())
 
 
 def text_id(text: str) -> int:

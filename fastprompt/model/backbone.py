@@ -208,7 +208,7 @@ def check_position_offset(model, where: str) -> None:
     pad = padding_offset(model)
     if pad is None or table is None or not 0 <= pad < table.weight.shape[0]:
         return
-    if bool(table.weight[pad].detach().ne(0).any()):
+    if bool(table.weight[pad].detach().ne(0).any()):  # host read: once, when the model loads
         model_type = getattr(model.config, "model_type", "?")
         raise ValueError(f"the config.json of {where} says model_type {model_type!r}, whose position ids start "
                          f"after the padding index {pad}, but the weights use position row {pad} (a {model_type} "
@@ -362,7 +362,7 @@ class Architecture:
         return None
 
     def forward_packed(self, attention_mask: torch.Tensor, layers: list, *, backend: str, position_ids: torch.Tensor,
-                       pooled: torch.Tensor | None = None, **inputs) -> torch.Tensor:
+                       pooled: torch.Tensor | None = None, num_tokens: int | None = None, **inputs) -> torch.Tensor:
         """:meth:`forward` of the batch's real tokens only: the rows' tokens (where ``attention_mask`` is 1, whichever
         side the padding is on) back to back in one row of N tokens, each with the position id it has in the padded
         batch (``position_ids``, (B, S), required: the backbone's defaults would count positions along the packed
@@ -370,15 +370,26 @@ class Architecture:
         (B, S, hidden) last hidden states of the padded layout, zero at the padding.
 
         ``pooled`` ((B,) positions in the padded rows, where :attr:`pooled_rows_only`): the last layer computes
-        those rows only, and only they are filled in."""
+        those rows only, and only they are filled in.
+
+        ``num_tokens``: the number of real tokens N, known on the host (``Batch.lengths``): the layout is then
+        built without reading the mask back (no device sync); without it N is read from the mask."""
         keep = attention_mask.bool()
         B, S = keep.shape
         lengths = keep.sum(1)
         cu_seqlens = torch.zeros(B + 1, dtype=torch.int64, device=keep.device)
         cu_seqlens[1:] = lengths.cumsum(0)
         flat = keep.flatten()
-        rows = flat.nonzero().squeeze(1)
-        padded_index = torch.where(flat, flat.cumsum(0) - 1, -1).view(B, S)
+        if num_tokens is None:
+            N = int(lengths.sum())  # host read: without the host lengths only (callers that pass none)
+        else:
+            N = int(num_tokens)
+            torch._assert_async(lengths.sum() == N, "num_tokens differs from the attention mask's real tokens")
+        order = flat.cumsum(0) - 1  # a real token's row in the packed layout
+        # each real token's padded index, scattered to its packed row; the padding lands on a spare row N
+        rows = torch.full((N + 1,), B * S, dtype=torch.int64, device=keep.device).scatter_(
+            0, torch.where(flat, order, N), torch.arange(B * S, device=keep.device))[:N]
+        padded_index = torch.where(flat, order, -1).view(B, S)
         inputs["position_ids"] = position_ids.expand(B, S)
         packed = {k: v.flatten(0, 1)[rows].unsqueeze(0) for k, v in inputs.items() if v is not None}
         state = PrefixState(layers, None, backend, None, self.layer_of, cu_seqlens=cu_seqlens, max_seqlen=S,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Sequence
 
 import numpy as np
 import torch
@@ -226,7 +227,8 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                       token_type_ids: torch.Tensor | None = None, *, positions: torch.Tensor | None = None,
-                      pooled: torch.Tensor | None = None, _capture: dict | None = None) -> torch.Tensor:
+                      pooled: torch.Tensor | None = None, lengths: Sequence[int] | None = None,
+                      _capture: dict | None = None) -> torch.Tensor:
         """Last-layer hidden states (B, S, hidden) of the prompted backbone.
 
         ``positions`` (optional, (B, S)): each token's position counted from the first token; template denoising
@@ -234,6 +236,10 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
 
         ``pooled`` (optional, (B,)): the one position of each row that will be read (:meth:`_pooled_positions`); a
         packed batch then computes the last layer at those rows only, and the other rows are zero.
+
+        ``lengths`` (optional): each row's number of real tokens, known on the host (``Batch.lengths``, what the
+        trainer passes): a packed forward then never reads the mask back from the GPU (docs/gpu.md, "The host
+        path"); without it, it reads the real-token count from the mask.
         """
         if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
@@ -243,7 +249,11 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
             device = self.device
             autocast = torch.is_autocast_enabled(device.type)
             warn_if_slow(torch.get_autocast_dtype(device.type) if autocast else self.backbone.dtype, device)
-        packed = self.packed and _capture is None and (pooled is not None or not bool(attention_mask.bool().all()))
+        if lengths is not None and len(lengths) != attention_mask.shape[0]:
+            raise ValueError(f"lengths has {len(lengths)} entries for {attention_mask.shape[0]} rows")
+        padded = (any(n < attention_mask.shape[1] for n in lengths) if lengths is not None
+                  else not bool(attention_mask.bool().all()))
+        packed = self.packed and _capture is None and (pooled is not None or padded)
         inputs = {"position_ids": self._position_ids(input_ids, attention_mask, positions, explicit=packed)}
         if self.cls_prompt is None and self.input_prompt is None and self.template_words is None:
             inputs["input_ids"] = input_ids
@@ -256,13 +266,15 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
             if self.input_prompt is not None:
                 embeds = self.input_prompt.insert(embeds)
                 attention_mask = self.input_prompt.insert_mask(attention_mask)
+                lengths = None if lengths is None else [n + self.input_prompt.length for n in lengths]
                 if token_type_ids is not None:
                     token_type_ids = self.input_prompt.insert_mask(token_type_ids, fill=0)
             inputs["inputs_embeds"] = embeds
         layers = self._layer_prefixes(attention_mask.shape[0])
         if packed:
             hidden = self.architecture.forward_packed(attention_mask, layers, backend=self.attn_backend,
-                                                      token_type_ids=token_type_ids, pooled=pooled, **inputs)
+                                                      token_type_ids=token_type_ids, pooled=pooled,
+                                                      num_tokens=None if lengths is None else sum(lengths), **inputs)
         else:
             hidden = self.architecture.forward(attention_mask, layers, prefix_mode=self.prefix_mode,
                                                backend=self.attn_backend, capture=_capture,
@@ -271,7 +283,8 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None, *,
-                template: str | Template | None = None, head: bool = True) -> torch.Tensor:
+                template: str | Template | None = None, head: bool = True,
+                lengths: Sequence[int] | None = None) -> torch.Tensor:
         """Pooled sentence embeddings (B, hidden); the pooler head follows its train/eval mode.
 
         ``head=False`` returns the vectors before the head: training applies the head on the loss side, over
@@ -279,8 +292,10 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
 
         ``template``: the template the rows were tokenised with, when not the encoder's own (PromptBERT's second
         view); it decides where the [MASK] is and which template bias denoising subtracts.
+
+        ``lengths``: each row's number of real tokens, known on the host (see :meth:`hidden_states`).
         """
-        hidden = self.hidden_states(input_ids, attention_mask, token_type_ids,
+        hidden = self.hidden_states(input_ids, attention_mask, token_type_ids, lengths=lengths,
                                     pooled=self._pooled_positions(input_ids, attention_mask, template))
         return self.pool(hidden, input_ids, attention_mask, template=template, head=head)
 

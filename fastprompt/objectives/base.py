@@ -60,10 +60,11 @@ SKI_VIEW = "ski"
 
 @dataclass
 class ObjectiveOutput:
-    """The scalar loss and detached float statistics for logging."""
+    """The scalar loss and detached statistics for logging: 0-d tensors left on the device (a training step never
+    waits for the GPU; the trainer reads them at its log rows) or floats."""
 
     loss: torch.Tensor
-    stats: dict[str, float]
+    stats: dict[str, torch.Tensor | float]
 
 
 @dataclass

@@ -24,8 +24,12 @@ from typing import Optional
 import torch
 
 from fastprompt.ops import _cpp
-from fastprompt.ops.attention import draw_seed
 from fastprompt.ops.attention_cpu import signed_seed
+
+
+def _draw_seed_tensor() -> torch.Tensor:
+    """A 63-bit seed drawn from torch's default CPU generator (draw_seed's draw), left as a 0-d int64 tensor."""
+    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
 
 
 def applies(x: torch.Tensor, dropout_p: float) -> bool:
@@ -51,9 +55,11 @@ def dropout_add_layer_norm(x: torch.Tensor, residual: torch.Tensor, weight: torc
         if t is not None and (tuple(t.shape) != tuple(shape) or t.dtype != torch.float32 or t.device != x.device):
             raise ValueError(f"dropout_add_layer_norm: {name} must be a float32 CPU tensor of shape {tuple(shape)} "
                              f"(x's last dimension {C}), got {t.dtype} {tuple(t.shape)} on {t.device}")
-    if seed is None:  # from torch's default CPU generator, so its RNG state replays the draw
-        seed = draw_seed() if dropout_p > 0 else 0
-    seed_t = torch.tensor(signed_seed(seed), dtype=torch.int64)
+    if seed is None:  # from torch's default CPU generator, so its RNG state replays the draw; as a tensor, which
+        # the kernel reads itself (no host read of it here)
+        seed_t = _draw_seed_tensor() if dropout_p > 0 else torch.zeros((), dtype=torch.int64)
+    else:
+        seed_t = torch.tensor(signed_seed(seed), dtype=torch.int64)
     y, _, _, _ = _fwd_op(x.reshape(-1, C).contiguous(), residual.reshape(-1, C).contiguous(),
                          None if weight is None else weight.contiguous(),
                          None if bias is None else bias.contiguous(), float(eps), float(dropout_p), seed_t)

@@ -218,25 +218,41 @@ class Optimization:
     scheduler: torch.optim.lr_scheduler.LambdaLR
     scaler: torch.amp.GradScaler | None  # fp16 only
 
-    def step(self, params: list[torch.nn.Parameter], max_grad_norm: float) -> tuple[float, bool]:
-        """Unscale, clip (``max_grad_norm`` > 0), step. Returns (gradient norm, applied); a non-finite gradient
-        skips the update."""
+    def step(self, params: list[torch.nn.Parameter], max_grad_norm: float,
+             finite_loss: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscale, clip (``max_grad_norm`` > 0), step, all on the device: returns (gradient norm, applied) as 0-d
+        tensors, read by nobody here. A non-finite gradient, or a loss that ``finite_loss`` (a 0-d bool tensor)
+        says is not finite, skips the update inside the fused AdamW kernel (its ``found_inf``, as GradScaler uses
+        it), so deciding it never waits for the GPU."""
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
+        grads = [p.grad for p in params if p.grad is not None]
         if max_grad_norm > 0:
-            norm = float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm))
+            norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm, foreach=True)
+        elif grads:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))
         else:
-            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params if p.grad is not None])))
+            norm = torch.zeros((), device=self.device)
+        ok = torch.isfinite(norm)
+        if finite_loss is not None:
+            ok = ok & finite_loss.to(ok.device)
         if self.scaler is not None:
-            # the scaler skips the update itself on inf/nan (a normal event while it calibrates its scale)
-            scale = self.scaler.get_scale()
+            # the scaler skips the update itself on inf/nan gradients (a normal event while it calibrates its
+            # scale); a non-finite loss gives non-finite gradients, so it skips those steps too
             self.scaler.step(self.optimizer)
             self.scaler.update()
-            return norm, self.scaler.get_scale() >= scale
-        if not math.isfinite(norm):
-            return norm, False
-        self.optimizer.step()
-        return norm, True
+        else:
+            self.optimizer.grad_scale = None
+            self.optimizer.found_inf = (~ok).float()
+            self.optimizer.step()
+        # The fused kernel updates the weights without bumping their version counters: bump them, so that what
+        # keys a cache on them (PromptBERT's template biases) sees the change, as after any in-place update.
+        torch.autograd.graph.increment_version([p for g in self.optimizer.param_groups for p in g["params"]])
+        return norm, ok
+
+    @property
+    def device(self) -> torch.device:
+        return next(p.device for g in self.optimizer.param_groups for p in g["params"])
 
 
 def check_warmup(cfg: TrainConfig, total_steps: int) -> None:
@@ -258,9 +274,10 @@ def build_optimization(cfg: TrainConfig, params: list[torch.nn.Parameter], total
 
     opt = cfg.optim
     warmup = opt.warmup_steps or int(math.ceil(opt.warmup_ratio * total_steps))
+    # fused: one kernel per step, and it takes found_inf (a skipped update decided on the device, no host read)
     optimizer = torch.optim.AdamW(optimizer_groups(cfg, params, encoder), lr=opt.learning_rate,
                                   betas=(opt.adam_beta1, opt.adam_beta2), eps=opt.adam_epsilon,
-                                  weight_decay=opt.weight_decay)
+                                  weight_decay=opt.weight_decay, fused=True)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, linear_schedule(warmup, total_steps))
     scaler = torch.amp.GradScaler(device.type) if cfg.run.precision == "fp16" else None
     return Optimization(optimizer, scheduler, scaler)

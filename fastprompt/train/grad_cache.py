@@ -19,10 +19,12 @@ trim their own padding, so short sentences do not pay for long ones.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from fastprompt.host_sync import host_side
 
 
 @dataclass
@@ -30,47 +32,68 @@ class MicroBatch:
     rows: torch.Tensor  # indices into the global batch's rows
     inputs: dict[str, torch.Tensor]  # padding trimmed to the longest row of this micro-batch
     extras: dict[str, torch.Tensor] = field(default_factory=dict)  # the rows' token-aligned extras, trimmed alike
+    lengths: tuple[int, ...] | None = None  # the rows' real-token counts on the host (Batch.lengths), if known
+
+    def encode(self, encode: Callable[..., torch.Tensor]) -> torch.Tensor:
+        """``encode(**inputs)``, with ``lengths=`` too when the host lengths are known."""
+        return encode(**self.inputs) if self.lengths is None else encode(**self.inputs, lengths=self.lengths)
 
 
-def plan_micro_batches(attention_mask: torch.Tensor, micro_batch_size: int | None = None,
+def plan_micro_batches(lengths: torch.Tensor | Sequence[int], micro_batch_size: int | None = None,
                        max_tokens: int | None = None) -> list[torch.Tensor]:
     """Split rows into micro-batches: at most ``micro_batch_size`` rows and at most ``max_tokens`` padded
-    tokens (rows x longest row) each. Rows are grouped by length so padding is small."""
+    tokens (rows x longest row) each. Rows are grouped by length so padding is small. ``lengths``: the rows'
+    real-token counts on the host (``Batch.lengths``), or their (rows, S) attention mask (read on the host: a
+    device sync on a GPU). Returns CPU index tensors."""
     if micro_batch_size is None and max_tokens is None:
         raise ValueError("set micro_batch_size or max_tokens_per_micro_batch")
     if micro_batch_size is not None and micro_batch_size < 1:
         raise ValueError(f"micro_batch_size must be >= 1, got {micro_batch_size}")
-    lengths = attention_mask.sum(1).cpu()
-    if max_tokens is not None and max_tokens < int(lengths.max()):
+    if isinstance(lengths, torch.Tensor) and lengths.dim() == 2:
+        lengths = lengths.sum(1).cpu()  # host read: a caller without host lengths (Batch.lengths has them)
+    else:
+        lengths = torch.as_tensor(lengths, dtype=torch.int64)
+    with host_side():
+        lengths = lengths.tolist()  # host read: a CPU tensor
+    if max_tokens is not None and max_tokens < max(lengths):
         raise ValueError(f"max_tokens_per_micro_batch={max_tokens} is smaller than one sequence "
-                         f"({int(lengths.max())} tokens)")
-    order = torch.argsort(lengths, descending=True, stable=True)
+                         f"({max(lengths)} tokens)")
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])  # longest first; stable: ties keep their order
     groups, start, n = [], 0, len(order)
     while start < n:
-        longest = int(lengths[order[start]])  # sorted: the first row of a group is its longest
+        longest = lengths[order[start]]  # sorted: the first row of a group is its longest
         size = n - start
         if micro_batch_size is not None:
             size = min(size, micro_batch_size)
         if max_tokens is not None:
             size = min(size, max(1, max_tokens // max(longest, 1)))
-        groups.append(order[start:start + size])
+        groups.append(torch.tensor(order[start:start + size], dtype=torch.int64))
         start += size
     return groups
 
 
 def make_micro_batches(inputs: dict[str, torch.Tensor], groups: list[torch.Tensor],
-                       extras: dict[str, torch.Tensor] | None = None) -> list[MicroBatch]:
-    """The rows of each group, with the padding columns no row of the group uses trimmed away."""
+                       extras: dict[str, torch.Tensor] | None = None,
+                       lengths: Sequence[int] | None = None) -> list[MicroBatch]:
+    """The rows of each group, with the padding columns no row of the group uses trimmed away. ``lengths``: the
+    rows' real-token counts on the host (``Batch.lengths``): the widths come from them, not from the mask (read on
+    the host otherwise: a device sync on a GPU), and each micro-batch carries its own."""
     mask = inputs["attention_mask"]
     out = []
     for rows in groups:
-        rows_dev = rows.to(mask.device)
-        width = max(int(mask[rows_dev].sum(1).max()), 1)
+        rows_dev = rows.to(mask.device, non_blocking=True)
+        if lengths is None:
+            # host read: a caller without host lengths (Batch.lengths has them)
+            mb_lengths, width = None, max(int(mask[rows_dev].sum(1).max()), 1)
+        else:
+            with host_side():
+                mb_lengths = tuple(lengths[i] for i in rows.tolist())  # host read: the plan's CPU indices
+            width = max(max(mb_lengths), 1)
         # Padding sits on the right (dynamic right-padding), so the first `width` columns hold every real token.
         # 1-D inputs are per-row values (a row's template index): sliced by row only.
         out.append(MicroBatch(rows, {k: v[rows_dev, :width] if v.dim() > 1 else v[rows_dev]
                                      for k, v in inputs.items() if v is not None},
-                              {k: v[rows_dev, :width] for k, v in (extras or {}).items()}))
+                              {k: v[rows_dev, :width] for k, v in (extras or {}).items()}, mb_lengths))
     return out
 
 
@@ -109,11 +132,11 @@ def embed_without_graph(encode: Callable[..., torch.Tensor], micro: list[MicroBa
         for mb in micro:
             states.append(RandState(device))
             with autocast():
-                chunks.append(encode(**mb.inputs).float())
+                chunks.append(mb.encode(encode).float())
     replay = Replay(states, RandState(device))
     reps = torch.empty(rows, chunks[0].shape[1], dtype=torch.float32, device=chunks[0].device)
     for mb, emb in zip(micro, chunks):
-        reps[mb.rows.to(reps.device)] = emb
+        reps[mb.rows.to(reps.device, non_blocking=True)] = emb
     return reps, replay
 
 
@@ -129,8 +152,8 @@ def backprop_cached(encode: Callable[..., torch.Tensor], micro: list[MicroBatch]
         ctx = no_sync() if (no_sync is not None and not last) else contextlib.nullcontext()
         with ctx:
             with autocast():
-                emb = encode(**mb.inputs).float()
-            emb.backward(grads[mb.rows.to(grads.device)])
+                emb = mb.encode(encode).float()
+            emb.backward(grads[mb.rows.to(grads.device, non_blocking=True)])
     replay.finish()
 
 

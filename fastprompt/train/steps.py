@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -78,14 +77,14 @@ def forked_rng(seed: int, device: torch.device):
 
 @dataclass
 class StepLosses:
-    """What a step reports. loss: the global-batch loss, the same on every process (non-finite: the step
-    wrote no usable gradient). stats: the sentence objective's statistics (this process's rows), and with
-    token terms ``loss_sentence``, ``loss_<name>`` (unweighted mean over the global batch's targets) and
-    ``w_<name>``."""
+    """What a step reports, left on the device (a step never reads a device tensor on the host: the trainer reads
+    them at its log rows). loss: the global-batch loss, a detached 0-d tensor, the same on every process (non-finite:
+    the gradients it left are not usable, and the trainer skips the update). stats: the sentence objective's
+    statistics (this process's rows), and with token terms ``loss_sentence``, ``loss_<name>`` (unweighted mean over
+    the global batch's targets) and ``w_<name>``: 0-d tensors or floats."""
 
-    loss: float
-    stats: dict[str, float]
-    backpropagated: bool
+    loss: torch.Tensor
+    stats: dict[str, torch.Tensor | float]
 
 
 class LossSide:
@@ -98,8 +97,16 @@ class LossSide:
         self.method, self.encoder, self.dist = method, encoder, dist
         # model inputs -> pre-head vectors (rows, H); PromptBERT's views pool each row at its own template
         self.embed = embed or functools.partial(encoder, head=False)
+        # the encoder's own forward takes the rows' host-side lengths (no read of the mask on the GPU)
+        self._embed_takes_lengths = embed is None
         self.autocast = autocast
         self.loss_scale = loss_scale or (lambda loss: loss)
+
+    def embed_rows(self, *, lengths: tuple[int, ...] | None = None, **inputs: torch.Tensor) -> torch.Tensor:
+        """Pre-head vectors of some rows; ``lengths``: their real-token counts on the host (``Batch.lengths``)."""
+        if self._embed_takes_lengths and lengths is not None:
+            return self.embed(**inputs, lengths=lengths)
+        return self.embed(**inputs)
 
     def sentence(self, reps: torch.Tensor, batch: Batch) -> tuple[torch.Tensor, ObjectiveOutput, torch.Tensor]:
         """``reps``: (rows, H) pre-head vectors of this process's rows. Returns this process's share of the
@@ -131,19 +138,16 @@ class LossSide:
 
     def report(self, sentence_total: torch.Tensor, out: ObjectiveOutput, term_sums: dict[str, torch.Tensor],
                counts: dict[str, torch.Tensor], step: int) -> StepLosses:
-        """The global losses: ``sentence_total`` is the sum of every process's sentence share."""
-        sentence = float(sentence_total)
+        """The global losses, on the device: ``sentence_total`` is the sum of every process's sentence share."""
+        sentence = sentence_total.detach().float()
         stats, loss = dict(out.stats), sentence
         if term_sums:
             stats["loss_sentence"] = sentence
         for t in self.method.terms:
-            mean, w = float(self.dist.sum(term_sums[t.name]) / counts[t.name]), t.weight(step)
+            mean, w = self.dist.sum(term_sums[t.name]) / counts[t.name], t.weight(step)
             stats[f"loss_{t.name}"], stats[f"w_{t.name}"] = mean, w
-            loss += w * mean
-        return StepLosses(loss, stats, backpropagated=True)
-
-    def skipped(self, sentence_total: torch.Tensor, out: ObjectiveOutput) -> StepLosses:
-        return StepLosses(float(sentence_total), dict(out.stats), backpropagated=False)
+            loss = loss + w * mean
+        return StepLosses(loss, stats)
 
 
 class PlainStep:
@@ -156,11 +160,11 @@ class PlainStep:
         side = self.loss_side
         inputs = batch.model_inputs()
         with side.autocast():
-            reps = side.embed(**inputs)
+            reps = side.embed_rows(**inputs, lengths=batch.lengths)
         share, out, emb = side.sentence(reps.float(), batch)
+        # A non-finite loss is backpropagated too (deciding otherwise would read it on the host, waiting for the
+        # GPU): its gradients are not finite either, and the trainer skips the update on the device.
         sentence_total = side.dist.sum(share)
-        if not math.isfinite(float(sentence_total)):  # the same decision on every process
-            return side.skipped(sentence_total, out)
         counts = side.target_counts(batch)
         total, sums = share, {}
         h = {AFTER_HEAD: emb, BEFORE_HEAD: reps.float()}
@@ -182,16 +186,15 @@ class CachedStep:
     def __call__(self, batch: Batch, step: int, seed: int) -> StepLosses:
         side = self.loss_side
         inputs = batch.model_inputs()
-        groups = plan_micro_batches(inputs["attention_mask"], self.micro_batch_size, self.max_tokens)
-        micro = make_micro_batches(inputs, groups, batch.extras)
-        encode = side.embed
+        lengths = batch.lengths if batch.lengths is not None else inputs["attention_mask"]
+        groups = plan_micro_batches(lengths, self.micro_batch_size, self.max_tokens)
+        micro = make_micro_batches(inputs, groups, batch.extras, lengths=batch.lengths)
+        encode = side.embed_rows
         reps, replay = embed_without_graph(encode, micro, batch.rows, side.autocast)  # 1)
         reps.requires_grad_(True)
 
         share, out, emb = side.sentence(reps, batch)  # 2)
-        sentence_total = side.dist.sum(share)
-        if not math.isfinite(float(sentence_total)):
-            return side.skipped(sentence_total, out)
+        sentence_total = side.dist.sum(share)  # a non-finite loss is backpropagated too (PlainStep says why)
         counts = side.target_counts(batch)
         # Terms read h as leaves: the post-head embeddings detached (their gradient is carried back through
         # the head below), the pre-head vectors as R itself (their gradient lands in R.grad directly).

@@ -22,7 +22,6 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +30,7 @@ import torch
 from tqdm.auto import tqdm
 
 from fastprompt.data import Batch, TrainExamples
+from fastprompt.host_sync import checks_stay_on_device
 from fastprompt.objectives.base import TokenTerm
 from fastprompt.train import build, preflight
 from fastprompt.train.checkpoints import RunDirectory, data_fingerprint
@@ -67,14 +67,69 @@ class TrainingCollapsed(TrainingDiverged):
     """Raised after ``collapse_patience`` consecutive log rows whose probe sentences all embed alike."""
 
 
-@dataclass
 class StepOutput:
-    loss: float
-    stats: dict[str, float]
-    grad_norm: float | None
-    skipped: bool
-    tokens: int
-    seconds: float = 0.0
+    """What one optimisation step reports (the callbacks' argument, a row of ``train_log.csv`` averages them).
+
+    A step leaves its values on the device (a CUDA step never waits for the GPU: docs/gpu.md, "The host path"); the
+    first read of ``loss``, ``stats``, ``grad_norm``, ``skipped`` or ``nonfinite`` copies them all to the host at
+    once, waiting for the step's kernels. The trainer reads them at its log rows (every ``log_every`` steps), and at
+    every step only where that costs nothing (on the CPU). ``tokens`` (real tokens of the batch, from the collator)
+    and ``seconds`` are host values."""
+
+    def __init__(self, loss: torch.Tensor | float, stats: dict[str, torch.Tensor | float],
+                 grad_norm: torch.Tensor | float | None, applied: torch.Tensor | bool, nonfinite: torch.Tensor | bool,
+                 tokens: int, seconds: float = 0.0):
+        self._device = {"loss": loss, "grad_norm": grad_norm, "applied": applied, "nonfinite": nonfinite,
+                        **{f"stats.{k}": v for k, v in stats.items()}}
+        self._host: dict[str, Any] | None = None
+        self.tokens, self.seconds = tokens, seconds
+
+    @staticmethod
+    def read_all(outputs: Sequence["StepOutput"]) -> None:
+        """Copy the device values of every output in ``outputs`` to the host in one read (one sync)."""
+        pending = [o for o in outputs if o._host is None]
+        tensors = [(o, k, v) for o in pending for k, v in o._device.items() if isinstance(v, torch.Tensor)]
+        values = (torch.stack([v.detach().reshape(()).to(torch.float64) for _, _, v in tensors]).tolist()
+                  if tensors else [])
+        for o in pending:
+            o._host = {k: v for k, v in o._device.items() if not isinstance(v, torch.Tensor)}
+        for (o, k, _), value in zip(tensors, values):
+            o._host[k] = value
+        for o in pending:
+            o._device = {}
+
+    def _get(self, key: str):
+        if self._host is None:
+            StepOutput.read_all([self])
+        return self._host[key]
+
+    @property
+    def loss(self) -> float:
+        """The global-batch loss (NaN or inf when the step's loss was not finite)."""
+        return float(self._get("loss"))
+
+    @property
+    def stats(self) -> dict[str, float]:
+        """The method's statistics of this step (:class:`~fastprompt.train.steps.StepLosses`)."""
+        self._get("loss")
+        return {k[6:]: float(v) for k, v in self._host.items() if k.startswith("stats.")}
+
+    @property
+    def grad_norm(self) -> float | None:
+        """The gradient norm before clipping (None: no gradient)."""
+        norm = self._get("grad_norm")
+        return None if norm is None else float(norm)
+
+    @property
+    def skipped(self) -> bool:
+        """Whether the update was skipped (a non-finite loss or gradient, or GradScaler's calibration)."""
+        return not bool(self._get("applied"))
+
+    @property
+    def nonfinite(self) -> bool:
+        """Whether the step counts as non-finite (``max_nonfinite_steps``): its loss, or without GradScaler its
+        gradient, was not finite."""
+        return bool(self._get("nonfinite"))
 
 
 class Trainer:
@@ -254,37 +309,43 @@ class Trainer:
         A non-finite sentence loss is returned without a backward pass."""
         return self.step(batch, self.state.global_step, seed)
 
-    def optimizer_step(self) -> tuple[float | None, bool]:
-        """Unscale, clip, step. Returns (gradient norm, applied); a non-finite gradient skips the update."""
-        return self.optimization.step(self.params, self.config.optim.max_grad_norm)
+    def optimizer_step(self, finite_loss: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Unscale, clip, step, on the device. Returns (gradient norm, applied) as 0-d tensors; a non-finite
+        gradient, or a loss ``finite_loss`` says is not finite, skips the update."""
+        return self.optimization.step(self.params, self.config.optim.max_grad_norm, finite_loss)
 
     def _run_step(self, rows: list[int], dataset: int = 0) -> StepOutput:
+        """One step, without reading a device tensor on the host: its values stay on the device (StepOutput)."""
         seed = self.seed_step(self.state.global_step)
         batch = self.make_batch(rows, seed, dataset)
         self.optimizer.zero_grad(set_to_none=True)
         out = self.training_step(batch, seed)
-        loss = out.loss  # the global-batch loss, the same on every process
-        grad_norm, applied = None, False
-        if math.isfinite(loss):
-            self.dist.all_reduce_gradients(self.params)
-            grad_norm, applied = self.optimizer_step()
-        nonfinite = not math.isfinite(loss) or (grad_norm is not None and not math.isfinite(grad_norm)
-                                               and self.scaler is None)
+        finite = torch.isfinite(out.loss)  # the global-batch loss, the same on every process
+        self.dist.all_reduce_gradients(self.params)
+        grad_norm, applied = self.optimizer_step(finite)
+        nonfinite = ~finite if self.scaler is not None else ~(finite & torch.isfinite(grad_norm))
         self.scheduler.step()  # the learning rate follows the step count even over a skipped step
         self.optimizer.zero_grad(set_to_none=True)
-        if nonfinite:
-            self.state.nonfinite_streak += 1
-            self.state.nonfinite_total += 1
-            logger.warning("step %d: non-finite %s (%s); skipped the update (%d in a row, limit %d)",
-                           self.state.global_step + 1, "loss" if not math.isfinite(loss) else "gradient",
-                           loss if not math.isfinite(loss) else grad_norm, self.state.nonfinite_streak,
-                           self.config.run.max_nonfinite_steps)
-        else:
-            self.state.nonfinite_streak = 0
         stats = dict(out.stats)
         if self.dataset_names:
-            stats[f"loss_data_{self.dataset_names[dataset]}"] = loss
-        return StepOutput(loss, stats, grad_norm, skipped=not applied, tokens=batch.num_tokens)
+            stats[f"loss_data_{self.dataset_names[dataset]}"] = out.loss
+        return StepOutput(out.loss, stats, grad_norm, applied, nonfinite, tokens=batch.num_tokens)
+
+    def _account(self, outputs: Sequence[StepOutput], last_step: int) -> None:
+        """Count the non-finite steps among ``outputs`` (the steps up to ``last_step``, in order), reading their
+        values in one go; warn for each."""
+        StepOutput.read_all(outputs)
+        st = self.state
+        for step, out in enumerate(outputs, start=last_step - len(outputs) + 1):
+            if out.nonfinite:
+                st.nonfinite_streak += 1
+                st.nonfinite_total += 1
+                bad = not math.isfinite(out.loss)
+                logger.warning("step %d: non-finite %s (%s); skipped the update (%d in a row, limit %d)",
+                               step, "loss" if bad else "gradient", out.loss if bad else out.grad_norm,
+                               st.nonfinite_streak, self.config.run.max_nonfinite_steps)
+            else:
+                st.nonfinite_streak = 0
 
     # ------------------------------------------------------------------ evaluation and checkpoints
     def save_last(self) -> Path:
@@ -324,6 +385,7 @@ class Trainer:
         bar = tqdm(total=self.total_steps, initial=st.global_step, desc="train", disable=not show,
                    dynamic_ncols=True)
         window: list[StepOutput] = []
+        unread: list[StepOutput] = []  # steps whose values are still on the device (see StepOutput)
         if st.probe_spread_start is None:  # a fresh run (or one saved before the probe existed)
             st.probe_spread_start = self.evaluator.probe_spread()
         self.collapse = CollapseMonitor(cfg.run.collapse_ratio, cfg.run.collapse_patience, st.probe_spread_start)
@@ -341,13 +403,22 @@ class Trainer:
                         out = self._run_step(rows, dataset)
                         st.global_step += 1
                         st.batch_in_epoch = b_idx + 1
-                        out.seconds = time.perf_counter() - t0
-                        st.train_seconds += out.seconds
                         window.append(out)
+                        unread.append(out)
+                        log_row = st.global_step % cfg.run.log_every == 0 or st.global_step == self.total_steps
+                        checkpoint = (st.global_step % save_every == 0 or st.global_step % cfg.evaluation.eval_steps
+                                      == 0 or self.interrupt.requested)
+                        # The values are read where that costs nothing (the CPU), else at log rows and before a
+                        # checkpoint or evaluation (one sync for all the steps since the last read).
+                        if log_row or checkpoint or not checks_stay_on_device(self.params[0]):
+                            self._account(unread, st.global_step)
+                            unread = []
+                        out.seconds = time.perf_counter() - t0  # with the wait for the GPU where it was read
+                        st.train_seconds += out.seconds
                         bar.update(1)
                         for cb in self.callbacks:
                             cb(self, out)
-                        if st.global_step % cfg.run.log_every == 0 or st.global_step == self.total_steps:
+                        if log_row:
                             self._log_window(window)
                             bar.set_postfix_str(bar_postfix(np.mean([w.loss for w in window]), self._last_dev),
                                                 refresh=False)
@@ -367,6 +438,8 @@ class Trainer:
                     else:  # epoch finished
                         st.epoch += 1
                         st.batch_in_epoch = 0
+                if unread:
+                    self._account(unread, st.global_step)
                 if window:
                     self._log_window(window)
                 # a skipped (non-finite) step never changes the prompt, so last/ stays a valid resume point

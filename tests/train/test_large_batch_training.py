@@ -62,10 +62,10 @@ class _GradRecorder(Trainer):
 
         side.sentence = keep
 
-    def optimizer_step(self):
+    def optimizer_step(self, finite_loss=None):
         self.recorded = getattr(self, "recorded", [])
         self.recorded.append({n: p.grad.clone() for n, p in self.encoder.named_parameters() if p.requires_grad})
-        return super().optimizer_step()
+        return super().optimizer_step(finite_loss)
 
 
 @pytest.mark.parametrize("keys", [dict(micro_batch_size=3), dict(max_tokens_per_micro_batch=40)])

@@ -103,8 +103,8 @@ def test_plain_step_runs_supervised_three_views(tiny_bert_dir):
     assert row[:t2.sentence_start] == [*t2.lead, *t2.before]
     side = LossSide(Method(SimCSE(backend="reference")), enc, DistributedContext(),
                     embed=TemplateViewEmbedder(enc, (T1, T2), True))
-    out = PlainStep(side)(batch, 0, SEED)
-    assert out.backpropagated and enc.prompt.prefix.grad.abs().sum() > 0
+    PlainStep(side)(batch, 0, SEED)
+    assert enc.prompt.prefix.grad.abs().sum() > 0
 
 
 def test_max_length_counts_sentence_tokens_and_budget_includes_the_template(tiny_bert_dir):

@@ -77,7 +77,6 @@ def test_cached_step_with_the_ski_view_equals_one_graph(tiny_bert_dir, rows, bud
     torch.manual_seed(SEED)
     out = CachedStep(LossSide(method, enc, DistributedContext()), micro_batch_size=budget.get("micro_batch_size"),
                      max_tokens=budget.get("max_tokens"))(batch, STEP, SEED)
-    assert out.backpropagated
     torch.testing.assert_close(torch.tensor(out.loss), ref_loss, atol=1e-5, rtol=1e-5)
     got = _grads(enc)
     assert set(got) == set(ref) and "prompt.prefix" in got

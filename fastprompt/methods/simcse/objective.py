@@ -95,17 +95,18 @@ class SimCSE(SentenceObjective):
             hinge_margin=self.hinge_margin, hinge_weight=self.hinge_weight, positive_offset=positive_offset,
             backend=self.backend, return_stats=True, check_finite=False, **options,
         )
-        # per Matryoshka dimension (columns of the stats) weighted as the loss weighs them; one column without
-        weights = torch.tensor(self.matryoshka_weights or [1.0] * st.pos_sim.reshape(len(z1), -1).shape[1])
-        hinge = (torch.relu(self.hinge_margin + st.hardest_neg_sim - st.pos_sim).reshape(len(z1), -1).mean(0).cpu()
-                 * weights).sum()
+        # per Matryoshka dimension (columns of the stats) weighted as the loss weighs them; one column without.
+        # The statistics stay on the device (the trainer reads them at its log rows).
+        per_dim = torch.relu(self.hinge_margin + st.hardest_neg_sim - st.pos_sim).reshape(len(z1), -1).mean(0)
+        weights = self.matryoshka_weights or [1.0] * per_dim.shape[0]
+        hinge = sum(w * per_dim[t] for t, w in enumerate(weights)).detach()
         stats = {
-            "pos_cos": float(st.pos_sim.mean()),
-            "hard_neg_cos": float(st.hardest_neg_sim.mean()),
+            "pos_cos": st.pos_sim.mean().detach(),
+            "hard_neg_cos": st.hardest_neg_sim.mean().detach(),
             # in-batch top-1 accuracy: the positive beats every other column
-            "acc": float((st.pos_sim > st.hardest_neg_sim).float().mean()),
+            "acc": (st.pos_sim > st.hardest_neg_sim).float().mean(),
         }
         if self.hinge_weight:
-            stats["loss_eh"] = float(hinge)
-            stats["loss_cl"] = float(loss.detach()) - self.hinge_weight * float(hinge)
+            stats["loss_eh"] = hinge
+            stats["loss_cl"] = loss.detach() - self.hinge_weight * hinge
         return ObjectiveOutput(loss, stats)

@@ -92,15 +92,15 @@ class SKICSE(SentenceObjective):
         # cos(h_i, k_i): each sentence with its own SKI (float32, as the op computes its logits)
         ski_cos = F.cosine_similarity(anchor.float(), local[ski].float(), dim=-1)
         stats = {
-            "pos_cos": float(st.pos_sim.mean()),
-            "hard_neg_cos": float(st.hardest_neg_sim.mean()),
-            "acc": float((st.pos_sim > st.hardest_neg_sim).float().mean()),
-            "loss_cl": float(main.detach()),
-            "ski_cos": float(ski_cos.detach().mean()),
+            "pos_cos": st.pos_sim.mean().detach(),
+            "hard_neg_cos": st.hardest_neg_sim.mean().detach(),
+            "acc": (st.pos_sim > st.hardest_neg_sim).float().mean(),
+            "loss_cl": main.detach(),
+            "ski_cos": ski_cos.detach().mean(),
         }
         if names[1] != "sent1":  # unsupervised: Eq. 3
             l_ski, _ = self._term(anchor, gathered[ski], None, off)  # Eq. 2
-            stats["loss_ski"] = float(l_ski.detach())
+            stats["loss_ski"] = l_ski.detach()
             return ObjectiveOutput((1.0 - self.ski_weight) * main + self.ski_weight * l_ski, stats)
         ski1, _ = self._term(local[ski], gathered[1], hard, off)  # Eq. 5
         if self.ski2_denominator == "printed":  # Eq. 6: L_sup's denominator, the SKI in the numerator
@@ -108,6 +108,6 @@ class SKICSE(SentenceObjective):
             ski2 = main + ((pos_cos - ski_cos) / self.temperature).mean()
         else:
             ski2, _ = self._term(anchor, gathered[ski], None, off)
-        stats["loss_ski"], stats["loss_ski2"] = float(ski1.detach()), float(ski2.detach())
+        stats["loss_ski"], stats["loss_ski2"] = ski1.detach(), ski2.detach()
         total = (1.0 - self.ski1_weight - self.ski2_weight) * main + self.ski1_weight * ski1 + self.ski2_weight * ski2
         return ObjectiveOutput(total, stats)
