@@ -32,7 +32,7 @@ def test_sdist_holds_the_extension_sources_kernels_and_build_files(tmp_path):
     with tarfile.open(sdist) as tar:
         names = {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
     expected = {"setup.py", "pyproject.toml", "MANIFEST.in", "CMakeLists.txt", "README.md"}
-    for pattern in ("csrc/*", "kernels/*.py", "configs/*.yaml", "fastprompt/**/*.py"):
+    for pattern in ("csrc/*", "kernels/*.py", "kernels/configs/*.json", "configs/*.yaml", "fastprompt/**/*.py"):
         expected |= {p.relative_to(ROOT).as_posix() for p in ROOT.glob(pattern)
                      if p.is_file() and "__pycache__" not in p.parts}
     assert any(n.startswith("csrc/") for n in expected) and "fastprompt/cli/train.py" in expected
@@ -68,4 +68,5 @@ def test_plain_pip_wheel_in_a_fresh_venv_is_pure_python_and_fetches_no_torch(tmp
     assert wheel.name.endswith("-py3-none-any.whl"), wheel.name
     names = zipfile.ZipFile(wheel).namelist()
     assert "fastprompt/cli/train.py" in names and "fastprompt/kernels/__init__.py" in names
+    assert [n for n in names if n.startswith("fastprompt/kernels/configs/") and n.endswith(".json")]  # tuned tables
     assert not [n for n in names if n.endswith((".so", ".pyd", ".pyc"))]
