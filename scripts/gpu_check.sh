@@ -1,5 +1,12 @@
 #!/usr/bin/env bash
-# The GPU validation kit: on a machine with a CUDA GPU and fastprompt installed (docs/gpu.md), runs
+# The GPU checks (docs/gpu.md), three ways:
+#   bash scripts/gpu_check.sh kit [ARGS]   the GPU kit (bench/gpu_kit.py ARGS): the four measurements that matter
+#                                          most, ordered by value, ~7.5 min, each result written as it exists; what a
+#                                          lent GPU runs first (`kit --dry-run`: the same sequence at smoke sizes on
+#                                          the CPU)
+#   bash scripts/gpu_check.sh tests        the CUDA test subset only (~4.5 min), the lent GPU's second call
+#   bash scripts/gpu_check.sh [all]        everything below: the tests and every benchmark over its grid
+# The full check: on a machine with a CUDA GPU and fastprompt installed (docs/gpu.md), runs
 #   1. the CUDA test subset (tests/ops/test_ops_cuda.py: both Triton ops against the plain-PyTorch references in
 #      fp32, fp16 and bf16, every gradient, dropout determinism, prompt_index, the encoder's fused attention path),
 #      compiled for the GPU (TRITON_INTERPRET=0);
@@ -19,6 +26,12 @@ cd "$(dirname "$0")/.."
 if [ -z "${PYTHON:-}" ]; then
     if [ -x .venv/bin/python ]; then PYTHON=.venv/bin/python; else PYTHON=python3; fi
 fi
+MODE=${1:-all}
+case "$MODE" in
+    kit) shift; exec "$PYTHON" bench/gpu_kit.py "$@" ;;
+    tests|all) ;;
+    *) echo "usage: bash scripts/gpu_check.sh [kit [ARGS] | tests | all]" >&2; exit 2 ;;
+esac
 
 if ! reason=$("$PYTHON" - <<'PY'
 import sys
@@ -63,6 +76,10 @@ else
 fi
 run tests_cuda "$PYTHON" -m pytest -q -p no:cacheprovider -m cuda tests/ops/test_ops_cuda.py \
     --junitxml "$OUT/gpu_check_cuda.xml"
+if [ "$MODE" = tests ]; then
+    echo "gpu_check: tests only; $([ ${#failed[@]} -eq 0 ] && echo passed || echo FAILED) (log: $LOGS/tests_cuda.log)"
+    [ ${#failed[@]} -eq 0 ]; exit
+fi
 bench prefix_attention_bf16 bench_prefix_attention.py --dtype bf16 "${PA[@]}"
 bench prefix_attention_fp32 bench_prefix_attention.py --dtype fp32 "${PA[@]}"
 bench contrastive_loss bench_contrastive_loss.py "${CL[@]}"

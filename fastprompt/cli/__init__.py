@@ -30,6 +30,7 @@ from fastprompt.cli.integrations import add_export_parser, add_import_parser
 from fastprompt.cli.mine import add_mine_negatives_parser
 from fastprompt.cli.report import add_report_parser
 from fastprompt.cli.train import add_train_parser
+from fastprompt.cli.tune import add_tune_parser
 
 #: The subcommands every method shares, in ``fastprompt -h`` order (the methods' own follow them).
 SUBCOMMANDS: tuple[Callable[..., argparse.ArgumentParser], ...] = (
@@ -41,6 +42,7 @@ SUBCOMMANDS: tuple[Callable[..., argparse.ArgumentParser], ...] = (
     add_import_parser,
     add_mine_negatives_parser,
     add_convert_gguf_parser,
+    add_tune_parser,
 )
 
 
