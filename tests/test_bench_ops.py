@@ -12,7 +12,7 @@ BENCH = Path(__file__).resolve().parents[1] / "bench"
 RUNS = {
     "bench_contrastive_loss.py": (["--n", "64", "--d", "32", "--loss", "simcse", "--repeats", "2"],
                                   ["fused", "reference"], "reference"),
-    "bench_prefix_attention.py": (["--batches", "4", "--seq", "8", "--prefix", "2", "--heads", "2", "--head-dim", "16",
+    "bench_prefix_attention.py": (["--shapes", "4x8", "--prefix", "2", "--heads", "2", "--head-dim", "16",
                                    "--kv-heads", "1", "--causal", "--modes", "fwd+bwd", "--repeats", "2", "--warmup",
                                    "1"],
                                   ["fastprompt", "fastprompt_packed", "sdpa_concat", "eager_concat"], "sdpa_concat"),
@@ -34,5 +34,7 @@ def test_op_bench_measures_every_provider(script, tmp_path):
         assert r["device"] == "cpu" and float(r["median_ms"]) > 0 and int(r["repeats"]) == 2
         assert float(r["peak_mb"]) >= 0 and r["baseline"] == baseline
         assert float(r.get("max_abs_err_vs_sdpa") or 0) < 1e-5, r  # every provider computes the same attention
+        if script == "bench_prefix_attention.py":  # the useful matrix work per second (no peak on the CPU)
+            assert float(r["tflops"]) > 0 and r["peak_fraction"] == "", r
     assert next(r for r in rows if r["provider"] == baseline)["time_vs_baseline"] == "1.0"
     assert json.loads(out.with_suffix(".json").read_text())["command"].startswith(f"python bench/{script} ")

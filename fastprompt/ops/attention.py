@@ -11,10 +11,12 @@ the token block's scores, and ``cu_seqlens`` runs a packed batch (real tokens on
 
 Backends:
 
-``"triton"``     the kernels of ``fastprompt.kernels.prefix_attention`` (online softmax over the prefix
-                 tiles then the token tiles; the backward recomputes from the saved log-sum-exp; prefix
-                 gradients are per-program partial sums reduced in a fixed order). On CPU tensors this
-                 runs the Triton interpreter (``TRITON_INTERPRET=1`` before the kernels are imported).
+``"triton"``     the kernels of ``fastprompt.kernels.prefix_attention``: one forward launch (online softmax
+                 over the prefix tiles then the token tiles), a backward of two (dQ, then dK/dV over the token
+                 and prefix key tiles; recomputed from the saved log-sum-exp; prefix gradients are per-program
+                 partial sums reduced in a fixed order), and nothing on the way that reads a tensor on the
+                 host. On CPU tensors this runs the Triton interpreter (``TRITON_INTERPRET=1`` before the
+                 kernels are imported).
 ``"cpu"``        on CPU tensors of float32/16/bf16, the fused C++ kernel of ``fastprompt._C``
                  (:mod:`fastprompt.ops.attention_cpu`: reads the prefix once per (example, head), never
                  concatenates it, saves only the log-sum-exp, regenerates the dropout mask in the backward;
@@ -29,12 +31,16 @@ Backends:
 The fused kernels (Triton, and the C++ kernel of "cpu") are one ``torch.library`` custom op with a ``backend``
 argument (``fastprompt::prefix_attention_fwd`` / ``_bwd``, fake implementations, a registered autograd formula),
 wired as ``fastprompt::contrastive_loss_fwd`` is (``docs/adding-a-kernel.md``), so ``torch.compile`` keeps either
-as a single opaque node; the aten composite is traced through (and can be fused) like any aten code.
+as a single opaque node; the aten composite is traced through (and can be fused) like any aten code. Eagerly the
+Triton kernels skip the custom op's dispatch: one ``torch.autograd.Function`` (:class:`_TritonAttention`) calls
+their launchers.
 
 Dropout acts on the attention probabilities. Its mask is a pure function of ``seed`` and the position:
 the same seed reproduces the same mask exactly (the gradient cache replays forwards). ``seed=None`` with
-``dropout_p > 0`` draws the seed from torch's default CPU generator, so restoring ``torch.get_rng_state()``
-replays it. The Triton kernels and the C++ kernel draw the same Philox mask (bit for bit:
+``dropout_p > 0`` draws the seed from the default generator of q's device, as a 0-d tensor the fused kernels load
+(no host read; on CUDA a captured graph draws a new one per replay): restoring ``torch.get_rng_state()`` (CPU
+tensors) or ``torch.cuda.get_rng_state()`` (CUDA) replays it. The Triton kernels and the C++ kernel draw the same
+Philox mask (bit for bit:
 :func:`fastprompt.ops.attention_cpu.keep_mask`), and a packed batch drops what the same sequences right-padded
 to ``max_seqlen`` drop; the aten composite and the reference use a seeded ``torch.Generator`` (same contract,
 different masks).
@@ -45,15 +51,25 @@ sees the prefix, so a fully padded example simply attends to the prompt: finite 
 """
 from __future__ import annotations
 
+import functools
+import logging
 from typing import Optional
 
 import torch
 
 from fastprompt.backends import OpSupport, register_op, resolve_backend
+from fastprompt.host_sync import checks_stay_on_device
 from fastprompt.ops import attention_cpu
 from fastprompt.ops.reference import prefix_attention_dropout_mask, prefix_attention_reference
 
 __all__ = ["prefix_attention", "draw_seed", "SUPPORT", "MAX_TRITON_HEAD_DIM"]
+
+logger = logging.getLogger(__name__)
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_once(message: str) -> None:
+    logger.warning(message)
 
 #: Largest head dim of the Triton kernels (one (rows x D) tile per operand, D padded to a power of two).
 MAX_TRITON_HEAD_DIM = 128
@@ -108,7 +124,7 @@ def prefix_attention(
             visible.
         scale: score scale, default ``D ** -0.5``.
         dropout_p: dropout probability on the attention probabilities (0 in eval).
-        seed: dropout seed (any int, 64 bits used); None draws one from torch's default generator.
+        seed: dropout seed (any int, 64 bits used); None draws one from the default generator of q's device.
         prompt_index: ``(B,)`` integer prompt id per example (per sequence when packed), required with a 4-D
             prefix.
         backend: "auto", "triton", "cpu" or "reference" (see the module docstring).
@@ -125,7 +141,8 @@ def prefix_attention(
             each attends to its own tokens and its prefix. ``key_padding_mask`` must be None.
         max_seqlen: with ``cu_seqlens``, the padded width L the packed batch stands for (the bias's size and the
             dropout mask's row width: a packed batch drops what the same sequences right-padded to L drop);
-            default the longest sequence. Pass it under ``torch.compile`` (no host read of the offsets).
+            default the longest sequence, read from the offsets on the host (on CUDA a device sync, logged once;
+            refused on the Triton path under ``torch.compile`` or CUDA-graph capture): pass it.
 
     The Triton and C++ kernels return a transposed ``(B, S, H, D)`` buffer (packed ``(1, N, H, D)``), so
     ``out.transpose(1, 2).reshape(B, S, H * D)`` needs no copy (the aten composite returns what SDPA returns: the
@@ -143,14 +160,16 @@ def prefix_attention(
     scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
     dropout_p = float(dropout_p)
     if dropout_p > 0 and seed is None:
-        # the fused op takes the seed as a tensor: no host sync, so torch.compile does not break the graph here
-        seed = _draw_seed_tensor() if fused else draw_seed()
+        # The fused kernels take the seed as a tensor that they load: no host read, so torch.compile does not
+        # break the graph here, and on CUDA it is drawn on q's device by its default generator (graph-safe: a
+        # captured CUDA graph draws a new seed per replay). On CPU tensors: the default CPU generator.
+        seed = _draw_seed_tensor(q.device) if fused else draw_seed()
     # The values of prompt_index and cu_seqlens: checked here, once, for every backend (without a host sync on
     # CUDA or under torch.compile); in a compiled graph the C++ kernel checks them itself (no extra nodes).
     if not (fused and resolved == "cpu" and torch.compiler.is_compiling()):
         _check_prompt_index(prompt_index, prefix_k.shape[0])
         if cu_seqlens is not None:
-            max_seqlen = _check_packed(cu_seqlens, q.shape[2], max_seqlen, attn_bias)
+            max_seqlen = _check_packed(cu_seqlens, q.shape[2], max_seqlen, attn_bias, triton=resolved == "triton")
     features = dict(causal=bool(causal), window=window, attn_bias=attn_bias, cu_seqlens=cu_seqlens,
                     max_seqlen=max_seqlen)
     if fused:
@@ -165,12 +184,21 @@ def prefix_attention(
 
 def draw_seed() -> int:
     """A fresh 63-bit dropout seed from torch's default CPU generator (replayable via its RNG state)."""
-    return int(_draw_seed_tensor().item())
+    return int(_draw_seed_tensor().item())  # host read: a CPU tensor (the CPU generator's draw)
 
 
-def _draw_seed_tensor() -> torch.Tensor:
-    """The draw of :func:`draw_seed`, left as a 0-d int64 tensor."""
-    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64)
+def _draw_seed_tensor(device=None) -> torch.Tensor:
+    """The draw of :func:`draw_seed`, left as a 0-d int64 tensor on ``device`` (default CPU), drawn there by its
+    default generator (no host read: on CUDA it is recorded and replayed by its RNG state, and CUDA graphs
+    capture it)."""
+    return torch.randint(0, 2**63 - 1, (), dtype=torch.int64, device=device)
+
+
+def _sync_free(x: torch.Tensor) -> bool:
+    """Whether the value checks must not read ``x`` on the host: a CUDA tensor (a read waits for the GPU),
+    torch.compile tracing, or :func:`fastprompt.host_sync.sync_free` (the CPU tests of the CUDA path's host code).
+    Elsewhere (CPU tensors) they read it and raise a clear ValueError."""
+    return checks_stay_on_device(x)
 
 
 def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p, causal=False,
@@ -276,27 +304,41 @@ def _check_prompt_index(prompt_index: Optional[torch.Tensor], T: int) -> None:
     if prompt_index is None:
         return
     bad = ((prompt_index < 0) | (prompt_index >= T)).any()
-    if prompt_index.is_cuda or torch.compiler.is_compiling():
+    if _sync_free(prompt_index):
         torch._assert_async(~bad, f"prompt_index out of range [0, {T})")
-    elif bool(bad):
-        raise ValueError(f"prompt_index values must be in [0, {T}), got min {int(prompt_index.min())}, "
-                         f"max {int(prompt_index.max())}")
+    elif bool(bad):  # host read: a CPU tensor (this branch never runs on CUDA)
+        lo, hi = int(prompt_index.min()), int(prompt_index.max())  # host read: a CPU tensor, for the message
+        raise ValueError(f"prompt_index values must be in [0, {T}), got min {lo}, max {hi}")
 
 
 def _check_packed(cu_seqlens: torch.Tensor, n_tokens: int, max_seqlen: Optional[int],
-                  attn_bias: Optional[torch.Tensor]) -> int:
+                  attn_bias: Optional[torch.Tensor], triton: bool = False) -> int:
     """The one check of a packed batch's offsets (int64): from 0 to N, non-decreasing, no sequence over
     ``max_seqlen``, a bias as wide as the padded width. Returns that width L: ``max_seqlen``, or the longest
-    sequence (read on the host: pass ``max_seqlen`` to avoid the sync). Offsets that break these rules would read
-    or write out of bounds in the kernels; on CUDA or under torch.compile the check is an asynchronous assert."""
+    sequence (read on the host: pass ``max_seqlen`` to avoid the sync; the model passes the collator's host-side
+    value). Offsets that break these rules would read or write out of bounds in the kernels; on CUDA or under
+    torch.compile the check is an asynchronous assert.
+
+    For the Triton kernels (``triton``) a missing ``max_seqlen`` is an error under torch.compile or CUDA-graph
+    capture (finding it reads the offsets on the host), and on CUDA otherwise a fallback logged once."""
     lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-    L = max(1, int(lengths.max())) if max_seqlen is None else max_seqlen
-    if cu_seqlens.is_cuda or torch.compiler.is_compiling():
+    if max_seqlen is None:
+        if triton and (torch.compiler.is_compiling()
+                       or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing())):
+            raise ValueError("prefix_attention with cu_seqlens needs max_seqlen under torch.compile or CUDA-graph "
+                             "capture: finding the longest sequence reads the offsets on the host")
+        if cu_seqlens.is_cuda:
+            _warn_once("prefix_attention: cu_seqlens without max_seqlen; reading the longest sequence on the host "
+                       "(a device sync per call): pass max_seqlen (the collator's padded width)")
+        L = max(1, int(lengths.max()))  # host read: the documented fallback without max_seqlen (logged on CUDA)
+    else:
+        L = max_seqlen
+    if _sync_free(cu_seqlens):
         bad = (cu_seqlens[0] != 0) | (cu_seqlens[-1] != n_tokens) | (lengths < 0).any() | (lengths > L).any()
         torch._assert_async(~bad, f"cu_seqlens must rise from 0 to the {n_tokens} packed rows, with no sequence "
                                   f"longer than max_seqlen = {L}")
         return _check_bias_width(attn_bias, L)
-    offsets = [int(x) for x in cu_seqlens.tolist()]
+    offsets = [int(x) for x in cu_seqlens.tolist()]  # host read: a CPU tensor (this branch never runs on CUDA)
     if offsets[0] != 0 or offsets[-1] != n_tokens:
         raise ValueError(f"cu_seqlens must run from 0 to the N = {n_tokens} packed tokens of q, got "
                          f"{offsets[0]} ... {offsets[-1]}")
@@ -442,21 +484,72 @@ def _seeded_dropout_scale_fake(like, seed, dropout_p):
 
 def _kernel_attention(backend, q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, *,
                       causal=False, window=(-1, -1), attn_bias=None, cu_seqlens=None, max_seqlen=None):
-    """The output of :func:`prefix_attention` through the fused op on checked inputs (``mask`` bool or None,
+    """The output of :func:`prefix_attention` through the fused kernels on checked inputs (``mask`` bool or None,
     ``prompt_index`` and ``cu_seqlens`` int64 or None, ``seed`` an int, a 0-d int64 tensor or None for 0).
-    ``max_seqlen`` None with ``cu_seqlens``: only on the C++ kernel, which finds the longest sequence itself."""
+    ``max_seqlen`` None with ``cu_seqlens``: only on the C++ kernel, which finds the longest sequence itself.
+
+    The Triton kernels run eagerly through one ``autograd.Function`` (:class:`_TritonAttention`: the launchers
+    called directly, no custom-op dispatch), and through the ``torch.library`` custom op pair under torch.compile
+    (one opaque node). The C++ kernel always goes through the custom op."""
+    if backend == "triton" and not torch.compiler.is_compiling():
+        if dropout_p == 0:
+            seed = None
+        elif seed is None:
+            seed = 0
+        return _TritonAttention.apply(q, k, v, prefix_k, prefix_v, attn_bias, mask, prompt_index, cu_seqlens, seed,
+                                      (scale, dropout_p, max_seqlen, causal, (int(window[0]), int(window[1]))))
     dtype = q.dtype
     if backend == "cpu":  # the C++ kernel computes in float32 and reads rows with unit stride
         q, k, v, prefix_k, prefix_v = (_unit_last(x.to(torch.float32)) for x in (q, k, v, prefix_k, prefix_v))
         mask, prompt_index, cu_seqlens = (None if x is None else x.contiguous() for x in (mask, prompt_index,
                                                                                          cu_seqlens))
         attn_bias = None if attn_bias is None else _unit_last(attn_bias.to(torch.float32))
-    if not isinstance(seed, torch.Tensor):
-        seed = torch.tensor(attention_cpu.signed_seed(0 if seed is None else seed), dtype=torch.int64)
+        if not isinstance(seed, torch.Tensor):
+            seed = torch.tensor(attention_cpu.signed_seed(0 if seed is None else seed), dtype=torch.int64)
+    elif not isinstance(seed, torch.Tensor):  # the Triton kernels load it on q's device
+        seed = torch.full((), attention_cpu.signed_seed(0 if seed is None else seed), dtype=torch.int64,
+                          device=q.device)
     out, _ = torch.ops.fastprompt.prefix_attention_fwd(
         q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, attn_bias, cu_seqlens,
         0 if max_seqlen is None else int(max_seqlen), causal, int(window[0]), int(window[1]), backend)
     return out.to(dtype)
+
+
+def _kernels():
+    from fastprompt.kernels import prefix_attention as kernels
+
+    return kernels
+
+
+class _TritonAttention(torch.autograd.Function):
+    """The Triton kernels' forward and backward, eagerly: one launch forward, two backward, nothing between them
+    that reads a tensor on the host. ``seed``: None (no dropout), an int or a 0-d int64 tensor the kernels load;
+    ``params``: (scale, dropout_p, max_seqlen, causal, window)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, prefix_k, prefix_v, attn_bias, mask, prompt_index, cu_seqlens, seed, params):
+        scale, dropout_p, max_seqlen, causal, window = params
+        out, lse = _kernels().forward(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale=scale,
+                                      dropout_p=dropout_p, seed=seed, causal=causal, window=window,
+                                      attn_bias=attn_bias, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+        seed_t = seed if isinstance(seed, torch.Tensor) else None
+        ctx.save_for_backward(q, k, v, prefix_k, prefix_v, attn_bias, mask, prompt_index, cu_seqlens, seed_t, out,
+                              lse)
+        ctx.seed = None if seed_t is not None else seed
+        ctx.params = params
+        return out
+
+    @staticmethod
+    def backward(ctx, dout):
+        q, k, v, prefix_k, prefix_v, attn_bias, mask, prompt_index, cu_seqlens, seed, out, lse = ctx.saved_tensors
+        scale, dropout_p, max_seqlen, causal, window = ctx.params
+        need = ctx.needs_input_grad
+        dq, dk, dv, dpk, dpv, dbias = _kernels().backward(
+            dout, q, k, v, prefix_k, prefix_v, out, lse, mask, prompt_index, scale=scale, dropout_p=dropout_p,
+            seed=ctx.seed if seed is None else seed, causal=causal, window=window, attn_bias=attn_bias,
+            cu_seqlens=cu_seqlens, max_seqlen=max_seqlen, bias_grad=attn_bias is not None and need[5])
+        grads = [g if wanted else None for g, wanted in zip((dq, dk, dv, dpk, dpv, dbias), need)]
+        return (*grads, None, None, None, None, None)
 
 
 def _unit_last(x: torch.Tensor) -> torch.Tensor:
@@ -479,13 +572,11 @@ def _fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_k: torch.T
         return torch.ops.fastprompt.prefix_attention_cpu_fwd(
             q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale, dropout_p, seed, causal, window_left,
             window_right, attn_bias, cu_seqlens, max_seqlen if max_seqlen > 0 else -1)
-    from fastprompt.kernels import prefix_attention as kernels
-
     if cu_seqlens is not None and max_seqlen < 1:
         raise ValueError("the Triton kernels need max_seqlen with cu_seqlens (prefix_attention finds it)")
-    return kernels.forward(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale=scale,
-                           dropout_p=dropout_p, seed=int(seed), causal=causal, window=(window_left, window_right),
-                           attn_bias=attn_bias, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
+    return _kernels().forward(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, scale=scale,
+                              dropout_p=dropout_p, seed=seed, causal=causal, window=(window_left, window_right),
+                              attn_bias=attn_bias, cu_seqlens=cu_seqlens, max_seqlen=max_seqlen)
 
 
 @_fwd_op.register_fake
@@ -516,16 +607,15 @@ def _bwd_op(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
             dims = [d for d in range(4) if attn_bias.shape[d] == 1 and dbias.shape[d] != 1]
             dbias = dbias.sum(dims, keepdim=True) if dims else dbias
         return dq, dk, dv, dpk, dpv, dbias
-    from fastprompt.kernels import prefix_attention as kernels
-
-    dq, dk, dv, dpk, dpv, dbias = kernels.backward(
+    dq, dk, dv, dpk, dpv, dbias = _kernels().backward(
         dout, q, k, v, prefix_k, prefix_v, out, lse, key_padding_mask, prompt_index, scale=scale, dropout_p=dropout_p,
-        seed=int(seed), causal=causal, window=(window_left, window_right), attn_bias=attn_bias, cu_seqlens=cu_seqlens,
+        seed=seed, causal=causal, window=(window_left, window_right), attn_bias=attn_bias, cu_seqlens=cu_seqlens,
         max_seqlen=max_seqlen, bias_grad=bias_grad)
     empty = lambda: q.new_empty((0,))  # noqa: E731  (distinct: the outputs must not alias)
+    # dprefix_k and dprefix_v are views of one buffer: a custom op's outputs must not alias, so one is copied
     return (_like(dq, q) if need_dq else empty(), _like(dk, k) if need_dkv else empty(),
             _like(dv, v) if need_dkv else empty(), dpk.contiguous() if need_dprefix else empty(),
-            dpv.contiguous() if need_dprefix else empty(), empty() if dbias is None else dbias.contiguous())
+            dpv.clone() if need_dprefix else empty(), empty() if dbias is None else dbias.contiguous())
 
 
 @_bwd_op.register_fake

@@ -21,3 +21,31 @@ def seed_words(seed: int) -> tuple[int, int, tuple[int, int]]:
     s = seed & 0xFFFF_FFFF_FFFF_FFFF
     lo, hi = s & M32, s >> 32
     return lo, hi, (lo, M32 if lo >> 31 else 0)
+
+
+def uniform(r: int) -> float:
+    """Triton's ``uint_to_uniform_float`` of one 32-bit word (float32 arithmetic): the word as int32, negatives
+    mirrored (-x - 1), times 2^-31."""
+    import numpy as np
+
+    r = r - (1 << 32) if r >> 31 else r
+    x = r if r >= 0 else -r - 1
+    return float(np.float32(x) * np.float32(4.6566127342e-10))
+
+
+def keep_mask(B: int, H: int, S: int, P: int, p: float, seed: int):
+    """The documented dropout decision of prefix attention, (B, H, S, P + S) bool: probability (b, h, i, j) is kept
+    iff word e % 4 of Philox at counter (e // 4, b * H + h, seed_hi, 0), key (seed_lo, sign of seed_lo), read as
+    ``uniform``, is >= p, where e = i * (P + S) + j (mod 2^32). One Philox call per group of four elements."""
+    import torch
+
+    n = P + S
+    _, hi, key = seed_words(seed)
+    keep = torch.empty(B, H, S * n, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            for g in range((S * n + 3) // 4):
+                words = philox((g, b * H + h, hi, 0), key)
+                for w in range(min(4, S * n - 4 * g)):
+                    keep[b, h, 4 * g + w] = uniform(words[w]) >= p
+    return keep.view(B, H, S, n)

@@ -89,7 +89,8 @@ def test_launch_config():
     assert cfg.options() == {"num_warps": 8, "num_stages": 2, "maxnreg": 255}
     wider = cfg.with_tiles(BLOCK_N=64, BLOCK_K=16)
     assert wider.tiles == {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 16} and cfg.tiles["BLOCK_N"] == 32
-    assert pa.config("bwd_dkdv", 32, 16, 64, torch.float16, False).tiles.keys() == {"BLOCK_M", "BLOCK_N", "BLOCK_D"}
+    assert pa.config("bwd_dkdv", 32, 16, 64, torch.float16, False).tiles.keys() == {"BLOCK_M", "BLOCK_N", "BLOCK_P",
+                                                                                    "BLOCK_D"}
 
 
 def test_the_backend_rule_refuses_cpu_tensors_without_the_interpreter(monkeypatch):

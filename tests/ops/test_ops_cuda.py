@@ -172,14 +172,53 @@ def test_dropout_gradient_replays_the_forward_mask(T):
         assert torch.equal(a, b), name
 
 
-def test_dropout_seed_none_replays_from_the_torch_rng_state():
+def test_dropout_seed_none_replays_from_the_cuda_rng_state():
+    """seed=None on CUDA draws the seed on the device from its generator (no host read): restoring the CUDA RNG
+    state replays the mask; the CPU generator is not consumed."""
     q, k, v, pk, pv, mask, _ = attn_inputs(2, 2, 20, 3, 32)
     run = lambda: prefix_attention(q, k, v, pk, pv, mask, dropout_p=0.4, backend="triton")  # noqa: E731
-    state = torch.get_rng_state()
+    state, cpu_state = torch.cuda.get_rng_state(), torch.get_rng_state()
     a = run()
-    torch.set_rng_state(state)
+    assert torch.equal(torch.get_rng_state(), cpu_state)
+    torch.cuda.set_rng_state(state)
     assert torch.equal(a, run())
     assert not torch.equal(a, run())
+
+
+def test_prefix_attention_captures_into_a_cuda_graph():
+    """Forward and backward of a packed batch (max_seqlen given, prompt_index, seed=None) capture into one CUDA
+    graph: without dropout a replay equals the eager result bit for bit; with dropout every replay draws a new
+    mask (the seed is drawn and loaded on the device, not baked into the launch)."""
+    lengths = [3, 40, 1, 17]
+    inputs, cu, L, _ = packed_inputs(lengths, 4, 2, 16, 64, T=2, dtype=torch.bfloat16, device="cuda")
+    q, k, v, pk, pv, _, pidx, _ = inputs
+    leaves = (q, k, v, pk, pv)
+    dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
+
+    def step(p):
+        out = prefix_attention(q, k, v, pk, pv, dropout_p=p, prompt_index=pidx, causal=True, cu_seqlens=cu,
+                               max_seqlen=L, backend="triton")
+        return (out, *torch.autograd.grad(out, leaves, dout))
+
+    for p in (0.0, 0.2):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm up: compile the kernels, build the launch plans
+            eager = step(p)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static = step(p)
+        graph.replay()
+        first = [x.clone() for x in static]
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.isfinite(x).all() for x in static)
+        if p == 0:
+            for name, a, b, c in zip(("out",) + GRAD_NAMES, eager, first, static):
+                assert torch.equal(a, b) and torch.equal(b, c), name
+        else:
+            assert not torch.equal(first[0], static[0])  # a new mask per replay
 
 
 def test_encoder_attention_path_matches_the_cache_path(tiny_bert_dir):

@@ -175,9 +175,11 @@ def test_triton_dropout_mask_is_a_function_of_the_seed():
     assert not torch.equal(m1, triton_keep_mask(B, H, S, P, 7 + (1 << 40), p))
 
 
-@pytest.mark.parametrize("T", [None, 2])
-def test_triton_dropout_gradient_uses_the_forward_mask(T):
-    B, H, S, P, D, p, seed = 2, 2, 21, 6, 32, 0.25, 1234
+@pytest.mark.parametrize("T, S, P", [(None, 21, 6), (2, 12, 4)], ids=["straddling", "aligned-prompts"])
+def test_triton_dropout_gradient_uses_the_forward_mask(T, S, P):
+    """All three kernels replay the forward's mask: rows whose Philox groups straddle them (P + S = 27) and rows
+    that start on a group of four (P + S = 16), the two ways the kernels draw it."""
+    B, H, D, p, seed = 2, 2, 32, 0.25, 1234
     keep = triton_keep_mask(B, H, S, P, seed, p)
     q, k, v, pk, pv, mask, pidx = make_inputs(B, H, S, P, D, T)
     out, _, grads, dout = run_op(q, k, v, pk, pv, mask, pidx, "triton", dropout_p=p, seed=seed)

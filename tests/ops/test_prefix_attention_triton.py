@@ -18,17 +18,22 @@ rounded to fp16 (2^-11 = 4.9e-4) before the second products (dq, dk sum such ter
 is relative to the sum of |terms|, hence the max-entry scale), outputs and gradients once more (another 4.9e-4).
 bf16 (the interpreter's upcast switch, DESIGN.md): the same two roundings at 2^-8, 2e-2.
 """
+import dataclasses
+
 import pytest
 import torch
 
 pytest.importorskip("triton")
 
 from fastprompt.kernels import prefix_attention as kernels  # noqa: E402
+from fastprompt.kernels._common import LaunchConfig  # noqa: E402
 
-from fastprompt.ops import prefix_attention  # noqa: E402
+from fastprompt.host_sync import HostReads, TritonLaunches  # noqa: E402
+from fastprompt.ops import attention, prefix_attention  # noqa: E402
 from fastprompt.ops.attention import _kernel_attention  # noqa: E402
 from fastprompt.ops.reference import prefix_attention_reference  # noqa: E402
 
+from .philox_reference import keep_mask as philox_keep_mask  # noqa: E402
 from .prefix_cases import make_inputs, op_seed, pack, packed_inputs  # noqa: E402
 from .test_ops_cuda import ATTN_TOL, close  # noqa: E402
 from .test_prefix_attention import triton_keep_mask  # noqa: E402
@@ -141,7 +146,7 @@ def test_hidden_token_tiles_are_never_read(causal, window, poisoned, clean):
 def test_dropout_with_every_switch_matches_reference_given_the_kernel_mask():
     """Grouped-query heads, causal, bias and mixed prompts with dropout: the kernels drop what their Philox mask
     says (read back with the plain layout: the mask depends on (b, query head, row, column) only) in the forward
-    and replay it in all three backward kernels."""
+    and replay it in both backward kernels."""
     B, H, S, P, p, seed = 2, 4, 10, 3, 0.3, 77
     keep = triton_keep_mask(B, H, S, P, seed, p)
     inputs = make_inputs(B, H, 2, S, P, 16, T=2, pad="right", bias=(1, H, S, S))
@@ -239,6 +244,102 @@ def test_packed_offsets_are_checked(offsets, max_seqlen, n):
     with pytest.raises(ValueError, match="cu_seqlens must|more than max_seqlen"):
         prefix_attention(q, q, q, pk, pk, scale=1.0, cu_seqlens=torch.tensor(offsets), max_seqlen=max_seqlen,
                          backend="triton")
+
+
+# ------------------------------------------------------------------------------------------------
+# the dropout generator, the launches and the host path
+
+
+@pytest.mark.parametrize("dtype, S, P", [(torch.float32, 12, 4), (torch.float32, 10, 3), (torch.float16, 36, 4),
+                                         (torch.float16, 33, 6)],
+                         ids=["fp32-aligned", "fp32-straddling", "fp16-aligned", "fp16-straddling"])
+def test_dropout_mask_is_the_documented_philox_decision(dtype, S, P):
+    """The forward's keep decisions, read back (q = 0, one-hot values), equal the Python Philox of the documented
+    rule bit for bit: rows of P + S columns that start on a group of four (P, S multiples of 4: one Philox call per
+    four probabilities) and rows whose groups straddle them (the second draw), on fp32 (16-column) and half
+    (32-column, several token tiles) tiles. Seeds: small, negative, a low word with its sign bit set (Triton
+    sign-extends it into the key), a high word."""
+    B, H, p = 1, 2, 0.3
+    n = P + S
+    eye = torch.eye(n, dtype=dtype)
+    q, k = torch.zeros(B, H, S, n, dtype=dtype), torch.zeros(B, H, S, n, dtype=dtype)
+    pk, pv = torch.zeros(H, P, n, dtype=dtype), eye[:P].expand(H, P, n).contiguous()
+    v = eye[P:].expand(B, H, S, n).contiguous()
+    for seed in (7, -5, 0x8000_0001, (1 << 40) + 3):
+        out, _ = fwd_op(q, k, v, pk, pv, None, None, 1.0, p, op_seed(seed))
+        assert torch.equal(out != 0, philox_keep_mask(B, H, S, P, p, seed)), seed
+
+
+def test_launches_and_host_reads_of_a_training_call():
+    """What a GPU training step passes (dropout with seed=None, a packed batch with max_seqlen, prompt_index, a
+    bias with its gradient, grouped-query heads, causal): the forward is one Triton launch, the backward two, and
+    nothing from prefix_attention(...) through both backward launches reads a tensor on the host (HostReads runs
+    the code on its CUDA path: device-side checks, the seed drawn and loaded as a tensor)."""
+    inputs, cu, L, _ = packed_inputs([5, 1], 2, 1, 2, 16, T=2, bias=(1, 2, 5, 5))
+    q, k, v, pk, pv, _, pidx, bias = inputs
+    leaves = (q, k, v, pk, pv, bias)
+
+    def call():
+        return prefix_attention(q, k, v, pk, pv, dropout_p=0.1, prompt_index=pidx, attn_bias=bias, causal=True,
+                                cu_seqlens=cu, max_seqlen=L, backend="triton")
+
+    with HostReads() as reads, TritonLaunches() as forward:
+        out = call()
+    with HostReads() as backward_reads, TritonLaunches() as backward:
+        grads = torch.autograd.grad(out, leaves, torch.ones_like(out))
+    assert reads.reads == [] and backward_reads.reads == [], reads.report() + backward_reads.report()
+    assert forward.total == 1, forward.counts
+    assert backward.total == 2, backward.counts
+    assert all(torch.isfinite(g).all() for g in grads)
+
+
+def test_a_missing_max_seqlen_is_refused_under_compile(monkeypatch):
+    """Finding max_seqlen reads the offsets on the host: the Triton path refuses to under torch.compile (and CUDA
+    graph capture); eagerly on the CPU it reads them (tested above)."""
+    cu = torch.tensor([0, 2, 5])
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    with pytest.raises(ValueError, match="needs max_seqlen under torch.compile"):
+        attention._check_packed(cu, 5, None, None, triton=True)
+    assert attention._check_packed(cu, 5, 3, None, triton=True) == 3
+
+
+def test_launch_config_overrides_and_tuned_table(monkeypatch):
+    """The tuner's hooks: the candidates of a shape class (the default first), a launch with an explicit config
+    (here other tiles than the default: the same results), and a GPU's tuned table, which a launch on that GPU
+    takes (only from an entry of the same head dim)."""
+    sc = kernels.shape_class(9, 3, 16, torch.float32, True)
+    assert sc == kernels.ShapeClass("fp32", 32, 32, 16, True, False)
+    for kernel in kernels.KERNELS:
+        space = kernels.tune_space(kernel, sc)
+        assert space[0] == kernels.config_for(kernel, sc) and len(space) > 1
+        assert all(c not in space[i + 1:] for i, c in enumerate(space))
+    q, k, v, pk, pv, mask, pidx, _ = make_inputs(2, 2, 1, 9, 3, 16, T=2, pad="right")
+    kw = dict(scale=0.25, dropout_p=0.2, seed=5, causal=True)
+    want = kernels.forward(q, k, v, pk, pv, mask, pidx, **kw)
+    other = LaunchConfig(dict(BLOCK_M=32, BLOCK_N=16, BLOCK_P=16, BLOCK_D=32), num_warps=4)
+    got = kernels.forward(q, k, v, pk, pv, mask, pidx, config=other, **kw)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    dout = torch.randn(want[0].shape, generator=torch.Generator().manual_seed(2))
+    args = (dout, q, k, v, pk, pv, *want, mask, pidx)
+    want_grads = kernels.backward(*args, **kw)
+    got_grads = kernels.backward(*args, configs={"bwd_dq": other, "bwd_dkdv": other.with_tiles(BLOCK_M=16)}, **kw)
+    for a, b in zip(got_grads[:5], want_grads[:5]):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-6)
+    from fastprompt.kernels import tuning
+
+    entry = tuning.TunedEntry("prefix_attention", "fwd", dataclasses.asdict(sc),
+                              {**other.tiles, "num_warps": 4, "num_stages": 3}, 0.1)
+    monkeypatch.setattr(tuning, "tuned_entry", lambda op, kernel, key, device: entry if kernel == "fwd" else None)
+    monkeypatch.setattr(kernels, "_sm_count", lambda index: 132)
+    cuda = torch.device("cuda", 0)
+    plan = kernels._plan(("fwd",), 2, 2, 1, 9, 3, 16, 1, torch.float32, True, False, "ieee", True, False, False,
+                         False, True, True, cuda)
+    assert {k: plan.consts["fwd"][k] for k in other.tiles} == other.tiles
+    assert plan.opts["fwd"] == dict(num_warps=4, num_stages=3, maxnreg=None)  # a bound not in the entry: none
+    assert kernels.tuned_config("fwd", sc, torch.device("cpu")) is None  # tables are per GPU model
+    assert kernels.tuned_config("fwd", dataclasses.replace(sc, head_dim=64), cuda) is None  # another head dim
+    kernels._plan.cache_clear()
 
 
 # ------------------------------------------------------------------------------------------------
