@@ -7,10 +7,12 @@ import importlib
 
 def lazy_getattr(package: str, table: dict[str, str]):
     """The module ``__getattr__`` of ``package`` serving ``table`` (exported name -> module, absolute or relative
-    to ``package``)."""
-    def __getattr__(name: str):
+    to ``package``), and the names that moved away from ``package`` (:mod:`fastprompt._moved`: with a warning)."""
+    from fastprompt._moved import module_getattr
+
+    def lazy(name: str):
         if name in table:
             return getattr(importlib.import_module(table[name], package), name)
         raise AttributeError(f"module {package!r} has no attribute {name!r}")
 
-    return __getattr__
+    return module_getattr(package, lazy)

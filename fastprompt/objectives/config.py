@@ -15,6 +15,7 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from fastprompt import _moved
 from fastprompt.choices import (
     BACKENDS,
     HARDNESS_MODES,
@@ -154,3 +155,7 @@ def objective_default(field: str):
     classes (``SimCSE(...)``, ``SKICSE(...)``) built without a config default to the config's values."""
     name = "loss_backend" if field == "backend" else field
     return next(f.default for f in dataclasses.fields(ObjectiveConfig) if f.name == name)
+
+
+# names that moved away from here keep importing, with a warning (fastprompt._moved)
+__getattr__ = _moved.module_getattr(__name__)

@@ -9,6 +9,7 @@ about it. Reading them is data's job; generating them is the SKICSE method's
 
 Standard library only.
 """
+from fastprompt import _moved
 from fastprompt.data.ski.files import (
     SKI_COLUMNS,
     SKI_TRIPLET_COLUMNS,
@@ -28,3 +29,7 @@ __all__ = [
     "read_ski_csv",
     "write_examples_csv",
 ]
+
+
+# names that moved away from here keep importing, with a warning (fastprompt._moved)
+__getattr__ = _moved.module_getattr(__name__)
