@@ -48,6 +48,8 @@ class OpSupport:
         native_devices: device types its ``"cpu"`` backend runs on; None: any device.
         native_missing: why its ``"cpu"`` backend is not available in this installation (e.g. the
             extension is not built), or None when it is; called, not stored, so a late build is seen.
+        triton_variants: further backend names of this op that run on its Triton kernels, with the availability
+            and input rules of ``"triton"`` (the loss's ``"chunked"``: cuBLAS products and a Triton epilogue).
     """
 
     name: str
@@ -56,6 +58,7 @@ class OpSupport:
     triton_limits: Optional[Limit] = None
     native_devices: Optional[tuple[str, ...]] = ("cpu",)
     native_missing: Optional[Callable[[], Optional[str]]] = None
+    triton_variants: tuple[str, ...] = ()
 
     def triton_unavailable(self, tensor) -> Optional[str]:
         """Why the Triton kernels cannot run on ``tensor``'s device here, or None."""
@@ -120,9 +123,9 @@ def resolve_backend(op: str | OpSupport, tensor, requested: str) -> str:
     The rule, the same for every op:
 
     - ``"reference"`` always runs.
-    - ``"triton"`` needs the triton package and the tensor on CUDA with the interpreter off, or on the CPU
-      with the interpreter on (else :class:`BackendUnavailableError`), and an input within the op's Triton
-      dtypes and limits (else :class:`UnsupportedInputError`).
+    - ``"triton"`` (and each of the op's ``triton_variants``) needs the triton package and the tensor on CUDA
+      with the interpreter off, or on the CPU with the interpreter on (else :class:`BackendUnavailableError`), and
+      an input within the op's Triton dtypes and limits (else :class:`UnsupportedInputError`).
     - ``"cpu"`` needs the op's native path to run on the tensor's device and be available (the C++
       extension built) (else :class:`BackendUnavailableError`).
     - ``"auto"`` takes the first of: ``"triton"`` when the tensor is on CUDA and everything above holds
@@ -134,16 +137,16 @@ def resolve_backend(op: str | OpSupport, tensor, requested: str) -> str:
     from fastprompt.choices import BACKENDS, check_choice
 
     support = op if isinstance(op, OpSupport) else op_support(op)
-    check_choice("backend", requested, BACKENDS)
+    check_choice("backend", requested, BACKENDS + support.triton_variants)
     if requested == "reference":
         return requested
-    if requested == "triton":
+    if requested == "triton" or requested in support.triton_variants:
         reason = support.triton_unavailable(tensor)
         if reason is not None:
-            raise BackendUnavailableError(f"{support.name}: backend='triton' is not available: {reason}")
+            raise BackendUnavailableError(f"{support.name}: backend={requested!r} is not available: {reason}")
         reason = support.triton_unsupported(tensor)
         if reason is not None:
-            raise UnsupportedInputError(f"{support.name}: backend='triton' does not take this input: {reason} "
+            raise UnsupportedInputError(f"{support.name}: backend={requested!r} does not take this input: {reason} "
                                         "(use backend='cpu' or 'auto')")
         return requested
     if requested == "cpu":

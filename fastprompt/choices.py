@@ -16,6 +16,8 @@ from fastprompt.messages import shown
 
 #: Implementations of the fused ops (``contrastive_loss``, ``prefix_attention``); see :func:`resolve_backend`.
 BACKENDS = ("auto", "triton", "cpu", "reference")
+#: The contrastive loss's backends: those of every fused op, and "chunked" (its cuBLAS products with a Triton epilogue).
+LOSS_BACKENDS = BACKENDS + ("chunked",)
 #: How the last hidden states become one sentence vector ("last": the last real token, decoder embedders' pooling).
 POOLERS = ("cls", "cls_before_pooler", "mean", "mask", "topk", "bn_mlp", "last")
 #: The poolers that read the first token ([CLS]): meaningless on a causal (decoder) model.

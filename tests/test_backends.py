@@ -91,8 +91,10 @@ def test_errors_are_value_errors_with_the_reason(env):
     env()
     with pytest.raises(UnsupportedInputError, match="float16, bfloat16, float32, got float64"):
         resolve_backend("contrastive_loss", fake(dtype=torch.float64), "triton")
-    with pytest.raises(ValueError, match="backend must be one of auto, triton, cpu, reference; got 'cuda'"):
+    with pytest.raises(ValueError, match="backend must be one of auto, triton, cpu, reference, chunked; got 'cuda'"):
         resolve_backend("contrastive_loss", fake(), "cuda")
+    with pytest.raises(ValueError, match="backend must be one of auto, triton, cpu, reference; got 'chunked'"):
+        resolve_backend("prefix_attention", fake(), "chunked")  # a variant of the loss only
     with pytest.raises(ValueError, match="unknown op 'softmax'; registered: contrastive_loss, prefix_attention"):
         resolve_backend("softmax", fake(), "auto")
 

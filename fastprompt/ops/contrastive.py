@@ -53,6 +53,7 @@ SUPPORT = register_op(OpSupport(
     native="the C++ kernel of fastprompt._C",
     native_devices=("cpu",),
     native_missing=_cpp.missing_reason,
+    triton_variants=("chunked",),
 ))
 
 
@@ -341,10 +342,9 @@ def _finish(e: torch.Tensor, q: torch.Tensor, z: torch.Tensor, r: torch.Tensor, 
     """The gradient of the unnormalised rows from the kernels' raw-space sums (csrc/contrastive_loss.cpp):
     dz = E - Σ_t (r^t)² Q^t z[:, :d_t], the projection of each prefix's normalisation (none for a prefix whose norm
     is below eps, which is only scaled), in place in E."""
-    coef = q * r.square() * (r < 1.0 / COSINE_EPS)
-    zc = z.to(e.dtype)
-    for t, dim in enumerate(dims):
-        e[:, :dim].addcmul_(zc[:, :dim], coef[t][:, None], value=-1.0)
+    coef = (q * r.square() * (r < 1.0 / COSINE_EPS)).to(e.dtype)
+    for t, dim in enumerate(dims):  # (z in its own dtype: addcmul_ promotes into e, without an fp32 copy of z)
+        e[:, :dim].addcmul_(z[:, :dim], coef[t][:, None], value=-1.0)
     return e
 
 
@@ -356,9 +356,40 @@ def _stats(be, prob: _Problem, track_hard: bool):
     """(lse, pos, hard, hidx), (D, n) each: hard / hidx are NaN / -1 unless track_hard."""
     if be == "cpu":
         return torch.ops.fastprompt.contrastive_cpu_stats(*prob.args(), track_hard)
+    if be == "chunked":
+        from fastprompt.kernels import contrastive_chunked as tc
+
+        return tc.stripe(*prob.args(), variant="chunked", track_hard=track_hard)[0]
     from fastprompt.kernels import contrastive_loss as tk
 
     return tk.stats(*prob.args(), track_hard)
+
+
+def _stripe_fits(be, prob: Optional[_Problem]) -> bool:
+    """Whether a problem takes the stripe path (the gradient from stored row chunks of its similarity matrix, 3
+    products): always on the chunked backend; on the Triton backend when one row tile's stripe fits the budget
+    (else the streaming kernels)."""
+    if prob is None or be == "chunked":
+        return True
+    from fastprompt.kernels import contrastive_chunked as tc
+
+    n, d = prob.x.shape
+    return tc.chunk_rows(n, sum(c.shape[0] for c in prob.cols), d, len(prob.dims), prob.x.dtype, prob.x.device,
+                         "triton") > 0
+
+
+def _stripe_grads(be, prob: _Problem, cfg: _Cfg, gw, forward: bool, extra, track_hard, stats_in=None):
+    """(stats, (E_rows, Q_rows, E_cols, Q_cols)) of a problem by the stripe path, for the per-row upstream weight
+    ``gw`` (a number: uniform; or (n,)); ``forward``: the anchors' problem (its hinge, its target numerator), else
+    the symmetric loss's reverse one; ``extra``: the other problem's log-sum-exp (joint partition)."""
+    from fastprompt.kernels import contrastive_chunked as tc
+
+    half = 0.5 if cfg.symmetric and not cfg.joint else 1.0
+    weights = _weights(cfg, prob.rx.new_empty(0, dtype=torch.float32))
+    coef = tc.Coefficients(gw, weights, half / cfg.temperature, cfg.hinge_weight if forward else 0.0,
+                           cfg.hinge_margin, forward or not cfg.joint, extra if cfg.joint else None)
+    return tc.stripe(*prob.args(), variant="chunked" if be == "chunked" else "triton", track_hard=track_hard,
+                     coef=coef, stats_in=stats_in)
 
 
 def _grads(be, prob: _Problem, coefficients):
@@ -420,6 +451,19 @@ def _coefficients(cfg: _Cfg, grad_rows, st, rst):
 # the torch.library op: forward returns per-row losses + statistics, backward recomputes the tiles
 
 
+def _stripe_fits_shapes(z1, z2, neg, rev, symmetric: bool, ndims: int) -> bool:
+    """Whether both problems of a call fit the Triton stripe path (one row tile's stripe within the budget)."""
+    from fastprompt.kernels import contrastive_chunked as tc
+
+    n, d = z1.shape
+    m = z2.shape[0] * (1 + (0 if neg is None else neg.shape[0]))
+    fits = tc.chunk_rows(n, m, d, ndims, z1.dtype, z1.device, "triton") > 0
+    if symmetric:
+        m_rev = (z1 if rev is None else rev).shape[0]
+        fits = fits and tc.chunk_rows(n, m_rev, d, ndims, z1.dtype, z1.device, "triton") > 0
+    return fits
+
+
 def _mean_weight(n: int, dtype: torch.dtype) -> float:
     """1/n rounded as MeanBackward rounds it in ``dtype``, so that loss.backward() rescales by exactly 1."""
     return float(np.float32(1.0) / np.float32(n)) if dtype == torch.float32 else 1.0 / n
@@ -441,7 +485,17 @@ def _kernel_fwd(z1, z2, z3, rev, column_ids, anchor_ids, guide, cfg: _Cfg, track
     be = cfg.backend
     q2d, reverse = _problems(z1, z2, z3, rev, column_ids, anchor_ids, guide, cfg, be)
     grads = None
-    if grad_weight > 0:  # CPU, not symmetric: forward and backward from the same stripes
+    rst = None
+    if grad_weight > 0 and be != "cpu":  # Triton / chunked: the gradient from stored stripes, 3 products
+        if cfg.joint:  # one softmax over both problems: the reverse normaliser first
+            rst = _stats(be, reverse, False)
+        st, g = _stripe_grads(be, q2d, cfg, grad_weight, True, rst[0] if cfg.joint else None, track_hard)
+        rg = None
+        if reverse is not None:
+            rst_own, rg = _stripe_grads(be, reverse, cfg, grad_weight, False, st[0], False)
+            rst = rst if cfg.joint else rst_own
+        grads = _assemble(z1, z2, z3, rev, q2d, reverse, g, rg, cfg)
+    elif grad_weight > 0:  # CPU, not symmetric: forward and backward from the same stripes
         w = [grad_weight * wt for wt in cfg.weights]
         out = torch.ops.fastprompt.contrastive_cpu_fused(
             *q2d.args(), [wt / cfg.temperature for wt in w], [wt * cfg.hinge_weight for wt in w], cfg.hinge_margin,
@@ -454,7 +508,8 @@ def _kernel_fwd(z1, z2, z3, rev, column_ids, anchor_ids, guide, cfg: _Cfg, track
         grads = (d1, *_split_cols(ecol, z2, z3), None)
     else:
         st = _stats(be, q2d, track_hard)
-    rst = _stats(be, reverse, False) if reverse is not None else None
+    if rst is None and reverse is not None:
+        rst = _stats(be, reverse, False)
     rows = _row_losses(cfg, st, rst)
     lse, pos, hard, hidx = st
     none = lambda: lse.new_empty((lse.shape[0], 0))  # noqa: E731  (distinct: outputs must not alias)
@@ -466,17 +521,35 @@ def _kernel_bwd(grad_rows, z1, z2, z3, rev, column_ids, anchor_ids, guide, stats
     be = cfg.backend
     lse, lse_sym, pos, hard, hidx = stats
     q2d, reverse = _problems(z1, z2, z3, rev, column_ids, anchor_ids, guide, cfg, be)
-    st, rst = (lse, pos, hard, hidx), ((lse_sym, None) if cfg.symmetric else None)
+    st = (lse, pos, hard, hidx)
+    if be != "cpu" and _stripe_fits(be, q2d) and _stripe_fits(be, reverse):
+        gw = grad_rows.to(torch.float32)
+        _, g = _stripe_grads(be, q2d, cfg, gw, True, lse_sym, False, stats_in=st)
+        rg = None
+        if reverse is not None:  # its dS needs only its normaliser (no hinge, no hardest negative)
+            rst = (lse_sym, torch.zeros_like(lse_sym), torch.full_like(lse_sym, float("-inf")),
+                   torch.full_like(hidx, -1))
+            _, rg = _stripe_grads(be, reverse, cfg, gw, False, lse, False, stats_in=rst)
+        return _assemble(z1, z2, z3, rev, q2d, reverse, g, rg, cfg)
+    rst = (lse_sym, None) if cfg.symmetric else None
     co, rco = _coefficients(cfg, grad_rows, st, rst)
-    ex, qx, ecol, qcol = _grads(be, q2d, co)
+    g = _grads(be, q2d, co)
+    rg = _grads(be, reverse, rco) if reverse is not None else None
+    return _assemble(z1, z2, z3, rev, q2d, reverse, g, rg, cfg)
+
+
+def _assemble(z1, z2, z3, rev, q2d: _Problem, reverse: Optional[_Problem], g, rg, cfg: _Cfg):
+    """(dz1, dz2, dz3, drev) in the inputs' dtypes from the raw-space sums (E_rows, Q_rows, E_cols, Q_cols) of the
+    anchors' problem ``g`` and of the reverse one ``rg`` (rows: the positives z2[off:off+n]; columns: z1 or the
+    reverse columns); dz3 / drev None when absent."""
+    ex, qx, ecol, qcol = g
     neg = None if z3 is None else z3.reshape(-1, z1.shape[1])
     cols = z2 if neg is None else torch.cat([z2, neg])
     d1 = _finish(ex, qx, z1, q2d.rx, cfg.dims)
     dcols = _finish(ecol, qcol, cols, torch.cat(q2d.rcols, 1), cfg.dims)
     drev = None
     if reverse is not None:
-        # rows: the positives z2[off:off+n]; columns: z1 or the reverse columns
-        ex, qx, ecol, qcol = _grads(be, reverse, rco)
+        ex, qx, ecol, qcol = rg
         off, n = cfg.positive_offset, z1.shape[0]
         dcols[off:off + n] += _finish(ex, qx, z2[off:off + n], reverse.rx, cfg.dims)
         dr = _finish(ecol, qcol, z1 if rev is None else rev, reverse.rcols[0], cfg.dims)
@@ -538,7 +611,7 @@ def _op_fwd_fake(z1, z2, z3, reverse_columns, column_ids, anchor_ids, g1, g2, g3
     grads = (_empty(z1), _empty(z1), _empty(z1), _empty(z1))
     if grad_weight > 0:
         grads = (torch.empty_like(z1), torch.empty_like(z2), torch.empty_like(z3) if z3 is not None else _empty(z1),
-                 _empty(z1))
+                 torch.empty_like(reverse_columns) if reverse_columns is not None else _empty(z1))
     return (z1.new_empty((n,), dtype=sdt), stat(n), stat(n if symmetric else 0), stat(n), stat(n if symmetric else 0),
             stat(n), z1.new_empty((nd, n), dtype=torch.int64)) + grads
 
@@ -701,6 +774,12 @@ def contrastive_loss(
     if guide is not None and neg is None:
         guide = guide._replace(z3=None)
     be = resolve_backend(SUPPORT, z1, backend)
+    if backend == "auto" and be == "triton":  # on CUDA: the fused kernels or the chunked cuBLAS variant
+        from fastprompt.kernels import contrastive_chunked as tc
+
+        grad = torch.is_grad_enabled() and any(z is not None and z.requires_grad for z in (z1, z2, z3))
+        be = tc.choose_variant(z1.dtype, z1.shape[0], z2.shape[0] * (1 + (0 if neg is None else neg.shape[0])),
+                               z1.shape[1], grad, z1.device)
     if check_finite and not torch.compiler.is_compiling():
         _check_values(z1, z2, z3, reverse_columns if symmetric else None, column_ids, positive_offset)
     if be == "reference":
@@ -714,13 +793,16 @@ def contrastive_loss(
                float(hard_negative_weight), a_in, a_own, None if fn_margin is None else float(fn_margin),
                fn_margin_strategy == "relative", float(hinge_margin), float(hinge_weight), symmetric,
                partition_mode == "joint", int(positive_offset), be)
-    # CPU kernel, mean/sum, not symmetric: forward and backward in one pass over the tiles (3 products per tile
-    # instead of 4); the gradients are computed for the per-row upstream gradient of .mean()/.sum() of a unit
-    # loss gradient, and rescaled in backward
+    # the gradient in the forward where the loss is the last op (mean/sum: a uniform upstream gradient), for the
+    # unit gradient of .mean()/.sum(), rescaled in backward: the C++ kernel's fused pass (not symmetric) and the
+    # Triton / chunked stripe path (3 products per tile instead of the recomputing backward's 4-5)
     needs_grad = torch.is_grad_enabled() and any(z is not None and z.requires_grad
                                                  for z in (z1, z2, z3, reverse_columns))
+    fused = needs_grad and reduction != "none" and (be in ("triton", "chunked") or not symmetric)
+    if fused and be == "triton":  # the stripe must fit (else the streaming forward and recomputing backward)
+        fused = _stripe_fits_shapes(z1, z2, neg, reverse_columns if symmetric else None, symmetric, len(cfg.dims))
     grad_weight = 0.0
-    if be == "cpu" and needs_grad and reduction != "none" and not symmetric:
+    if fused:
         grad_weight = 1.0 if reduction == "sum" else _mean_weight(z1.shape[0], _compute_dtype(z1.dtype))
     g = guide if guide is not None and fn_margin is not None else Guide(None, None)
     rows, lse, lse_sym, pos, _, hard, hidx, *_ = _op_fwd(

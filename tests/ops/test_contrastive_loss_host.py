@@ -13,27 +13,30 @@ import torch
 
 pytest.importorskip("triton")
 
-from fastprompt.host_sync import HostReads, TritonLaunches, sync_free  # noqa: E402
 from fastprompt.kernels import contrastive_loss as tk  # noqa: E402
+
+from fastprompt.host_sync import HostReads, TritonLaunches, sync_free  # noqa: E402
 from fastprompt.ops import Guide, contrastive_loss  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not tk.interpreting(), reason="needs TRITON_INTERPRET=1 at import (tests/conftest.py)")
 
 N, M2, D, K = 9, 12, 13, 2
 
-# name -> (options, launch budget of one forward + backward). The budgets count the Triton launches of the fused
-# path: statistics + epilogue per problem (the symmetric loss has two problems; "joint" takes the reverse
-# problem's statistics once more first); reduction "none" has no uniform upstream gradient: the statistics in the
-# forward, the stripe pass (statistics + epilogue) per problem in the backward.
+# name -> (options, {backend: launches of one forward + backward}). The fused Triton path: the statistics kernel
+# (which stores the stripe) and the epilogue per problem (the symmetric loss has two; "joint" takes the reverse
+# problem's statistics once more first, for the shared normaliser); the chunked path: one epilogue per problem (and
+# chunk: one here). Reduction "none" has no uniform upstream gradient: the statistics in the forward (Triton: one
+# launch per problem; chunked: an epilogue), the stripe pass per problem in the backward.
 CASES = {
-    "plain": (dict(), 7),
+    "plain": (dict(), {"triton": 2, "chunked": 1}),
     "hinge-hard-negatives": (dict(hinge_weight=2.0, hard_negative_weight=0.3, hardness_mode="all_negatives",
-                                  hardness_strength=3.0), 7),
-    "ids-symmetric-joint": (dict(ids=True, symmetric=True, partition_mode="joint"), 14),
-    "guide-matryoshka": (dict(guide=True, fn_margin=0.1, matryoshka_dims=[13, 4], matryoshka_weights=[1.0, 0.5]), 7),
+                                  hardness_strength=3.0), {"triton": 2, "chunked": 1}),
+    "ids-symmetric-joint": (dict(ids=True, symmetric=True, partition_mode="joint"), {"triton": 5, "chunked": 3}),
+    "guide-matryoshka": (dict(guide=True, fn_margin=0.1, matryoshka_dims=[13, 4], matryoshka_weights=[1.0, 0.5]),
+                         {"triton": 2, "chunked": 1}),
     "model-margin-reverse": (dict(fn_margin=0.05, fn_margin_strategy="relative", symmetric=True, rev=True,
-                                  positive_offset=3), 14),
-    "none-reduction": (dict(reduction="none", hinge_weight=1.0, return_stats=True), 7),
+                                  positive_offset=3), {"triton": 4, "chunked": 2}),
+    "none-reduction": (dict(reduction="none", hinge_weight=1.0, return_stats=True), {"triton": 3, "chunked": 2}),
 }
 
 
@@ -59,16 +62,17 @@ def _step(zs, kw, backend):
     loss.sum().backward()
 
 
+@pytest.mark.parametrize("backend", ["triton", "chunked"])
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_no_host_read_and_a_launch_budget(case):
+def test_no_host_read_and_a_launch_budget(case, backend):
     kw, budget = CASES[case]
     zs, kw = _inputs(kw)
     with sync_free():
-        _step(zs, kw, "triton")  # builds the cached tables of this configuration
+        _step(zs, kw, backend)  # builds the cached tables of this configuration
     with HostReads() as reads, TritonLaunches() as launches:
-        _step(zs, kw, "triton")
+        _step(zs, kw, backend)
     assert not reads.reads, reads.report()
-    assert 0 < launches.total <= budget, launches.counts
+    assert launches.total == budget[backend], launches.counts
 
 
 def test_a_non_finite_input_is_a_device_side_assertion():

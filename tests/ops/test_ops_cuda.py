@@ -13,6 +13,9 @@ Tolerances (atol = rtol), against the reference evaluated in float32 on the same
   outputs and gradients are rounded to fp16 (another 4.9e-4 relative): ~1e-3 in the worst element.
 - bf16: the same two roundings at 2^-8 = 3.9e-3 each (attention: 2e-2, as under the interpreter; the loss,
   whose inputs are reduced to cosines in fp32 first, 8e-3).
+- the loss's fp32 inputs on TF32 tensor cores (torch.backends.cuda.matmul.allow_tf32): each operand rounded to 10
+  mantissa bits (u = 2^-11), a cosine of unit vectors off by at most 2u, a logit by 2u/τ: at τ = 0.05 2e-2 (the
+  worst case; random inputs come out far below it), the tolerance of :func:`test_contrastive_loss_tf32`.
 These are the tolerances the same kernels meet under the CPU interpreter (tests/ops/test_prefix_attention.py,
 test_contrastive_loss_triton.py), where the arithmetic is emulated with the same roundings.
 """
@@ -31,6 +34,7 @@ pytestmark = pytest.mark.cuda
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 ATTN_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 2e-2}
 LOSS_TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 8e-3}
+LOSS_BACKENDS = ["triton", "chunked"]
 GRAD_NAMES = ("dq", "dk", "dv", "dprefix_k", "dprefix_v")
 
 # (B, H, S, P, D, T): partial tiles (S = 37, 70, 129), P = 1, P > 16, D = 48 / 128, a (T, H, P, D) prefix
@@ -349,13 +353,14 @@ def loss_and_grads(zs, backend, **kw):
     return loss.detach(), stats, grads
 
 
+@pytest.mark.parametrize("backend", LOSS_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("n,m2,d,z3,offset,kw", LOSS_CASES)
-def test_contrastive_loss_matches_reference(n, m2, d, z3, offset, kw, dtype):
+def test_contrastive_loss_matches_reference(n, m2, d, z3, offset, kw, dtype, backend):
     g = torch.Generator().manual_seed(0)
     zs = [torch.randn(rows, d, generator=g).to("cuda", dtype) for rows in (n, m2, m2)[:3 if z3 else 2]]
     ref = loss_and_grads(zs, "reference", positive_offset=offset, **kw)
-    out = loss_and_grads(zs, "triton", positive_offset=offset, **kw)
+    out = loss_and_grads(zs, backend, positive_offset=offset, **kw)
     tol = LOSS_TOL[dtype]
     close("loss", out[0], ref[0], tol)
     for name in ("lse", "pos_sim", "hardest_neg_sim"):
@@ -367,11 +372,12 @@ def test_contrastive_loss_matches_reference(n, m2, d, z3, offset, kw, dtype):
         close(name, a, b, tol)
 
 
-def test_contrastive_loss_backward_is_deterministic():
+@pytest.mark.parametrize("backend", LOSS_BACKENDS)
+def test_contrastive_loss_backward_is_deterministic(backend):
     g = torch.Generator().manual_seed(0)
     zs = [torch.randn(513, 768, generator=g).cuda() for _ in range(3)]
-    a = loss_and_grads(zs, "triton", hinge_weight=10.0)
-    b = loss_and_grads(zs, "triton", hinge_weight=10.0)
+    a = loss_and_grads(zs, backend, hinge_weight=10.0)
+    b = loss_and_grads(zs, backend, hinge_weight=10.0)
     assert torch.equal(a[0], b[0])
     for x, y in zip(a[2], b[2]):
         assert torch.equal(x, y)
@@ -412,15 +418,16 @@ def option_loss_and_grads(zs, backend, **kw):
     return loss.detach(), stats, torch.autograd.grad((loss * w).sum(), present)
 
 
+@pytest.mark.parametrize("backend", LOSS_BACKENDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", LOSS_OPTION_CASES, ids=lambda c: "-".join(sorted(c[4])))
-def test_contrastive_loss_options_match_reference(case, dtype):
+def test_contrastive_loss_options_match_reference(case, dtype, backend):
     """Tolerances as above, times the Matryoshka weights' sum (each dimension's loss carries its own error). In
     half precision a guide or model cosine within rounding of a false-negative threshold may fall either side, so
     the margins are wide (0.05-0.1) and only the loss and gradients are compared."""
     zs, kw = option_inputs(*case, dtype)
     ref = option_loss_and_grads(zs, "reference", **kw)
-    out = option_loss_and_grads(zs, "triton", **kw)
+    out = option_loss_and_grads(zs, backend, **kw)
     tol = LOSS_TOL[dtype] * sum(kw.get("matryoshka_weights", [1.0]))
     close("loss", out[0], ref[0], tol)
     if dtype == torch.float32:
@@ -428,3 +435,41 @@ def test_contrastive_loss_options_match_reference(case, dtype):
         assert torch.equal(out[1].hardest_neg_index, ref[1].hardest_neg_index)
     for i, (a, b) in enumerate(zip(out[2], ref[2])):
         close(f"grad {i}", a, b, tol)
+
+
+@pytest.fixture
+def tf32():
+    """TF32 allowed for CUDA matmuls (the loss's fp32 policy), restored after."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = True
+    yield
+    torch.backends.cuda.matmul.allow_tf32 = before
+
+
+@pytest.mark.parametrize("backend", LOSS_BACKENDS)
+def test_contrastive_loss_tf32(tf32, backend):
+    """fp32 inputs on TF32 tensor cores against the exact reference, at 2u/τ (the module docstring)."""
+    zs, kw = option_inputs(*LOSS_OPTION_CASES[0], torch.float32)
+    out = option_loss_and_grads(zs, backend, **kw)
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference exact (the fixture restores the setting)
+    ref = option_loss_and_grads(zs, "reference", **kw)
+    tol = 2 * 2.0 ** -11 / 0.05
+    close("loss", out[0], ref[0], tol)
+    for i, (a, b) in enumerate(zip(out[2], ref[2])):
+        close(f"grad {i}", a, b, tol)
+
+
+@pytest.mark.parametrize("backend", LOSS_BACKENDS)
+def test_contrastive_loss_large_batch_memory(backend):
+    """N = 65,536, d = 768, bf16 (issue 42's target): forward + backward within 1.5 GB above the inputs, the loss
+    finite. The stripe budget bounds the similarity matrix's share (a row chunk, never N x M)."""
+    g = torch.Generator(device="cuda").manual_seed(0)
+    zs = [torch.randn(65536, 768, generator=g, device="cuda").to(torch.bfloat16).requires_grad_() for _ in range(2)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    loss = contrastive_loss(*zs, backend=backend)
+    loss.backward()
+    torch.cuda.synchronize()
+    peak_gb = (torch.cuda.max_memory_allocated() - base) / 2**30
+    assert torch.isfinite(loss) and peak_gb <= 1.5, peak_gb
