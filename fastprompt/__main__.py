@@ -1,7 +1,5 @@
 """``python -m fastprompt``: the ``fastprompt`` command (``torchrun -m fastprompt train ...`` too)."""
-import sys
-
-from fastprompt.cli import main
+from fastprompt.cli import run
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()

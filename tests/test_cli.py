@@ -72,3 +72,25 @@ def test_config_reading_commands_take_config_and_set_alike(tmp_path, command, ex
     assert args.overrides == ["batch_size=32", "max_length=24"]
     config = load_config_args(args, seed=7)
     assert (config.batch_size, config.learning_rate, config.max_length, config.seed) == (32, 1e-2, 24, 7)
+
+
+@pytest.mark.parametrize("code", [0, 2, 130])
+def test_the_console_script_exits_an_interrupted_command_without_the_interpreter_teardown(monkeypatch, code):
+    """Status 130 (Ctrl-C, SIGTERM): os._exit after flushing (tearing down openai's or torch's classes took seconds
+    under load: the generate-ski Ctrl-C test's flakiness); any other status: sys.exit."""
+    import fastprompt.cli as cli_module
+
+    exits = []
+
+    def record(how):
+        def exit_(c):
+            exits.append((how, c))
+            raise SystemExit(c)  # neither returns
+        return exit_
+
+    monkeypatch.setattr(cli_module, "main", lambda argv=None: code)
+    monkeypatch.setattr(cli_module.os, "_exit", record("os._exit"))
+    monkeypatch.setattr(cli_module.sys, "exit", record("sys.exit"))
+    with pytest.raises(SystemExit):
+        cli_module.run()
+    assert exits == [("os._exit" if code == 130 else "sys.exit", code)]

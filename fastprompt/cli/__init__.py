@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Callable
 
@@ -65,8 +66,24 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def run() -> None:
+    """The ``fastprompt`` console script and ``python -m fastprompt(.cli)``: :func:`main`, then exit with its status.
+
+    An interrupted command (status 130: Ctrl-C or SIGTERM) has written and synced everything it keeps by then, and
+    exits at once, without the interpreter's teardown: tearing down the thousands of classes that openai (SKI
+    generation) or torch define took seconds on a loaded machine, long after the user asked it to stop (what made
+    the Ctrl-C test of generate-ski flaky)."""
+    code = main()
+    if code == 130:
+        logging.shutdown()
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of the ``fastprompt`` console script; returns the exit status."""
+    """The ``fastprompt`` command on ``argv`` (default ``sys.argv[1:]``); returns the exit status."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command is None:
