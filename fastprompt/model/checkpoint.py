@@ -30,6 +30,7 @@ from fastprompt.messages import shown
 from fastprompt.schema import check_json
 
 from .config import PromptConfig
+from .tokenizers import check_tokenizer
 
 CONFIG_NAME = "fastprompt_config.json"
 WEIGHTS_NAME = "prompt.safetensors"
@@ -319,6 +320,7 @@ class CheckpointMixin:
         tokenizer, backbone = load_backbone(prompt if holds_backbone else model_name_or_path,
                                             attn_implementation=attn, dtype=torch_dtype,
                                             trust_remote_code=trust_remote_code)
+        check_tokenizer(tokenizer, os.fspath(prompt if holds_backbone else model_name_or_path))
         pooler_head, prompt_config = s.pop("pooler_head"), s.pop("prompt_config")
         mlm_head, mlm_transform = load_pooler_heads(model_name_or_path, backbone, s["pooler"], pooler_head,
                                                     trust_remote_code=trust_remote_code)

@@ -199,3 +199,25 @@ def test_float16_on_cpu_warns_once(tiny_bert_dir, monkeypatch, caplog):
 def test_unknown_attention_backend_is_rejected_at_construction(tiny_bert_dir):
     with pytest.raises(ValueError, match="attn_backend must be one of .*got 'bogus'"):
         PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(2), attn_backend="bogus")
+
+
+def test_a_wordpiece_tokenizer_without_its_unknown_token_is_refused_at_load(tiny_bert_dir, tmp_path):
+    """A tokenizer.json (loaded by the generic fast class, which does not re-add special tokens) whose WordPiece
+    vocabulary lost its [UNK]: a one-line error naming the folder when the model loads. It was ``Exception:
+    WordPiece error: Missing [UNK] token from the vocabulary`` on the first unknown word, from encode and train."""
+    folder = shutil.copytree(tiny_bert_dir, tmp_path / "no-unk")
+    data = json.loads((folder / "tokenizer.json").read_text())
+    data["model"]["vocab"].pop("[UNK]")
+    data["added_tokens"] = [t for t in data["added_tokens"] if t["content"] != "[UNK]"]
+    (folder / "tokenizer.json").write_text(json.dumps(data))
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    cfg.pop("unk_token", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps(cfg))
+    from transformers import AutoTokenizer
+
+    with pytest.raises(Exception, match="Missing \\[UNK\\] token"):  # what the folder did before
+        AutoTokenizer.from_pretrained(folder)("Ωmega")
+    with pytest.raises(ValueError, match=r"has no unknown token in its vocabulary .*'\[UNK\]'") as info:
+        PromptEncoder.from_pretrained(folder)
+    assert str(folder) in str(info.value)
