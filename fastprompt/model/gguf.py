@@ -51,6 +51,8 @@ def resolve_local_model(model: str | None) -> tuple[str, str | None, str]:
         path = smollm2_gguf()
         return str(path.parent), path.name, f"{DEFAULT_LOCAL_MODEL}/{path.name}"
     path = Path(model).expanduser()
+    if path.suffix == ".gguf" and not path.is_file():  # a file name, not a hub id
+        raise FileNotFoundError(f"--model {model}: no such .gguf file")
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"--model {model}: a file must be a .gguf model; otherwise give the model's folder")

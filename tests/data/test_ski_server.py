@@ -147,3 +147,25 @@ def test_concurrency_is_bounded(openai_server, tmp_path):
     generate_ski(sentences, _backend(openai_server, concurrency=3), tmp_path / "o.csv", show_progress_bar=False)
     assert 1 < openai_server.max_in_flight <= 3
     assert len(_rows(tmp_path / "o.csv")) == 24
+
+
+def test_without_the_openai_package_the_message_names_the_extra(tmp_path, monkeypatch, capsys):
+    """`generate-ski --llm server` where the openai client is not installed: the extra to install, not a bare
+    "No module named 'openai'"."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_openai(name, *args, **kwargs):
+        if name == "openai" or name.startswith("openai."):
+            raise ModuleNotFoundError("No module named 'openai'", name="openai")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_openai)
+    inp = tmp_path / "in.txt"
+    inp.write_text("A sentence.\n")
+    assert main(["generate-ski", "--llm", "server", "--url", "http://127.0.0.1:9/v1", "--model", "m", "--input",
+                 str(inp), "--output", str(tmp_path / "o.csv"), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "pip install 'fastprompt[ski]'" in err and "openai" in err
+    assert not (tmp_path / "o.csv").exists()

@@ -68,8 +68,10 @@ def test_what_is_not_a_gguf_file_is_refused(tmp_path):
     (tmp_path / "w.safetensors").write_bytes(b"x")
     with pytest.raises(ValueError, match="a file must be a .gguf model"):
         gguf_to_folder(str(tmp_path / "w.safetensors"), tmp_path / "out")
-    with pytest.raises(FileNotFoundError, match="local model not found"):
+    with pytest.raises(FileNotFoundError, match="no such .gguf file"):
         gguf_to_folder(str(tmp_path / "missing.gguf"), tmp_path / "out")
+    with pytest.raises(FileNotFoundError, match="local model not found"):
+        gguf_to_folder(str(tmp_path / "missing-folder"), tmp_path / "out")
     with pytest.raises(ValueError, match="dtype"):
         gguf_to_folder(str(hf), tmp_path / "out", dtype="int8")
     assert not (tmp_path / "out").exists()
@@ -84,3 +86,11 @@ def test_a_corrupt_gguf_file_is_a_clear_error_and_writes_nothing(tmp_path, capsy
         err = capsys.readouterr().err
         assert "fastprompt convert-gguf: error:" in err and "Traceback" not in err
         assert not out.exists() and not list(tmp_path.glob(".out-*"))
+
+
+def test_a_missing_gguf_file_is_not_found(tmp_path, capsys):
+    """`--model missing.gguf`: 'no such .gguf file' (it said 'not a .gguf file (... hub id ...)')."""
+    assert main(["convert-gguf", "--model", str(tmp_path / "missing.gguf"), "--output", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "no such .gguf file" in err and "hub id" not in err
+    assert not (tmp_path / "out").exists()

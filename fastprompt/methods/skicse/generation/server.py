@@ -54,6 +54,16 @@ def answer_byte_cap(max_new_tokens: int) -> int:
     return ANSWER_HEADROOM_BYTES + max_new_tokens * MAX_BYTES_PER_TOKEN
 
 
+def import_openai():
+    """The openai client package, or an ImportError that names the extra to install."""
+    try:
+        import openai
+    except ImportError as exc:
+        raise ImportError("generate-ski --llm server needs the openai client package, which is not installed: pip "
+                          "install 'fastprompt[ski]' (or pip install 'openai>=3.51,<4')") from exc
+    return openai
+
+
 class ServerBackend:
     """An OpenAI-compatible server at ``url`` (its base, e.g. ``http://127.0.0.1:8000/v1``).
 
@@ -69,8 +79,7 @@ class ServerBackend:
 
     def __init__(self, url: str, model: str | None = None, *, api: str = "chat", concurrency: int = 8,
                  timeout: float = 300.0, max_retries: int = 6, api_key_env: str = DEFAULT_API_KEY_ENV):
-        import openai
-
+        openai = import_openai()
         from fastprompt.methods.skicse.generation.transport import Guard, GuardedClient
 
         check_choice("api", api, SERVER_APIS)
