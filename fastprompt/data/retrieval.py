@@ -122,6 +122,33 @@ class QueryRows:
                              query_rows=True)
 
 
+def fewest_distinct(examples: TrainExamples) -> tuple[int, str]:
+    """The fewest distinct texts a column of ``examples`` holds (padding negatives aside), with what they are, e.g.
+    ``(1, "1 distinct query")``: a batch never holds a text twice, so no batch has more rows than that."""
+    best = (0, "no text")
+    for j, column in enumerate(examples.columns):
+        n = len({row[j] for row in examples.rows} - {PAD_TEXT})
+        if n and (best[0] == 0 or n < best[0]):
+            if examples.query_rows:
+                name = {QUERY_COLUMN: ("query", "queries"),
+                        POSITIVE_COLUMN: ("positive", "positives")}.get(column, ("negative", "negatives"))
+            else:
+                name = (f"{column} text", f"{column} texts")
+            best = (n, f"{n} distinct {name[n != 1]}")
+    return best
+
+
+def _unicode(text: str, what: str, where: str) -> str:
+    """``text`` when it is valid Unicode; a JSON escape can write a lone surrogate (``"\\ud800"``), which no UTF-8
+    text holds and no tokenizer takes."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{where}: not valid Unicode (the {what} holds a lone surrogate {text[e.start]!r} at "
+                         f"character {e.start}; a JSON \\uXXXX escape of a surrogate needs its pair)") from None
+    return text
+
+
 def _texts(value, what: str, where: str, *, required: bool) -> tuple[str, ...]:
     """A JSON value that is a string or a list of strings, as stripped non-empty texts."""
     if value is None:
@@ -133,7 +160,7 @@ def _texts(value, what: str, where: str, *, required: bool) -> tuple[str, ...]:
         raise ValueError(f"{where}: {what} must be a string or a list of strings, got {shown(value)}")
     if len(items) > MAX_TEXTS_PER_ROW:
         raise ValueError(f"{where}: {len(items)} {what}; a row has at most {MAX_TEXTS_PER_ROW}")
-    texts = tuple(t.strip() for t in items)
+    texts = tuple(_unicode(t, what[:-1], where).strip() for t in items)
     if any(not t for t in texts):
         raise ValueError(f"{where}: an empty {what[:-1] if what.endswith('s') else what} text")
     if required and not texts:
@@ -164,20 +191,29 @@ def read_query_jsonl(path: str | Path) -> QueryRows:
             reject_binary(raw, path, lineno)
             if lineno == 1 and raw.startswith(b"\xef\xbb\xbf"):
                 raw = raw[3:]
-            if not raw.strip():
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as e:  # before JSON, which would call it "not a JSON object"
+                raise ValueError(f"{where}: not valid UTF-8 (byte {e.start} of the line: {e.reason}); re-encode the "
+                                 "file as UTF-8") from None
+            if not text.strip():
                 continue
             try:
-                record = json.loads(raw)
-            except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
+                record = json.loads(text)
+            except (ValueError, RecursionError):
                 raise ValueError(f"{where}: not a JSON object (expected a row such as "
                                  '{"query": "...", "pos": ["..."], "neg": ["..."]})') from None
             if not isinstance(record, dict):
                 raise ValueError(f"{where}: a JSON {type(record).__name__}, not an object with query, pos and neg")
             query = _one_key(record, QUERY_KEYS, where)
-            if not isinstance(query, str) or not query.strip():
+            if query is None:
                 raise ValueError(f"{where}: no query (a non-empty string under one of {', '.join(QUERY_KEYS)}); "
                                  f"found keys {shown(sorted(record)[:10])}")
-            out.queries.append(query.strip())
+            if not isinstance(query, str):
+                raise ValueError(f"{where}: the query must be a string, got {shown(query)}")
+            if not query.strip():
+                raise ValueError(f"{where}: an empty query")
+            out.queries.append(_unicode(query, "query", where).strip())
             out.positives.append(_texts(_one_key(record, POSITIVE_KEYS, where), "positives", where, required=True))
             out.negatives.append(_texts(_one_key(record, NEGATIVE_KEYS, where), "negatives", where, required=False))
     if not out.queries:

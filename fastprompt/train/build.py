@@ -20,6 +20,7 @@ import torch
 
 from fastprompt.data import Collator, TrainExamples, UniqueBatchSampler, load_train_file, sentence_keys
 from fastprompt.data.multi import MultiDatasetSampler
+from fastprompt.data.retrieval import fewest_distinct
 from fastprompt.methods import METHODS, load
 from fastprompt.objectives.base import Method, TokenTerm
 from fastprompt.objectives.registry import objective_from_config
@@ -91,6 +92,12 @@ def _dataset_sampler(cfg: TrainConfig, examples: TrainExamples, dist: Distribute
                              f"distinct sentence(s): a batch never holds a sentence twice (it would be its own "
                              f"negative), so no batch of batch_size={cfg.optim.batch_size} can be formed; "
                              "deduplicate the corpus or add sentences")
+        fewest, what = fewest_distinct(examples)
+        if fewest < min(len(examples), cfg.optim.batch_size):  # e.g. every row shares one query
+            raise ValueError(f"{examples.source or 'the training data'} has {len(examples)} rows but only {what}: a "
+                             "batch never holds a sentence twice (rows sharing one would be each other's negatives), "
+                             f"so no batch of batch_size={cfg.optim.batch_size} can be formed; add rows or lower "
+                             "batch_size")
         raise ValueError(f"{len(examples)} training rows make no batch of batch_size={cfg.optim.batch_size} "
                          f"(drop_last={cfg.data.drop_last}); use a smaller batch_size or more data")
     return sampler

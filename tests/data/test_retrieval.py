@@ -81,7 +81,7 @@ def test_zero_negatives_per_row_drops_them(tmp_path):
 @pytest.mark.parametrize("line, message", [
     ('{"query": "q", "neg": ["n"]}', "no positives"),
     ('{"query": "q", "pos": []}', "no positives"),
-    ('{"query": "", "pos": ["p"]}', "no query"),
+    ('{"query": "", "pos": ["p"]}', "an empty query"),
     ('{"pos": ["p"]}', "no query"),
     ('{"query": "q", "pos": ["  "]}', "an empty positive"),
     ('{"query": "q", "pos": ["p"], "neg": ["n", ""]}', "an empty negative"),
@@ -96,6 +96,38 @@ def test_bad_rows_name_their_line(tmp_path, line, message):
     with pytest.raises(ValueError, match=message) as info:
         load_train_file(path)
     assert "bad.jsonl:2" in str(info.value)
+
+
+@pytest.mark.parametrize("line, message", [
+    (b'{"query": 12345, "pos": "p"}', "the query must be a string, got 12345"),
+    (b'{"query": ["q"], "pos": "p"}', r"the query must be a string, got \['q'\]"),
+    (b'{"query": "caf\xe9", "pos": "p"}', r"not valid UTF-8 \(byte 14 of the line: invalid continuation byte\)"),
+    (b'{"query": "\\ud800", "pos": "p"}', r"not valid Unicode \(the query holds a lone surrogate '\\ud800' at "
+                                         "character 0"),
+    (b'{"query": "q", "pos": ["p", "x\\udfff"]}', "not valid Unicode \\(the positive holds a lone surrogate"),
+    (b'{"query": "q", "pos": "p", "neg": "\\ud83d"}', "not valid Unicode \\(the negative holds a lone surrogate"),
+], ids=["int-query", "list-query", "latin-1", "surrogate-query", "surrogate-positive", "surrogate-negative"])
+def test_a_query_of_the_wrong_type_bytes_that_are_not_utf8_and_lone_surrogates_are_named(tmp_path, line, message):
+    """Issue 40 items 14 and 10: a number as the query was "no query found", a latin-1 byte "not a JSON object", and a
+    lone surrogate escape reached the tokenizer (a TypeError traceback); each now names its line and what is wrong."""
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b'{"query": "ok", "pos": ["fine"]}\n' + line + b"\n")
+    with pytest.raises(ValueError, match=message) as info:
+        load_train_file(path)
+    assert f"{path}:2: " in str(info.value)
+
+
+def test_rows_sharing_one_query_say_so_when_no_batch_forms(tmp_path):
+    """Issue 40 item 14: 40 rows with one query (and 40 positives) said "make no batch of batch_size=8"; rows sharing
+    a query never go into one batch, so there is only one row per batch."""
+    from fastprompt.train import TrainConfig
+    from fastprompt.train.build import build_sampler
+    from fastprompt.train.distributed import DistributedContext
+
+    ex = load_train_file(_jsonl(tmp_path, [{"query": "the one query", "pos": [f"positive {i}"]} for i in range(40)]))
+    with pytest.raises(ValueError, match=r"has 40 rows but only 1 distinct query: a batch never holds a sentence "
+                                         r"twice .* no batch of batch_size=8 can be formed"):
+        build_sampler(TrainConfig(batch_size=8), ex, DistributedContext())
 
 
 def test_csv_rows_without_a_positive_or_query_are_errors(tmp_path):
