@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from fastprompt.cli.options import add_model_args, load_encoder, positive_int, show_progress
 
@@ -19,6 +20,37 @@ positives and (with --margin) every candidate scoring above its positive minus t
 FlagEmbedding's {"query", "pos", "neg"} JSONL. Run the same command again to resume a killed run (the candidate
 embeddings are cached in OUTPUT.cache/); --overwrite starts over.
 """
+
+
+def _negatives(text: str) -> int:
+    from fastprompt.data.retrieval import MAX_TEXTS_PER_ROW
+
+    value = positive_int(text)
+    if value > MAX_TEXTS_PER_ROW:
+        raise argparse.ArgumentTypeError(f"expected at most {MAX_TEXTS_PER_ROW} (what a row read back may have), got "
+                                         f"{value}")
+    return value
+
+
+def _margin(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and -2 <= value <= 2):
+        raise argparse.ArgumentTypeError(f"expected a finite number in [-2, 2] (a difference of cosines), got "
+                                         f"{text!r}")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 2**32 - 1:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, {2**32 - 1}], got {text!r}")
+    return value
 
 
 def _range(text: str) -> tuple[int, int]:
@@ -46,10 +78,10 @@ def add_mine_negatives_parser(subparsers) -> argparse.ArgumentParser:
                    help="more candidate texts, one per line (besides the input's positives and negatives)")
     g.add_argument("--range-for-sampling", type=_range, default=(10, 100), metavar="LO-HI",
                    help="draw negatives among the candidate ranks LO..HI-1 (default 10-100; FlagEmbedding: 10-210)")
-    g.add_argument("--negatives", type=positive_int, default=15, metavar="K", help="negatives per row (15)")
-    g.add_argument("--margin", type=float, default=None,
+    g.add_argument("--negatives", type=_negatives, default=15, metavar="K", help="negatives per row (15)")
+    g.add_argument("--margin", type=_margin, default=None,
                    help="drop candidates whose cosine exceeds the positive's minus this (e.g. 0.1; default off)")
-    g.add_argument("--seed", type=int, default=0, help="seed of the draws (0)")
+    g.add_argument("--seed", type=_seed, default=0, help="seed of the draws (0)")
     g.add_argument("--chunk-size", type=positive_int, default=1024, metavar="N",
                    help="queries scored against every candidate at a time (1024)")
     g.add_argument("--overwrite", action="store_true", help="start over, replacing --output and its cache")
@@ -59,21 +91,21 @@ def add_mine_negatives_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run_mine_negatives(args: argparse.Namespace) -> int:
-    from fastprompt.data.corpus import read_text_corpus
     from fastprompt.data.mining import mine_negatives, written_paths
     from fastprompt.data.train_files import load_query_rows
-    from fastprompt.io import check_apart, check_output_file
+    from fastprompt.io import check_apart, check_file, check_output_file
 
-    # Before anything is read or written: no file mining writes (or --overwrite deletes) may be an input, the
-    # settings file and the embedding cache beside --output included.
+    # Before anything is read or written (the options' types checked their values): no file mining writes (or
+    # --overwrite deletes) may be an input, the settings file and the embedding cache beside --output included.
     check_output_file(args.output, "--output")
     for path in written_paths(args.output):
         check_apart(path, [args.input, *args.candidates])
+    for path in args.candidates:
+        check_file(path, "candidates file")
     rows = load_query_rows(args.input)
-    extra = [t for path in args.candidates for (t,) in read_text_corpus(path).rows]
-    encoder = load_encoder(args)
+    encoder = load_encoder(args)  # the candidates are streamed after it: their memory bound needs its width
     lo, hi = args.range_for_sampling
-    counts = mine_negatives(encoder, rows, args.output, extra_candidates=extra, lo=lo, hi=hi,
+    counts = mine_negatives(encoder, rows, args.output, candidate_files=args.candidates, lo=lo, hi=hi,
                             negatives=args.negatives, margin=args.margin, seed=args.seed, chunk_size=args.chunk_size,
                             batch_size=args.batch_size, overwrite=args.overwrite,
                             show_progress_bar=show_progress(args))

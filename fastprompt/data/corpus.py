@@ -13,6 +13,7 @@ import csv
 import io
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -32,6 +33,9 @@ TRIPLET_COLUMNS = (*PAIR_COLUMNS, NEGATIVE_COLUMN)
 SKI_COLUMN = "ski"
 #: The ``train_file`` value that selects the corpus embedded in the gensim wheel (see ``builtin.py``).
 BUILTIN_WIKI = "builtin:gensim-wiki"
+#: The longest line of a file of sentences (a text corpus, mining's ``--candidates``): a sentence or a passage is far
+#: shorter; a longer "line" is a binary file or one without line breaks, and is never read whole.
+MAX_TEXT_LINE_BYTES = 1 << 20
 
 
 def is_negative_column(name: str) -> bool:
@@ -82,32 +86,47 @@ def _check_not_empty(path: Path, n: int, what: str, skipped: dict[str, int]) -> 
         raise ValueError(f"training file {path} contains no {what} ({detail})")
 
 
+def text_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, raw bytes) of every line of ``path``, read a bounded line at a time: a ValueError naming the line
+    for one longer than :data:`MAX_TEXT_LINE_BYTES` (before more of it is read) or holding a NUL byte (a binary
+    file; found on the line it is on, however large the file)."""
+    limit = MAX_TEXT_LINE_BYTES
+    with open(path, "rb") as f:
+        lineno = 0
+        while raw := f.readline(limit + 1):
+            lineno += 1
+            reject_binary(raw, path, lineno)  # first: a binary file's "line" of zeros is named binary
+            if len(raw) > limit and not raw.endswith(b"\n"):
+                raise ValueError(f"{path}:{lineno}: a line longer than {limit} bytes; a text file holds one sentence "
+                                 "per line (is it a binary file, or one without line breaks?)")
+            yield lineno, raw
+
+
 def read_text_corpus(path: str | Path, *, on_decode_error: str = "error") -> TrainExamples:
     """Read one sentence per line (UTF-8). Empty/whitespace-only lines are skipped and counted.
 
     Lines that are not valid UTF-8 raise a ValueError naming their line numbers
-    (``on_decode_error="error"``), or are skipped with a warning (``"skip"``).
+    (``on_decode_error="error"``), or are skipped with a warning (``"skip"``). A binary file (a NUL byte) or a line
+    longer than :data:`MAX_TEXT_LINE_BYTES` is an error (:func:`text_lines`).
     """
     check_choice("on_decode_error", on_decode_error, DECODE_ERROR_MODES)
     path = check_file(path, "training file")
     rows: list[tuple[str, ...]] = []
     n_empty = 0
     bad_lines: list[tuple[int, int]] = []  # (line number, byte offset of the first bad byte in that line)
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, start=1):
-            reject_binary(raw, path, lineno)
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                bad_lines.append((lineno, e.start))
-                continue
-            if lineno == 1:
-                text = text.lstrip("\ufeff")  # tolerate a UTF-8 byte-order mark
-            text = text.strip()
-            if not text:
-                n_empty += 1
-                continue
-            rows.append((text,))
+    for lineno, raw in text_lines(path):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            bad_lines.append((lineno, e.start))
+            continue
+        if lineno == 1:
+            text = text.lstrip("\ufeff")  # tolerate a UTF-8 byte-order mark
+        text = text.strip()
+        if not text:
+            n_empty += 1
+            continue
+        rows.append((text,))
     if bad_lines:
         shown = ", ".join(f"line {ln} (byte {off})" for ln, off in bad_lines[:10])
         more = f" and {len(bad_lines) - 10} more" if len(bad_lines) > 10 else ""

@@ -267,6 +267,10 @@ class Architecture:
 
     def __init__(self, backbone):
         cfg = backbone.config
+        if getattr(cfg, "is_encoder_decoder", False):  # T5, BART, ...: a forward needs decoder inputs too
+            raise ValueError(f"{type(backbone).__name__} (model_type {getattr(cfg, 'model_type', '?')!r}) is an "
+                             "encoder-decoder model, which fastprompt does not support: it trains prompts on encoders "
+                             "(BERT, RoBERTa, MPNet, ...) and decoder-only models (see docs/architectures.md)")
         for attr in ("num_hidden_layers", "num_attention_heads", "hidden_size"):
             if not hasattr(cfg, attr):
                 raise ValueError(f"backbone config has no {attr!r}: only encoder models with standard "
