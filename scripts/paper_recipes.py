@@ -3,9 +3,12 @@
     .venv/bin/python scripts/paper_recipes.py           # rewrite the generated parts
     .venv/bin/python scripts/paper_recipes.py --check   # exit 1 if any is stale (tests/train/test_paper_values.py)
 
-tests/train/paper_values.yaml holds the papers' hyper-parameters once, each with its source; the recipes in
-configs/ keep their own keys, and this script writes, between two marker lines at the top of each, the list of
-its values with their sources, so the header cannot drift from the table the tests compare the recipe with.
+tests/train/paper_values.yaml holds the papers' hyper-parameters once, each with its kind (stated by the paper,
+with a verbatim quote; the authors' code; a library default; this project's choice) and the deviations from the
+papers; the recipes in configs/ keep their own keys, and this script writes, between two marker lines at the top
+of each, the list of its values grouped by kind, so the header cannot drift from the table the tests compare the
+recipe with (tests/train/test_paper_values.py) and check against the papers' texts
+(tests/train/test_paper_quotes.py).
 """
 from __future__ import annotations
 
@@ -27,29 +30,77 @@ END = "# --- end of the generated values ---"
 WIDTH = 118  # the generated comment lines, like the code's 120-character limit
 TASKS = ("sts12", "sts13", "sts14", "sts15", "sts16", "stsb", "sickr", "avg")
 TITLES = ("STS12", "STS13", "STS14", "STS15", "STS16", "STS-B", "SICK-R", "Avg.")
+#: the kinds of a value, in the order the header and the docs list them, with their headings
+KINDS = {"paper": "Stated by the paper", "code": "From the authors' code", "default": "Library defaults",
+         "choice": "This project's choices"}
+_PAPER_FIELDS = {"at", "says", "column", "in"}
+_DEVIATION_FIELDS = {"recipes", "keys", "paper", "at", "recipe", "why"}
 
 
 def load(path: Path = DATA) -> dict:
-    """The data file: ``papers`` and ``recipes``, every value as ``{paper, recipe, source, why}``."""
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    for entry in data["recipes"].values():
-        entry["values"] = {k: _value(k, v) for k, v in entry["values"].items()}
+    """The data file: ``papers``, ``recipes`` (every value as ``{value, kind, text, at, says, columns, in}``,
+    ``in`` the paper a quote is from) and ``deviations``. Raises ValueError on a malformed entry."""
+    data = yaml.load(path.read_text(encoding="utf-8"), Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    for name, entry in data["recipes"].items():
+        if entry["paper"] not in data["papers"]:
+            raise ValueError(f"{name}: unknown paper {entry['paper']!r}")
+        entry["values"] = {k: _value(f"{name}: {k}", v, entry["paper"], data["papers"])
+                           for k, v in entry["values"].items()}
+    data["deviations"] = [_deviation(i, d, data) for i, d in enumerate(data.get("deviations") or [])]
     return data
 
 
-def _value(key: str, v) -> dict:
-    if isinstance(v, list):
-        if len(v) != 2:
-            raise ValueError(f"{key}: write [value, source], got {v!r}")
-        return {"paper": v[0], "recipe": v[0], "source": v[1], "why": None}
-    if set(v) != {"paper", "recipe", "source", "why"}:
-        raise ValueError(f"{key}: a value that differs from the paper's needs paper, recipe, source and why")
-    return dict(v)
+def _value(where: str, v, paper: str, papers: dict) -> dict:
+    if not isinstance(v, dict) or "value" not in v:
+        raise ValueError(f"{where}: write {{value: V, paper|code|default|choice: ...}}, got {v!r}")
+    kinds = [k for k in KINDS if k in v]
+    if len(kinds) != 1:
+        raise ValueError(f"{where}: give exactly one kind of paper, code, default and choice, got {sorted(v)}")
+    kind = kinds[0]
+    extra = set(v) - {"value", kind} - (_PAPER_FIELDS if kind == "paper" else set())
+    if extra:
+        raise ValueError(f"{where}: {sorted(extra)} not allowed with {kind}")
+    if not isinstance(v[kind], str) or not v[kind].strip():
+        raise ValueError(f"{where}: {kind} needs its text")
+    out = {"value": v["value"], "kind": kind, "text": v[kind], "at": v.get("at"), "says": v.get("says"),
+           "columns": [], "in": None}
+    if kind == "paper":
+        out["in"] = v.get("in", paper)
+        if out["in"] not in papers or not papers[out["in"]]["text"]:
+            raise ValueError(f"{where}: quoted from {out['in']!r}, which has no text in ../shared/papers (add in:)")
+        if not out["at"]:
+            raise ValueError(f"{where}: a paper value says where it is (at: section, table)")
+        col = v.get("column", [])
+        out["columns"] = [col] if isinstance(col, int) else list(col)
+    return out
+
+
+def _deviation(i: int, d: dict, data: dict) -> dict:
+    if set(d) != _DEVIATION_FIELDS:
+        raise ValueError(f"deviations[{i}]: needs exactly {sorted(_DEVIATION_FIELDS)}, got {sorted(d)}")
+    papers = {data["recipes"][r]["paper"] for r in d["recipes"] if r in data["recipes"]}
+    if len(papers) != 1 or len(d["recipes"]) != len(set(d["recipes"])):
+        raise ValueError(f"deviations[{i}]: name existing recipes of one paper, got {d['recipes']}")
+    return dict(d, **{"in": papers.pop()})
 
 
 def _ordered(values: dict) -> list[str]:
     order = {k: i for i, k in enumerate(KEYS)}
     return sorted(values, key=lambda k: order.get(k, len(order)))
+
+
+def by_kind(entry: dict) -> dict[str, list[str]]:
+    """The recipe's keys per kind, in KEYS order."""
+    return {kind: [k for k in _ordered(entry["values"]) if entry["values"][k]["kind"] == kind] for kind in KINDS}
+
+
+def deviations_of(name: str, data: dict) -> list[dict]:
+    return [d for d in data["deviations"] if name in d["recipes"]]
+
+
+def _where(v: dict, paper: str) -> str:
+    """Where a paper value is, with the paper's name when the quote is from another paper than the recipe's."""
+    return v["at"] if v["in"] == paper else f"{v['in']} {v['at']}"
 
 
 def _reported(entry: dict) -> str:
@@ -60,16 +111,29 @@ def _reported(entry: dict) -> str:
     return f"{rep['source']}: average {rep['avg']:.2f}{runs}"
 
 
-def header_block(name: str, entry: dict) -> str:
+def _wrap(text: str, indent: str = "#       ") -> list[str]:
+    return textwrap.wrap(text, WIDTH, subsequent_indent=indent, break_long_words=False, break_on_hyphens=False)
+
+
+def header_block(name: str, entry: dict, data: dict) -> str:
     """The generated comment block of recipe ``name``."""
-    lines = textwrap.wrap(f"# {entry['setting']}; {_reported(entry)} (docs/paper-recipes.md).", WIDTH,
-                          subsequent_indent="# ")
-    lines = [BEGIN, *lines, "# Every value below is checked against this list by tests/train/test_paper_values.py:"]
-    for key in _ordered(entry["values"]):
-        v = entry["values"][key]
-        text = f"#   {key}: {fmt(v['recipe'])}; {v['source']}"
-        text += f"; the paper: {fmt(v['paper'])}, {v['why']}" if v["why"] else ""
-        lines += textwrap.wrap(text, WIDTH, subsequent_indent="#       ")
+    lines = [BEGIN, *_wrap(f"# {entry['setting']}; {_reported(entry)} (docs/paper-recipes.md).", "# "),
+             "# Every value below is checked against this list by tests/train/test_paper_values.py, and every",
+             "# quote against the paper's text by tests/train/test_paper_quotes.py."]
+    for kind, keys in by_kind(entry).items():
+        if not keys:
+            continue
+        lines.append(f"# {KINDS[kind]}:")
+        for key in keys:
+            v = entry["values"][key]
+            detail = f'{_where(v, entry["paper"])}: "{v["text"]}"' if kind == "paper" else v["text"]
+            lines += _wrap(f"#   {key}: {fmt(v['value'])}; {detail}")
+    devs = deviations_of(name, data)
+    if devs:
+        lines.append("# Deviations from the paper (docs/paper-recipes.md):")
+        for d in devs:
+            keys = ", ".join(d["keys"]) or "not a key"
+            lines += _wrap(f"#   {keys}: the paper, {d['at']}: \"{d['paper']}\"; the recipe: {d['recipe']}")
     return "\n".join([*lines, END]) + "\n"
 
 
@@ -94,46 +158,126 @@ _INTRO = """\
 
 Generated by `scripts/paper_recipes.py` from `tests/train/paper_values.yaml`; do not edit by hand.
 
-Every recipe below is a paper's setting on a GPU. Each value comes from the paper's text (its table or section)
-or, where the paper is silent, from the authors' released code ("code: ..."); the same list heads each recipe
-file, and `tests/train/test_paper_values.py` checks that every recipe resolves to it, value by value (a test
-changes each value in turn and shows the comparison fails). `tests/train/recipe_values.json` pins the rest of
-each recipe's resolved keys (the defaults the papers do not set), and agrees with this table.
+Every recipe below is a paper's setting on a GPU. Each of its values has one of four kinds, listed under its own
+heading:
+
+- **Stated by the paper**: with the paper's words, a verbatim quote of its text (`../shared/papers/*.txt`; a
+  table row for a value only a table gives, with the column). `tests/train/test_paper_quotes.py` finds every
+  quote in the paper's text and checks that it holds the value: the number itself (in any of the forms
+  `3e-5`, `3 × 10−5`, `0.00003`, `15%`, `ten`), the table cell of its column, or, for a value the paper
+  states in words (a model, a data file, a mode), the words shown in bold.
+- **From the authors' code**: where the paper is silent, the authors' released code (the file and the
+  setting); where a paper published no code (D2CSE, SKICSE), the code its text says it builds on, named.
+- **Library defaults**: the defaults of the Hugging Face trainer the authors' code runs on.
+- **This project's choices**: where neither the paper nor its code decides, with the reason.
+
+Where a recipe departs from its paper's text, the departure is listed under
+[Deviations from the papers](#deviations-from-the-papers) and under the recipe, with the reason.
+
+The same lists head each recipe file, and `tests/train/test_paper_values.py` checks that every recipe resolves
+to them, value by value (a test changes each value in turn and shows the comparison fails).
+`tests/train/recipe_values.json` pins the rest of each recipe's resolved keys (the defaults the papers do not
+set), and agrees with these tables.
 
 **What this machine cannot check.** BERT and RoBERTa weights are not available offline here, so no paper number
 has been reproduced by fastprompt: each recipe gives the command a GPU user runs and the number the paper
-reports. Get the data first: SimCSE's `data/download_wiki.sh` and `data/download_nli.sh` (wiki1m_for_simcse.txt,
-nli_for_simcse.csv) and the SentEval STS folders (STS12-16, STSBenchmark, SICK) in `data/sts`, or point the
-recipe at your copies with `--set train_file=... --set sts_dir=...`. A hub id (`bert-base-uncased`, a D2CSE
-generator) is downloaded by transformers on first use. Where the paper reports a mean over several runs, the
-command trains that many seeds with `--seeds` and writes the mean ± std table to `<output-dir>/seeds.md`
-(docs/training.md); the evaluation is fp32, as the papers'. SKICSE's recipes need the SKI of their data first
-(`fastprompt generate-ski`, [ski.md](ski.md)).
+reports (the test finds that row in the paper's text too). Get the data first: SimCSE's
+`data/download_wiki.sh` and `data/download_nli.sh` (wiki1m_for_simcse.txt, nli_for_simcse.csv) and the
+SentEval STS folders (STS12-16, STSBenchmark, SICK) in `data/sts`, or point the recipe at your copies with
+`--set train_file=... --set sts_dir=...`. A hub id (`bert-base-uncased`, a D2CSE generator) is downloaded by
+transformers on first use. Where the paper reports a mean over several runs, the command trains that many seeds
+with `--seeds` and writes the mean ± std table to `<output-dir>/seeds.md` (docs/training.md); the evaluation is
+fp32, as the papers'. SKICSE's recipes need the SKI of their data first (`fastprompt generate-ski`,
+[ski.md](ski.md)).
+"""
+
+_OTHER_RECIPES = """\
+The recipes sized for a CPU (`*-minilm.yaml`, `quickstart*.yaml`, `mpnet-best.yaml`, `smollm2-best.yaml`) are
+this project's settings on other models, not the papers'; the ones that depart from a paper's method say so in
+their headers: `d2cse-unsup-minilm.yaml` (a replacement generator, `rtd_average: tokens`; [crtd.md](crtd.md)),
+`dcpcse-mlm-minilm.yaml` (a new MLM head tied to the word embeddings, `mlm_head: tied_new`; [mlm.md](mlm.md)),
+`optiprompt-minilm.yaml` and `promptbert-unsup-minilm.yaml` (denoising in OptiPrompt and in evaluation;
+[promptbert.md](promptbert.md)).
 """
 
 
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|")
+
+
+def _quote_md(v: dict) -> str:
+    """A paper value's quote for a Markdown cell, its ``says`` words in bold."""
+    quote = " ".join(v["text"].split())
+    says = " ".join((v["says"] or "").split())
+    if says and says in quote:
+        quote = quote.replace(says, f"**{says}**", 1)
+    cols = v["columns"]
+    plural = "s" if len(cols) > 1 else ""
+    col = f" (column{plural} {', '.join(map(str, cols))})" if cols else ""
+    return _cell(f"“{quote}”{col}")
+
+
+def _deviation_md(d: dict, with_recipes: bool) -> str:
+    keys = ", ".join(f"`{k}`" for k in d["keys"]) or "not a config key"
+    recipes = f" ({', '.join(f'`{r}`' for r in d['recipes'])})" if with_recipes else ""
+    return (f"- {keys}{recipes}: **the paper** ({d['in']} {d['at']}): “{' '.join(d['paper'].split())}”; "
+            f"**the recipe**: {d['recipe']}; **why**: {d['why']}.")
+
+
+def counts(data: dict) -> dict[str, int]:
+    """How many values of all recipes are of each kind."""
+    out = dict.fromkeys(KINDS, 0)
+    for entry in data["recipes"].values():
+        for v in entry["values"].values():
+            out[v["kind"]] += 1
+    return out
+
+
+def _recipe_md(name: str, entry: dict, data: dict) -> list[str]:
+    out = [f"### `{name}`: {entry['setting']}\n\n```bash\n{command(name, entry)}\n```\n"]
+    rep = entry["reported"]
+    if rep is None:
+        out.append("The papers report no number for this setting.\n")
+    else:
+        runs = f" (mean of {entry['seeds']} runs)" if entry["seeds"] > 1 else ""
+        out.append(f"The paper's number, {rep['source']}{runs}:\n\n| " + " | ".join(TITLES) + " |\n|"
+                   + "---|" * len(TITLES) + "\n| " + " | ".join(f"{rep[t]:.2f}" for t in TASKS) + " |\n")
+    heads = {"paper": "| key | value | where | the paper's words |",
+             "code": "| key | value | where in the code |", "default": "| key | value | default |",
+             "choice": "| key | value | why |"}
+    for kind, keys in by_kind(entry).items():
+        if not keys:
+            continue
+        rows = [f"#### {KINDS[kind]}\n", heads[kind], "|---" * heads[kind].count(" | ") + "|---|"]
+        for key in keys:
+            v = entry["values"][key]
+            value = f"`{_cell(fmt(v['value']))}`"
+            if kind == "paper":
+                rows.append(f"| `{key}` | {value} | {_cell(_where(v, entry['paper']))} | {_quote_md(v)} |")
+            else:
+                rows.append(f"| `{key}` | {value} | {_cell(v['text'])} |")
+        out.append("\n".join(rows) + "\n")
+    devs = deviations_of(name, data)
+    if devs:
+        out.append("#### Deviations from the paper\n\n" + "\n".join(_deviation_md(d, False) for d in devs) + "\n")
+    return out
+
+
 def docs_markdown(data: dict) -> str:
-    out = [_INTRO]
-    for paper, ref in data["papers"].items():
-        entries = [(n, e) for n, e in data["recipes"].items() if e["paper"] == paper]
+    n = counts(data)
+    out = [_INTRO, f"In all, the recipes below hold {sum(n.values())} values: {n['paper']} stated by their paper, "
+                   f"{n['code']} from the authors' code, {n['default']} library defaults and {n['choice']} of this "
+                   "project's choices.\n",
+           "## Deviations from the papers\n",
+           "\n".join(_deviation_md(d, True) for d in data["deviations"]) + "\n", _OTHER_RECIPES]
+    for paper, info in data["papers"].items():
+        entries = [(name, e) for name, e in data["recipes"].items() if e["paper"] == paper]
         if not entries:
             continue
-        out.append(f"## {paper}\n\n{ref}\n")
+        text = f" ({info['text']})" if info["text"] else ""
+        out.append(f"## {paper}\n\n{info['ref']}{text}\n")
         for name, entry in entries:
-            out.append(f"### `{name}`: {entry['setting']}\n\n```bash\n{command(name, entry)}\n```\n")
-            rep = entry["reported"]
-            if rep is None:
-                out.append("The papers report no number for this setting.\n")
-            else:
-                runs = f" (mean of {entry['seeds']} runs)" if entry["seeds"] > 1 else ""
-                out.append(f"The paper's number, {rep['source']}{runs}:\n\n| " + " | ".join(TITLES) + " |\n|"
-                           + "---|" * len(TITLES) + "\n| " + " | ".join(f"{rep[t]:.2f}" for t in TASKS) + " |\n")
-            rows = ["| key | paper value | recipe value | source |", "|---|---|---|---|"]
-            for key in _ordered(entry["values"]):
-                v = entry["values"][key]
-                source = v["source"] + (f"; differs: {v['why']}" if v["why"] else "")
-                rows.append(f"| `{key}` | `{fmt(v['paper'])}` | `{fmt(v['recipe'])}` | {source} |")
-            out.append("\n".join(rows) + "\n")
+            out += _recipe_md(name, entry, data)
     return "\n".join(out)
 
 
@@ -143,7 +287,7 @@ def stale(data: dict) -> list[str]:
         docs_markdown(data) else []
     for name, entry in data["recipes"].items():
         text = (CONFIGS / name).read_text(encoding="utf-8")
-        if with_header(text, header_block(name, entry)) != text:
+        if with_header(text, header_block(name, entry, data)) != text:
             names.append(f"configs/{name}")
     return names
 
@@ -160,7 +304,8 @@ def main(argv: list[str]) -> int:
         return 2
     for name, entry in data["recipes"].items():
         path = CONFIGS / name
-        path.write_text(with_header(path.read_text(encoding="utf-8"), header_block(name, entry)), encoding="utf-8")
+        path.write_text(with_header(path.read_text(encoding="utf-8"), header_block(name, entry, data)),
+                        encoding="utf-8")
     DOC.write_text(docs_markdown(data), encoding="utf-8")
     return 0
 

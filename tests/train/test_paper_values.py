@@ -1,13 +1,16 @@
 """Every paper recipe resolves to the papers' values, as transcribed once in paper_values.yaml.
 
-paper_values.yaml holds, per recipe, each value a paper (its table or section) or its authors' code sets, with
-the source. Here: every paper recipe in configs/ is in it and resolves to it key by key (:func:`mismatches`);
-changing any single value makes that comparison fail (the negative control, over every value of every recipe);
-the pins of recipe_values.json agree with it; the recipes' header blocks and docs/paper-recipes.md are what
-scripts/paper_recipes.py writes from it; no recipe says UNVERIFIED.
+paper_values.yaml holds, per recipe, each value with its kind: stated by the paper (with a quote), the authors'
+code, a library default, or this project's choice; and the recipes' deviations from their papers. Here: every
+paper recipe in configs/ is in it and resolves to it key by key (:func:`mismatches`); changing any single value
+makes that comparison fail (the negative control, over every value of every recipe); the pins of
+recipe_values.json agree with it; each deviation names existing recipes and keys; the recipes' header blocks and
+docs/paper-recipes.md are what scripts/paper_recipes.py writes from it; no recipe says UNVERIFIED. That the
+quotes are the papers' and hold their values is test_paper_quotes.py's.
 """
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -29,10 +32,10 @@ PROJECT_MODELS = ("minilm", "mpnet", "smollm2")
 
 
 def mismatches(values: dict, resolved: dict) -> list[str]:
-    """The keys whose resolved value is not the recipe value the table gives (type-strict for booleans)."""
+    """The keys whose resolved value is not the value the table gives (type-strict for booleans)."""
     bad = []
     for key, v in values.items():
-        got, want = resolved.get(key, "<missing>"), v["recipe"]
+        got, want = resolved.get(key, "<missing>"), v["value"]
         if got != want or isinstance(got, bool) != isinstance(want, bool):
             bad.append(key)
     return bad
@@ -55,8 +58,7 @@ def test_recipe_resolves_to_the_papers_values(name, resolved):
     assert entry["paper"] in DATA["papers"]
     assert mismatches(entry["values"], resolved[name]) == [], name
     for key, v in entry["values"].items():
-        assert v["source"].strip(), f"{name}: {key} has no source"
-        assert (v["paper"] == v["recipe"]) == (v["why"] is None), f"{name}: {key} differs without a reason"
+        assert v["kind"] in script.KINDS and v["text"].strip(), f"{name}: {key} has no kind or source"
     rep = entry["reported"]
     if rep is not None:  # the paper's table: seven tasks and their average, as printed (two decimals)
         assert set(rep) == {"source", *script.TASKS}
@@ -113,11 +115,19 @@ def test_the_pinned_values_agree_with_the_table():
         assert mismatches(entry["values"], PINNED[name]) == [], name
 
 
+def test_every_deviation_names_existing_recipes_and_keys():
+    assert len(DATA["deviations"]) >= 5
+    for d in DATA["deviations"]:
+        for name in d["recipes"]:
+            assert set(d["keys"]) <= set(RECIPES[name]["values"]), (name, d["keys"])
+        assert d["paper"].strip() and d["recipe"].strip() and d["why"].strip()
+
+
 def test_the_generated_headers_and_docs_page_are_current():
     assert script.stale(DATA) == [], "run scripts/paper_recipes.py"
     for name, entry in RECIPES.items():
         text = (CONFIGS / name).read_text(encoding="utf-8")
-        assert script.header_block(name, entry) in text
+        assert script.header_block(name, entry, DATA) in text
         for key in entry["values"]:  # each value is cited in the recipe's header
             assert f"#   {key}: " in text, (name, key)
     for path in [*CONFIGS.glob("*.yaml"), *CONFIGS.glob("base/*.yaml")]:
@@ -134,9 +144,17 @@ def test_the_docs_page_lists_each_recipe_with_its_command_and_number():
                                                            RECIPES["dcpcse-unsup-bert-base.yaml"])
 
 
-def test_the_script_refuses_a_malformed_value(tmp_path):
+@pytest.mark.parametrize(("value", "message"), [
+    ('[256, "DCPCSE Table 4"]', "write {value: V, paper|code|default|choice: ...}"),
+    ('{value: 256, code: "x", default: "y"}', "exactly one kind"),
+    ('{value: 256, paper: "Batch size 256"}', "says where it is"),
+    ('{value: 256, code: "x", column: 1}', "not allowed with code"),
+    ('{value: 256, choice: ""}', "choice needs its text"),
+    ('{value: 256, paper: "Batch size 256", at: "Table 4", in: SimCSE}', "has no text in ../shared/papers"),
+])
+def test_the_script_refuses_a_malformed_value(tmp_path, value, message):
     bad = tmp_path / "values.yaml"
-    bad.write_text("papers: {}\nrecipes:\n  x.yaml:\n    values:\n      batch_size: {paper: 1, recipe: 2}\n",
-                   encoding="utf-8")
-    with pytest.raises(ValueError, match="needs paper, recipe, source and why"):
+    bad.write_text("papers: {DCPCSE: {text: dcpcse.txt, ref: r}, SimCSE: {text: null, ref: r}}\nrecipes:\n"
+                   f"  x.yaml:\n    paper: DCPCSE\n    values:\n      batch_size: {value}\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=re.escape(message)):
         script.load(bad)
