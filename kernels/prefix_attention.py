@@ -555,21 +555,28 @@ def config_for(kernel: str, sc: ShapeClass) -> LaunchConfig:
     if sc.dtype in ("fp32", "tf32"):
         # Exact fp32 dots run on FMA units with whole operand rows in registers: 16-row tiles (32-row tiles
         # spill at D = 128, and erratically at D = 64) and 8 warps (4 spilled a few words at every D, with or
-        # without a register bound). ptxas is erratic here (measured per specialisation by the AOT check): at
-        # D = 128 the dK/dV kernel's row loop is not software-pipelined (which made it spill) and exact products
-        # take the register bound that compiled without spills for the class: ptxas's own heuristic (None) for
-        # dQ and for the forward with a window or bias, 255 for the forward without, 168 for dK/dV. TF32 products
-        # (tensor cores) take the 255 bound.
-        exact = sc.dtype == "fp32"
-        maxnreg = 255
-        if bd == 128 and exact:
-            maxnreg = 168 if kernel == "bwd_dkdv" else None if sc.switches or kernel == "bwd_dq" else 255
-        return _launch(kernel, bd, 16, 16, 16, 8, num_stages=1 if kernel == "bwd_dkdv" else 2, maxnreg=maxnreg)
+        # without a register bound). The dK/dV kernel's row loop is not software-pipelined (which made it spill).
+        # At D = 128 exact products take the stages and register bound that compiled without spills for the class
+        # (:data:`_FP32_D128`; None = ptxas's own heuristic). TF32 products (tensor cores) take the 255 bound.
+        stages, maxnreg = 1 if kernel == "bwd_dkdv" else 2, 255
+        if bd == 128 and sc.dtype == "fp32":
+            stages, maxnreg = _FP32_D128[kernel, sc.dropout, sc.switches]
+        return _launch(kernel, bd, 16, 16, 16, 8, stages, maxnreg)
     M, N, warps, stages, maxnreg = _HALF[kernel, bd, sc.dropout, sc.switches]
     if kernel != "bwd_dkdv" and sc.s_bucket <= 32:  # one 32-key tile covers a short sentence
         N = min(N, 32)
     return _launch(kernel, bd, M, N, 16 if sc.p_bucket <= 16 else 32, warps, stages, maxnreg)
 
+
+# exact fp32 at D = 128 by (kernel, dropout, switches): (num_stages, maxnreg), measured as _HALF below
+_FP32_D128 = {
+    ("fwd", True, True): (2, None), ("fwd", True, False): (2, 255),
+    ("fwd", False, True): (2, 255), ("fwd", False, False): (2, 255),
+    ("bwd_dq", True, True): (1, None), ("bwd_dq", True, False): (2, None),
+    ("bwd_dq", False, True): (2, 255), ("bwd_dq", False, False): (2, 255),
+    ("bwd_dkdv", True, True): (1, None), ("bwd_dkdv", True, False): (1, 255),
+    ("bwd_dkdv", False, True): (1, 255), ("bwd_dkdv", False, False): (1, 255),
+}
 
 # fp16/bf16 launch parameters by (kernel, BLOCK_D, dropout, switches): (BLOCK_M, BLOCK_N, num_warps, num_stages,
 # maxnreg). The forward and dQ kernels take 64 query rows, the dK/dV kernel 64 key rows: the M dimension of their
@@ -588,12 +595,12 @@ _HALF = {
     ("bwd_dq", 32, False, True): (64, 32, 4, 3, 255), ("bwd_dq", 32, False, False): (64, 64, 4, 3, 255),
     ("bwd_dq", 64, True, True): (64, 16, 8, 2, 255), ("bwd_dq", 64, True, False): (64, 32, 8, 2, 255),
     ("bwd_dq", 64, False, True): (64, 16, 8, 2, 255), ("bwd_dq", 64, False, False): (64, 64, 4, 3, 255),
-    ("bwd_dq", 128, True, True): (64, 16, 8, 2, 255), ("bwd_dq", 128, True, False): (64, 32, 4, 3, 255),
+    ("bwd_dq", 128, True, True): (64, 16, 8, 1, None), ("bwd_dq", 128, True, False): (64, 32, 4, 3, 255),
     ("bwd_dq", 128, False, True): (64, 16, 8, 2, 255), ("bwd_dq", 128, False, False): (64, 64, 4, 3, 255),
     ("bwd_dkdv", 32, True, True): (16, 64, 4, 2, 255), ("bwd_dkdv", 32, True, False): (16, 64, 4, 2, 255),
     ("bwd_dkdv", 32, False, True): (32, 64, 4, 3, 255), ("bwd_dkdv", 32, False, False): (32, 64, 4, 3, 255),
     ("bwd_dkdv", 64, True, True): (16, 64, 8, 1, 255), ("bwd_dkdv", 64, True, False): (16, 64, 4, 2, 255),
-    ("bwd_dkdv", 64, False, True): (16, 64, 4, 2, 255), ("bwd_dkdv", 64, False, False): (16, 64, 4, 2, 255),
+    ("bwd_dkdv", 64, False, True): (16, 64, 4, 1, 255), ("bwd_dkdv", 64, False, False): (16, 64, 4, 2, 255),
     # dropout and switches at D = 128: under any register bound ptxas spilled a few words; its own heuristic not
     ("bwd_dkdv", 128, True, True): (16, 64, 8, 1, None), ("bwd_dkdv", 128, True, False): (16, 64, 8, 1, 255),
     ("bwd_dkdv", 128, False, True): (32, 64, 8, 2, 255), ("bwd_dkdv", 128, False, False): (32, 64, 8, 2, 255),

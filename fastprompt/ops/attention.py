@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 from typing import Optional
 
 import torch
@@ -303,10 +304,12 @@ def _check_prompt_index(prompt_index: Optional[torch.Tensor], T: int) -> None:
     under torch.compile)."""
     if prompt_index is None:
         return
-    bad = ((prompt_index < 0) | (prompt_index >= T)).any()
     if _sync_free(prompt_index):
-        torch._assert_async(~bad, f"prompt_index out of range [0, {T})")
-    elif bool(bad):  # host read: a CPU tensor (this branch never runs on CUDA)
+        if not _checked_before(prompt_index, ("prompt_index", T)):
+            torch._assert_async(((prompt_index >= 0) & (prompt_index < T)).all(), f"prompt_index out of range [0, {T})")
+        return
+    bad = ((prompt_index < 0) | (prompt_index >= T)).any()
+    if bool(bad):  # host read: a CPU tensor (this branch never runs on CUDA)
         lo, hi = int(prompt_index.min()), int(prompt_index.max())  # host read: a CPU tensor, for the message
         raise ValueError(f"prompt_index values must be in [0, {T}), got min {lo}, max {hi}")
 
@@ -321,7 +324,6 @@ def _check_packed(cu_seqlens: torch.Tensor, n_tokens: int, max_seqlen: Optional[
 
     For the Triton kernels (``triton``) a missing ``max_seqlen`` is an error under torch.compile or CUDA-graph
     capture (finding it reads the offsets on the host), and on CUDA otherwise a fallback logged once."""
-    lengths = cu_seqlens[1:] - cu_seqlens[:-1]
     if max_seqlen is None:
         if triton and (torch.compiler.is_compiling()
                        or (cu_seqlens.is_cuda and torch.cuda.is_current_stream_capturing())):
@@ -330,13 +332,15 @@ def _check_packed(cu_seqlens: torch.Tensor, n_tokens: int, max_seqlen: Optional[
         if cu_seqlens.is_cuda:
             _warn_once("prefix_attention: cu_seqlens without max_seqlen; reading the longest sequence on the host "
                        "(a device sync per call): pass max_seqlen (the collator's padded width)")
-        L = max(1, int(lengths.max()))  # host read: the documented fallback without max_seqlen (logged on CUDA)
+        L = max(1, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()))  # host read: the documented fallback (logged)
     else:
         L = max_seqlen
     if _sync_free(cu_seqlens):
-        bad = (cu_seqlens[0] != 0) | (cu_seqlens[-1] != n_tokens) | (lengths < 0).any() | (lengths > L).any()
-        torch._assert_async(~bad, f"cu_seqlens must rise from 0 to the {n_tokens} packed rows, with no sequence "
-                                  f"longer than max_seqlen = {L}")
+        if not _checked_before(cu_seqlens, ("cu_seqlens", n_tokens, L)):
+            lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+            ok = (cu_seqlens[0] == 0) & (cu_seqlens[-1] == n_tokens) & ((lengths >= 0) & (lengths <= L)).all()
+            torch._assert_async(ok, f"cu_seqlens must rise from 0 to the {n_tokens} packed rows, with no sequence "
+                                    f"longer than max_seqlen = {L}")
         return _check_bias_width(attn_bias, L)
     offsets = [int(x) for x in cu_seqlens.tolist()]  # host read: a CPU tensor (this branch never runs on CUDA)
     if offsets[0] != 0 or offsets[-1] != n_tokens:
@@ -351,6 +355,25 @@ def _check_packed(cu_seqlens: torch.Tensor, n_tokens: int, max_seqlen: Optional[
         b = sizes.index(max(sizes))
         raise ValueError(f"sequence {b} has {sizes[b]} tokens, more than max_seqlen = {L}")
     return _check_bias_width(attn_bias, L)
+
+
+#: The tensors whose values passed a device-side check: ``{id: (weakref, version, what was checked)}``.
+_CHECKED: dict = {}
+
+
+def _checked_before(t: torch.Tensor, key: tuple) -> bool:
+    """Whether this very tensor, unchanged since (its version counter), already passed the check ``key``; records
+    it otherwise. The model passes the same offsets and prompt ids to every layer: one check per batch (a handful
+    of small kernels) instead of one per layer. Always False under torch.compile (the graph keeps its checks)."""
+    if torch.compiler.is_compiling():
+        return False
+    entry = _CHECKED.get(id(t))
+    if entry is not None and entry[0]() is t and entry[1:] == (t._version, key):
+        return True
+    if len(_CHECKED) > 64:  # entries of tensors long gone
+        _CHECKED.clear()
+    _CHECKED[id(t)] = (weakref.ref(t), t._version, key)
+    return False
 
 
 def _check_bias_width(attn_bias: Optional[torch.Tensor], L: int) -> int:
