@@ -5,3 +5,22 @@ Nothing here knows about autograd or models: ``fastprompt.ops`` wraps these laun
 ``TRITON_INTERPRET=1``) is decided once, by :func:`fastprompt.backends.resolve_backend`, before a launch: the
 launchers do not check it again.
 """
+
+if __name__ == "kernels":
+    # Imported as a top-level ``kernels``: Python runs from this checkout's root, where this folder (installed as
+    # fastprompt.kernels) would shadow Hugging Face's ``kernels`` package, which transformers imports when it is
+    # installed. Load the installed one in this module's place, or fail as if there were none.
+    import importlib.machinery
+    import importlib.util
+    import os
+    import sys
+
+    _checkout = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _spec = importlib.machinery.PathFinder.find_spec(
+        "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout])
+    if _spec is None:
+        del sys.modules["kernels"]
+        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
+    _real = importlib.util.module_from_spec(_spec)
+    sys.modules["kernels"] = _real  # what `import kernels` returns once this module's code has run
+    _spec.loader.exec_module(_real)
