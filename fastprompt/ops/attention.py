@@ -152,6 +152,8 @@ def prefix_attention(
     window = _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p, causal, window,
                        attn_bias, cu_seqlens, max_seqlen)
     resolved = resolve_backend(SUPPORT, q, backend)  # before a seed is drawn: a bad backend consumes no RNG
+    if backend == "auto" and resolved == "triton" and q.is_cuda:
+        resolved = _measured_auto(q, k, prefix_k, dropout_p, attn_bias, cu_seqlens, max_seqlen)
     fused = resolved == "triton" or (resolved == "cpu" and attention_cpu.available(q))
     mask = None if key_padding_mask is None else key_padding_mask.to(torch.bool)
     if prompt_index is not None:
@@ -181,6 +183,54 @@ def prefix_attention(
         return prefix_attention_reference(q, k, v, prefix_k, prefix_v, mask, scale=scale, dropout_p=dropout_p,
                                           seed=seed, prompt_index=prompt_index, **features)
     return _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropout_p, seed, **features)
+
+
+#: auto's decisions on CUDA, once per (device, shape class): {key: backend}
+_AUTO_CHOICES: dict = {}
+
+
+def _measured_auto(q, k, prefix_k, dropout_p, attn_bias, cu_seqlens, max_seqlen) -> str:
+    """``auto`` on CUDA: the Triton kernels, or the plain path ("cpu": SDPA on the concatenated prefix) where this
+    GPU's tuned table measured the plain path faster at this shape class (:mod:`fastprompt.kernels.tuning`; it
+    keeps the maths: the composite takes every option the kernels take) and it fits in the free memory. Decided and
+    logged once per shape class."""
+    from fastprompt.kernels import tuning
+
+    B, H, S, D = q.shape
+    packed = cu_seqlens is not None
+    width = int(max_seqlen) if packed and max_seqlen is not None else S
+    seqs = cu_seqlens.numel() - 1 if packed else B
+    tag = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(q.dtype, "fp32")
+    key = {"dtype": tag, "D": D, "P": prefix_k.shape[-2], "S": width, "BH": seqs * H,
+           "grad": torch.is_grad_enabled() and q.requires_grad, "dropout": float(dropout_p) > 0}
+    memo = (q.device, tuple(sorted(key.items())))
+    if memo in _AUTO_CHOICES:
+        return _AUTO_CHOICES[memo]
+    choice = tuning.measured_choice("prefix_attention", key, q.device)
+    backend, why = "triton", "no measurement of this GPU near this shape (the fused kernels)"
+    if choice is not None and choice.backend == "plain":
+        need = _plain_bytes(seqs, H, k.shape[1], width, prefix_k.shape[-2], D, q.element_size(), dropout_p > 0
+                            or (attn_bias is not None and attn_bias.requires_grad))
+        free = torch.cuda.mem_get_info(q.device)[0]
+        if need <= free // 2:
+            backend = "cpu"
+            why = (f"the plain path (SDPA on the concatenated prefix) measured faster here: {choice.ms}, "
+                   f"{choice.source}")
+        else:
+            why = (f"the plain path measured faster here ({choice.ms}), but it needs ~{need / 2**30:.2f} GiB and "
+                   f"{free / 2**30:.2f} GiB are free: the fused kernels")
+    elif choice is not None:
+        why = f"the fused kernels measured faster here: {choice.ms}, {choice.source}"
+    logger.info("prefix_attention auto on %s at %s: %s", torch.cuda.get_device_name(q.device), key, why)
+    _AUTO_CHOICES[memo] = backend
+    return backend
+
+
+def _plain_bytes(B: int, H: int, Hkv: int, S: int, P: int, D: int, itemsize: int, eager: bool) -> int:
+    """The plain path's extra memory: the concatenated keys and values and the visibility mask; with dropout (or a
+    bias gradient) eager attention's probabilities, scores and mask too (float32)."""
+    concat = 2 * B * Hkv * (P + S) * D * itemsize + B * S * (P + S)
+    return concat + (3 * B * H * S * (P + S) * 4 if eager else 0)
 
 
 def draw_seed() -> int:
@@ -387,9 +437,12 @@ def _check_bias_width(attn_bias: Optional[torch.Tensor], L: int) -> int:
 # the "cpu" backend: a composite of differentiable aten ops
 
 
-def _cpu_compute_dtype(dtype):
+def _cpu_compute_dtype(dtype, device=None):
     # Half precision is computed in float32 on the CPU: no speed to gain there, and the prefix gradients sum
-    # B * S products, which half-precision partials would round visibly.
+    # B * S products, which half-precision partials would round visibly. On a GPU the composite is auto's plain
+    # path: SDPA in the input's dtype, as it was measured against the kernels.
+    if getattr(device, "type", "cpu") != "cpu":
+        return dtype
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
@@ -407,7 +460,7 @@ def _cpu_attention(q, k, v, prefix_k, prefix_v, mask, prompt_index, scale, dropo
         return packing.repack(out)
     B, H, S, D = q.shape
     Hkv, P = k.shape[1], prefix_k.shape[-2]
-    cd = _cpu_compute_dtype(q.dtype)
+    cd = _cpu_compute_dtype(q.dtype, q.device)
     if prefix_k.dim() == 3:
         pk, pv = (p.unsqueeze(0).expand(B, -1, -1, -1) for p in (prefix_k, prefix_v))
     else:
