@@ -9,7 +9,7 @@ launchers do not check it again.
 if __name__ == "kernels":
     # Imported as a top-level ``kernels``: Python runs from this checkout's root, where this folder (installed as
     # fastprompt.kernels) would shadow Hugging Face's ``kernels`` package, which transformers imports when it is
-    # installed. Load the installed one in this module's place, or fail as if there were none.
+    # installed. Load the installed one in this module's place, or be an empty namespace if there is none.
     import importlib.machinery
     import importlib.util
     import os
@@ -19,8 +19,11 @@ if __name__ == "kernels":
     _spec = importlib.machinery.PathFinder.find_spec(
         "kernels", [p for p in sys.path if os.path.abspath(p or os.curdir) != _checkout])
     if _spec is None:
-        del sys.modules["kernels"]
-        raise ModuleNotFoundError("No module named 'kernels'", name="kernels")
-    _real = importlib.util.module_from_spec(_spec)
-    sys.modules["kernels"] = _real  # what `import kernels` returns once this module's code has run
-    _spec.loader.exec_module(_real)
+        # None installed: stand as an empty namespace portion (PEP 420: no file, no contents, no submodules), which
+        # is what a folder without __init__.py would be; transformers reads that as "not installed"
+        del __file__, importlib, os, sys
+        __path__ = []
+    else:
+        _real = importlib.util.module_from_spec(_spec)
+        sys.modules["kernels"] = _real  # what `import kernels` returns once this module's code has run
+        _spec.loader.exec_module(_real)

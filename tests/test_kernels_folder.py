@@ -29,8 +29,15 @@ def test_an_installed_kernels_package_wins_from_the_checkout_root(tmp_path):
     assert second == "fastprompt.kernels.tuning"  # the folder itself still serves fastprompt.kernels
 
 
-def test_without_one_the_top_level_name_is_not_importable_from_the_checkout_root():
-    proc = _run("import kernels")
-    assert proc.returncode == 1 and "ModuleNotFoundError: No module named 'kernels'" in proc.stderr
+def test_without_one_the_top_level_name_is_an_empty_namespace_from_the_checkout_root():
+    """As a folder without __init__.py would be: no file, no contents, no submodules; transformers reads that as
+    'not installed' (its availability check imports the name when no distribution metadata is found)."""
+    proc = _run("import kernels; print(getattr(kernels, '__file__', None), list(kernels.__path__), "
+                "[n for n in vars(kernels) if not n.startswith('_')])\n"
+                "from transformers.utils.import_utils import is_kernels_available; print(is_kernels_available())")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["None [] []", "False"]
+    proc = _run("import kernels.prefix_attention")
+    assert proc.returncode == 1 and "ModuleNotFoundError" in proc.stderr
     proc = _run("import fastprompt.kernels.prefix_attention as pa; print(pa.__name__)")
     assert proc.returncode == 0 and proc.stdout.strip() == "fastprompt.kernels.prefix_attention", proc.stderr
