@@ -21,14 +21,15 @@ from fastprompt.messages import shown
 
 def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple[str, ...] | None = None,
            ge: float | None = None, gt: float | None = None, le: float | None = None, lt: float | None = None,
-           key: str | None = None, identity: bool | None = None,
+           key: str | None = None, identity: bool | None = None, why: str | None = None,
            default_factory: Any = dataclasses.MISSING) -> Any:
     """A dataclass field with its documentation and rules.
 
     help: one line, shown in the config reference. choices: the allowed values (a tuple, or a mapping whose keys
     are, read at each check: a registry). ge/gt/le/lt: numeric bounds (``>= ge``, ``> gt``, ``<= le``, ``< lt``;
-    at most one lower and one upper bound; None values of optional fields are not checked). key: the flat
-    configuration key when it differs from the field name (``PromptConfig.init`` is ``prompt_init``).
+    at most one lower and one upper bound; None values of optional fields are not checked). why: what goes wrong
+    outside the bounds, appended to the error (``temperature must be >= 0.001, got 0.0001: below it ...``).
+    key: the flat configuration key when it differs from the field name (``PromptConfig.init`` is ``prompt_init``).
     identity: whether the key is part of a training run's identity, so that a run may not resume a checkpoint
     written with another value (:func:`identity_keys`). True for what the trained parameters are, what the
     evaluated embedding is, and what loss the run minimises on which batches (the objective and its terms'
@@ -42,7 +43,7 @@ def option(default: Any = dataclasses.MISSING, help: str = "", *, choices: tuple
     if (ge is not None and gt is not None) or (le is not None and lt is not None):
         raise ValueError("give at most one lower bound (ge or gt) and one upper bound (le or lt)")
     metadata = {"help": help, "choices": choices, "ge": ge, "gt": gt, "le": le, "lt": lt, "key": key,
-                "identity": identity}
+                "identity": identity, "why": why}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
 
 
@@ -72,7 +73,12 @@ def validate_fields(obj) -> None:
         for item in value if isinstance(value, list) else [value]:  # a list's rules are its items'
             if meta.get("choices") is not None:
                 check_choice(name, item, meta["choices"])
-            check_bounds(name, item, ge=meta.get("ge"), gt=meta.get("gt"), le=meta.get("le"), lt=meta.get("lt"))
+            try:
+                check_bounds(name, item, ge=meta.get("ge"), gt=meta.get("gt"), le=meta.get("le"), lt=meta.get("lt"))
+            except ValueError as exc:
+                if not meta.get("why"):
+                    raise
+                raise ValueError(f"{exc}: {meta['why']}") from None
 
 
 class Section:

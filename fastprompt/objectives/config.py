@@ -24,6 +24,12 @@ from fastprompt.choices import (
 )
 from fastprompt.fields import Section, option
 
+#: The smallest temperature: below it float32 rounding of the cosine/temperature logits swamps the loss.
+MIN_TEMPERATURE = 1e-3
+#: The largest term a config key adds to a logit (hard_negative_weight, hardness_strength x cosine): the logits
+#: themselves are at most 1 / MIN_TEMPERATURE; beyond that the added term alone decides the softmax.
+MAX_LOGIT_TERM = 1 / MIN_TEMPERATURE
+
 
 @dataclass(frozen=True)
 class ObjectiveEntry:
@@ -85,9 +91,15 @@ class ObjectiveConfig(Section):
                        "hinge, or SKICSE's InfoNCE + SKI terms (needs a ski column)", choices=OBJECTIVE_REGISTRY,
                        key="objective", identity=True)
     temperature: float = option(0.05, "temperature of the cosine-similarity softmax (below 1e-3 float32 rounding "
-                                "of the cos/temperature logits swamps the loss)", ge=1e-3, identity=True)
+                                "of the cos/temperature logits swamps the loss)", ge=MIN_TEMPERATURE,
+                                why="below it float32 rounding of the cosine/temperature logits swamps the loss",
+                                identity=True)
     hard_negative_weight: float = option(0.0, "added to each anchor's own hard-negative logit (log of SimCSE's "
-                                         "weight; 0 = weight 1)", identity=True)
+                                         "weight; 0 = weight 1)", le=MAX_LOGIT_TERM,
+                                         why=f"the logits themselves are at most 1/temperature <= {MAX_LOGIT_TERM:g}: "
+                                             "a larger weight makes each anchor's hard negative the whole softmax, "
+                                             "and the loss measures the weight, not the embeddings (SimCSE: 0, "
+                                             "weight 1)", identity=True)
     hinge_margin: float = option(0.2, "margin m of the energy-based hinge max(0, m + cos(h, hardest negative) - "
                                  "cos(h, h+))", ge=0.0, identity=True)
     hinge_weight: float | None = option(None, "weight of the hinge term; null: the objective's default "
@@ -98,10 +110,14 @@ class ObjectiveConfig(Section):
                                        "negatives whose logits get hardness_strength * stop_grad(cos) added; null: "
                                        "none", choices=HARDNESS_MODES, identity=True)
     hardness_strength: float = option(0.0, "the hardness weighting's strength (sentence-transformers: 9 for "
-                                      "in_batch_negatives, 5 for hard_negatives)", ge=0.0, identity=True)
+                                      "in_batch_negatives, 5 for hard_negatives)", ge=0.0, le=MAX_LOGIT_TERM,
+                                      why=f"strength x cosine is added to logits of at most 1/temperature <= "
+                                          f"{MAX_LOGIT_TERM:g}: a larger strength drowns them, the softmax keeps only "
+                                          "the hardest column and the loss measures the weighting, not the "
+                                          "embeddings (sentence-transformers: 5 to 9)", identity=True)
     fn_margin: float | None = option(None, "GISTEmbed's false-negative mask, scored by the model's own cosines: a "
-                                     "column above the positive's cosine minus this leaves the softmax; null: off",
-                                     ge=0.0, identity=True)
+                                     "column above the positive's cosine minus this leaves the softmax (absolute: "
+                                     "< 2; relative: < 1); null: off", ge=0.0, identity=True)
     fn_margin_strategy: str = option("absolute", "fn_margin below the positive's cosine: absolute (pos - margin) or "
                                      "relative (pos - |pos| * margin)", choices=MARGIN_STRATEGIES,
                                      identity=True)
@@ -133,7 +149,11 @@ class ObjectiveConfig(Section):
         if (self.hardness_mode is None) != (self.hardness_strength == 0.0):
             raise ValueError(f"hardness_mode and hardness_strength go together (got {self.hardness_mode} and "
                              f"{self.hardness_strength}): set both, or neither")
+        self._check_fn_margin()
         dims, weights = self.matryoshka_dims, self.matryoshka_weights
+        if weights is not None and weights and not any(w > 0 for w in weights):
+            raise ValueError(f"matryoshka_weights {weights} are all 0: the loss would be 0 at every dimension and "
+                             "the prompt would not train; give at least one dimension a weight > 0")
         if dims is not None:
             if not dims or len(set(dims)) != len(dims):
                 raise ValueError(f"matryoshka_dims must list distinct dimensions, got {dims}")
@@ -141,6 +161,23 @@ class ObjectiveConfig(Section):
                 raise ValueError(f"matryoshka_weights needs one weight per dimension of {dims}, got {weights}")
         elif weights is not None:
             raise ValueError("matryoshka_weights without matryoshka_dims: set the dimensions too")
+
+    def _check_fn_margin(self) -> None:
+        """A margin that leaves negatives in the softmax: with every column masked the loss is 0 and nothing trains."""
+        margin, strategy = self.fn_margin, self.fn_margin_strategy
+        if margin is None:
+            return
+        if strategy == "absolute" and margin >= 2.0:
+            raise ValueError(f"fn_margin={margin:g} (absolute) must be < 2: cosines lie in [-1, 1], so the positive's "
+                             "cosine minus the margin would be below every column: every negative would leave the "
+                             "softmax, the loss would be 0 and nothing would train (sentence-transformers' "
+                             "GISTEmbedLoss: 0 by default)")
+        if strategy == "relative" and margin >= 1.0:
+            raise ValueError(f"fn_margin={margin:g} with fn_margin_strategy relative must be < 1: the threshold is the "
+                             "positive's cosine minus |cosine| x fn_margin, at or below 0 from 1 on, so every column "
+                             "more similar than orthogonal (every negative, for most encoders) would leave the softmax "
+                             "and nothing would train (a relative margin is a fraction of the positive's cosine: "
+                             "sentence-transformers' example, 0.05)")
 
     @property
     def resolved_hinge_weight(self) -> float:

@@ -247,6 +247,14 @@ def test_every_key_decides_whether_it_is_part_of_the_run_identity():
     (dict(matryoshka_weights=[1.0]), "without matryoshka_dims"),
     (dict(fn_margin=-0.1), "fn_margin must be >= 0"),
     (dict(objective="skicse", matryoshka_dims=[8]), "objective=skicse does not take matryoshka_dims"),
+    # bounded by what can train, the reason in the message (issue 40, item 8: each trained and said "completed")
+    (dict(matryoshka_dims=[64, 32], matryoshka_weights=[0, 0]), r"are all 0: the loss would be 0 at every dimension"),
+    (dict(hardness_mode="all_negatives", hardness_strength=1e30),
+     r"hardness_strength must be in \[0, 1000\], got 1e\+30: strength x cosine is added to logits of at most"),
+    (dict(hard_negative_weight=1e30), r"hard_negative_weight must be <= 1000, got 1e\+30: the logits themselves"),
+    (dict(fn_margin=5), r"fn_margin=5 \(absolute\) must be < 2: cosines lie in \[-1, 1\]"),
+    (dict(fn_margin=2, fn_margin_strategy="relative"), r"fn_margin=2 with fn_margin_strategy relative must be < 1"),
+    (dict(temperature=1e-4), r"temperature must be >= 0.001, got 0.0001: below it float32 rounding"),
 ])
 def test_loss_options_are_checked(keys, message):
     with pytest.raises(ValueError, match=message):
@@ -263,3 +271,7 @@ def test_loss_options_reach_the_objective():
                                       fn_margin_strategy="relative", matryoshka_dims=[384, 128],
                                       matryoshka_weights=[1.0, 0.5])
     assert objective_from_config(TrainConfig().loss).loss_options() == {}
+    # the bounds' edges that still train: one weight of 0 (a dimension scored, not trained), margins just inside
+    TrainConfig(matryoshka_dims=[64, 32], matryoshka_weights=[0, 1], fn_margin=1.9, hardness_strength=1000,
+                hardness_mode="hard_negatives")
+    TrainConfig(fn_margin=0.99, fn_margin_strategy="relative")
