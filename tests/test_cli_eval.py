@@ -206,5 +206,18 @@ def test_eval_dims_scores_each_matryoshka_prefix(tmp_path, capsys, sts_dir, tiny
 
     expected = score_sts(Truncated(), load_sts_tasks(sts_dir, "sts12,sts13", preprocess="none"))
     assert saved["dims"]["8"] == pytest.approx({k: round(v, 2) for k, v in expected.items()}, abs=0.011)
-    rc, _, err = _run(capsys, "--model", tiny_bert_dir, "--sts-dir", sts_dir, "--preprocess", "none", "--dims", "64")
-    assert rc == 2 and "outside 1..32" in err
+
+
+def test_eval_dims_beyond_the_hidden_size_fail_before_encoding(capsys, sts_dir, tiny_bert_dir, monkeypatch):
+    """Issue 40, item 15: ``--dims 1000`` failed only after the whole STS encoding; it is checked against the
+    model's hidden size first."""
+    import fastprompt.eval.sts
+
+    def never(*args, **kwargs):
+        raise AssertionError("the sentences were encoded before --dims was checked")
+
+    monkeypatch.setattr(fastprompt.eval.sts, "encode_pairs", never)
+    rc, _, err = _run(capsys, "--model", tiny_bert_dir, "--sts-dir", sts_dir, "--preprocess", "none", "--dims",
+                      "8,64,1000")
+    assert rc == 2 and (f"fastprompt eval: error: --dims 64,1000: the embeddings of {tiny_bert_dir} have 32 "
+                        "dimensions; give dimensions <= 32") in err.splitlines()[-1], err

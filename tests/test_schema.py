@@ -73,6 +73,7 @@ def test_read_json_says_what_a_path_is(tmp_path):
 # ------------------------------------------------------------------ every schema against random JSON
 def _schemas():
     from fastprompt.data.replacements import ReplacementLine, ReplacementSettings
+    from fastprompt.eval.report import RunSummaryFile
     from fastprompt.integrations.papers import TheirArguments
     from fastprompt.integrations.peft import PrefixAdapterConfig
     from fastprompt.integrations.sentence_transformers import ModuleConfig, RunSummary, TrainInfo
@@ -84,7 +85,8 @@ def _schemas():
     from fastprompt.train.state import TrainingStateFile
 
     return [CheckpointFile, TrainingStateFile, TrainerRecord, ModelConfigFile, ShardIndex, PrefixAdapterConfig,
-            TheirArguments, SkiMeta, ReplacementLine, ReplacementSettings, ModuleConfig, TrainInfo, RunSummary]
+            TheirArguments, SkiMeta, ReplacementLine, ReplacementSettings, ModuleConfig, TrainInfo, RunSummary,
+            RunSummaryFile]
 
 
 _JSON = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-2**65, 2**65), st.floats(), st.text(max_size=8)),
@@ -96,7 +98,8 @@ _KEYS = ["format", "base_model", "backbone", "prompt_config", "pooler", "mlp", "
          "hidden_size", "format_version", "optimizer", "param_groups", "scalars", "scheduler", "base_lrs", "last_epoch",
          "scaler", "rng", "numpy", "python", "trainer", "state", "global_step", "dev_history", "data", "rows",
          "sha256", "weight_map", "peft_type", "token_dim", "num_virtual_tokens", "num_attention_heads", "ids",
-         "replaced", "settings", "runs", "generator", "masking_ratio", "step", "test", "prompt_path", "params", "lr"]
+         "replaced", "settings", "runs", "generator", "masking_ratio", "step", "test", "prompt_path", "params", "lr",
+         "frozen_baseline", "same_pooling", "stsb_dev", "status", "sts12"]
 _KEYED = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st.floats(-2, 2), st.text(max_size=3)),
                       lambda inner: st.one_of(st.lists(inner, max_size=3),
                                               st.dictionaries(st.sampled_from(_KEYS), inner, max_size=6)),
@@ -104,7 +107,7 @@ _KEYED = st.recursive(st.one_of(st.none(), st.booleans(), st.integers(-3, 3), st
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.one_of(_JSON, _KEYED), st.integers(0, 12))
+@given(st.one_of(_JSON, _KEYED), st.integers(0, 13))
 def test_any_json_matches_its_schema_or_is_one_clear_error(data, which):
     schema = _schemas()[which]
     try:

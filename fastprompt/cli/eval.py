@@ -99,6 +99,10 @@ def run_eval(args: argparse.Namespace) -> int:
     if stsb is None and (args.geometry or args.plot):
         stsb = load_stsb(args.sts_dir, args.split, preprocess=args.preprocess)
     encoder = load_encoder(args)
+    too_wide = [d for d in args.dims or () if d > encoder.hidden_size]
+    if too_wide:  # before the encoding, which takes minutes on the seven tasks
+        raise ValueError(f"--dims {','.join(map(str, too_wide))}: the embeddings of {encoder.base_model} have "
+                         f"{encoder.hidden_size} dimensions; give dimensions <= {encoder.hidden_size}")
     # one encoding pass over every distinct sentence, reused by all the numbers below
     pairs = encode_pairs(encoder, {**datasets, "_stsb": stsb} if stsb is not None else datasets,
                          batch_size=args.batch_size, show_progress_bar=show_progress(args))

@@ -13,6 +13,7 @@ import csv
 import math
 import os
 import textwrap
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,47 @@ MAX_LOG_BYTES = 256 << 20
 _PROMPT_COLOR, _FROZEN_COLOR, _SAME_COLOR = "tab:blue", "0.3", "tab:orange"
 
 
+@dataclass
+class FrozenEntry:
+    """A frozen-model entry of ``summary.json``: its ``frozen_baseline`` and that one's ``same_pooling``."""
+
+    pooler: str
+    key: str | None = None
+    template: str | None = None
+    stsb_dev: float | None = None
+    test: dict[str, float] | None = None
+
+
+@dataclass
+class FrozenBaselineEntry(FrozenEntry):
+    same_pooling: FrozenEntry | None = None
+
+
+@dataclass
+class Comparison:
+    message: str
+
+
+@dataclass
+class RunSummaryFile:
+    """The schema of a run's ``summary.json`` (:mod:`fastprompt.schema`; written by
+    :func:`fastprompt.train.logs.run_summary`): the keys the report and ``train --seeds`` read. ``dev_history`` holds
+    ``[step, STS-B dev]`` pairs; ``test`` the final table (null when the run had none)."""
+
+    dev_history: list[tuple[int, float]]
+    test: dict[str, float] | None
+    status: str | None = None
+    global_step: int | None = None
+    total_steps: int | None = None
+    best_stsb_dev: float | None = None
+    best_step: int | None = None
+    test_matryoshka: dict[str, dict[str, float]] | None = None
+    frozen_baseline: FrozenBaselineEntry | None = None
+    comparison: Comparison | None = None
+    output_dir: str | None = None
+    config: dict[str, Any] | None = None
+
+
 def _check_size(path: Path, limit: int, what: str) -> None:
     size = path.stat().st_size
     if size > limit:
@@ -39,6 +81,9 @@ def read_run(run_dir: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[int
     """A run folder's ``summary.json`` and its logged losses ``[(step, loss), ...]`` from ``train_log.csv``, with
     one-line errors for a missing folder or file and for a corrupt one."""
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise NotADirectoryError(f"{run_dir} is a file, not a run folder: give a training run's output_dir (the "
+                                 "folder holding its summary.json and train_log.csv)")
     if not run_dir.is_dir():
         raise FileNotFoundError(f"run folder not found: {run_dir}")
     path = run_dir / "summary.json"
@@ -47,8 +92,11 @@ def read_run(run_dir: str | os.PathLike) -> tuple[dict[str, Any], list[tuple[int
                                 "ended yet (a run writes summary.json when it ends or is interrupted)")
     _check_size(path, MAX_SUMMARY_BYTES, "summary.json")
     summary = read_json(path, "run summary")
-    if not isinstance(summary.get("dev_history"), list) or "test" not in summary:
+    if "dev_history" not in summary or "test" not in summary:
         raise ValueError(f"{path} is not a fastprompt run summary (no dev_history or test)")
+    from fastprompt.schema import check_json
+
+    check_json(summary, RunSummaryFile, f"run summary {path}")  # each key the report reads, of its type
     return summary, read_losses(run_dir / "train_log.csv")
 
 
@@ -163,7 +211,13 @@ def _draw_tests(ax, summary: dict[str, Any]) -> None:
     test = summary.get("test")
     ax.set_ylabel("Spearman × 100")
     if not test:
-        why = f"status: {summary.get('status')}" if summary.get("status") != "completed" else "final_eval off"
+        config = summary.get("config") or {}
+        if summary.get("status") != "completed":
+            why = f"status: {summary.get('status')}"
+        elif "sts_dir" in config and config["sts_dir"] is None:
+            why = "no sts_dir: the run was not evaluated"
+        else:
+            why = "final_eval off" if config.get("final_eval") is False else "no test table in summary.json"
         ax.set_title("STS test sets of the best checkpoint", fontsize=10)
         ax.text(0.5, 0.5, f"no final test evaluation ({why})", transform=ax.transAxes, ha="center", va="center")
         ax.set_xticks([])

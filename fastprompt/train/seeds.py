@@ -13,7 +13,6 @@ it, and the table shows it once.
 """
 from __future__ import annotations
 
-import json
 import logging
 import math
 import os
@@ -21,8 +20,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from fastprompt.io import write_json_atomic, write_text_atomic
-from fastprompt.train.config import TrainConfig
+from fastprompt.eval.report import RunSummaryFile
+from fastprompt.io import read_json, write_json_atomic, write_text_atomic
+from fastprompt.messages import shown
+from fastprompt.train.config import RunConfig, TrainConfig
 
 logger = logging.getLogger(__name__)
 
@@ -33,18 +34,24 @@ TITLES = ("STS12", "STS13", "STS14", "STS15", "STS16", "STS-B", "SICK-R", "Avg."
 _NOT_RESULTS = ("resume", "overwrite_output_dir", "progress_bar", "tensorboard", "num_threads", "log_every",
                 "frozen_baseline", "device", "check_memory")
 JSON_NAME, MARKDOWN_NAME = "seeds.json", "seeds.md"
+#: The largest seed (the ``seed`` key's bound).
+MAX_SEED = RunConfig.__dataclass_fields__["seed"].metadata["le"]
 
 
 def parse_seeds(text: str) -> list[int]:
-    """``"1,2,3"`` -> ``[1, 2, 3]``: distinct non-negative integers, in the given order."""
+    """``"1,2,3"`` -> ``[1, 2, 3]``: distinct seeds in the ``seed`` key's range, in the given order (all checked
+    here, before any seed trains)."""
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise ValueError(f"--seeds takes comma-separated integers (e.g. 1,2,3), got {text!r}") from None
+        raise ValueError(f"--seeds takes comma-separated integers (e.g. 1,2,3), got {shown(text)}") from None
     if not seeds:
         raise ValueError("--seeds names no seed (e.g. --seeds 1,2,3)")
     if len(set(seeds)) != len(seeds) or min(seeds) < 0:
-        raise ValueError(f"--seeds must be distinct non-negative integers, got {text!r}")
+        raise ValueError(f"--seeds must be distinct non-negative integers, got {shown(text)}")
+    if max(seeds) > MAX_SEED:
+        raise ValueError(f"--seeds: {max(seeds)} is not a seed: a run's seed is in [0, {MAX_SEED}] (32 bits, which "
+                         "every seeding library accepts)")
     return seeds
 
 
@@ -74,9 +81,18 @@ def _completed_summary(cfg: TrainConfig) -> dict[str, Any] | None:
     path = Path(cfg.run.output_dir) / "summary.json"
     if not cfg.run.resume or not path.is_file():
         return None
-    summary = json.loads(path.read_text(encoding="utf-8"))
+    try:  # a truncated or hand-edited file: one line naming it and the key, not a traceback
+        summary = read_json(path, "run summary", schema=RunSummaryFile)
+    except ValueError as exc:
+        raise ValueError(f"{exc}; delete it and rerun: seed {cfg.run.seed} then resumes from its last/ checkpoint "
+                         "(or trains again)") from None
     if summary.get("status") != "completed" or not summary.get("test"):
         return None
+    missing = [c for c in COLUMNS if c not in summary["test"]]
+    if missing:
+        raise ValueError(f"run summary {path}: key 'test' has no {', '.join(missing)} (a completed run's test table "
+                         f"holds {', '.join(COLUMNS)}); delete it and rerun: seed {cfg.run.seed} then resumes from "
+                         "its last/ checkpoint (or trains again)")
     now, before = cfg.to_dict(), summary.get("config", {})
     if any(before.get(k) != v for k, v in now.items() if k not in _NOT_RESULTS):
         return None  # other settings: the trainer decides (it resumes, or refuses another run's checkpoint)
@@ -94,14 +110,15 @@ def train_seeds(config: TrainConfig, seeds: Sequence[int], *,
     from fastprompt.train.trainer import Trainer, TrainingCollapsed, TrainingDiverged
 
     check_seeds_config(config)
+    # every seed's config before any trains: a bad seed fails now, not after the others have trained
+    configs = [seed_config(config, seed, first=i == 0) for i, seed in enumerate(seeds)]
     run = run or (lambda cfg: Trainer(cfg).train())
     # Under torchrun, one process group for every seed (a Trainer does not destroy a group it did not create).
     dist = init_distributed(config.run.device)
     root = Path(config.run.output_dir)
     runs: list[dict[str, Any]] = []
     try:
-        for i, seed in enumerate(seeds):
-            cfg = seed_config(config, seed, first=i == 0)
+        for i, (seed, cfg) in enumerate(zip(seeds, configs)):
             summary = _completed_summary(cfg)
             if summary is not None:
                 logger.info("seed %d: completed earlier in %s, reusing its summary", seed, cfg.run.output_dir)
@@ -175,10 +192,10 @@ def seeds_markdown(table: dict[str, Any]) -> str:
     head = "| | " + " | ".join(TITLES) + " | STS-B dev (step) |"
     lines = [head, "|" + "---|" * (len(TITLES) + 2)]
     frozen = table["frozen_baseline"]
-    if frozen:
-        cells = [f"{frozen['test'][c]:.2f}" for c in COLUMNS]
+    if frozen and frozen.get("test"):
+        cells = [_cell(frozen["test"].get(c), None) for c in COLUMNS]
         lines.append(f"| frozen base model ({frozen['pooler']} pooling, no prompt) | " + " | ".join(cells)
-                     + f" | {frozen['stsb_dev']:.2f} |")
+                     + f" | {_cell(frozen.get('stsb_dev'), None)} |")
     for r in table["runs"]:
         if r["test"] is None:
             lines.append(f"| seed {r['seed']} | " + " | ".join(["—"] * len(TITLES)) + f" | {r['status']} |")

@@ -54,6 +54,15 @@ def test_an_interrupted_run_without_frozen_model_is_drawn_too(tmp_path):
     assert "frozen model not scored (frozen_baseline: false)" in text
 
 
+def test_a_run_without_sts_dir_says_so(tmp_path):
+    """Issue 40, item 16: a completed run without sts_dir (its config keeps final_eval: true) said "final_eval off"."""
+    run = _run_folder(tmp_path, test=None, frozen_baseline=None, comparison=None, dev_history=[],
+                      config={"model": "m", "objective": "simcse", "sts_dir": None, "final_eval": True})
+    write_report(run, output=tmp_path / "r.svg")
+    text = (tmp_path / "r.svg").read_text(encoding="utf-8")
+    assert "no final test evaluation (no sts_dir: the run was not evaluated)" in text and "final_eval off" not in text
+
+
 @pytest.mark.parametrize("make, message", [
     (lambda tmp: tmp / "missing", "run folder not found: {run}"),
     (lambda tmp: tmp, "{run} has no summary.json: not a fastprompt run folder, or its run has not ended yet"),
@@ -62,6 +71,17 @@ def test_an_interrupted_run_without_frozen_model_is_drawn_too(tmp_path):
     (lambda tmp: _corrupt(tmp, "train_log.csv", None), "{run} has no train_log.csv"),
     (lambda tmp: _corrupt(tmp, "train_log.csv", "step,loss\n10,x\n"), "{run}/train_log.csv:2: step '10' or loss"),
     (lambda tmp: _corrupt(tmp, "train_log.csv", b"step,loss\n10,\xff\n"), "{run}/train_log.csv is not UTF-8"),
+    # issue 40, items 11 and 16: a TypeError, "invalid literal for int()" naming nothing, "run folder not found"
+    (lambda tmp: _run_folder(tmp, test={**TEST, "sts12": "abc"}),
+     "run summary {run}/summary.json: key 'test.sts12' must be a number, got 'abc'"),
+    (lambda tmp: _run_folder(tmp, dev_history=[1, 2, 3]),
+     "run summary {run}/summary.json: key 'dev_history[0]' must be a list of 2: an integer, a number, got 1"),
+    (lambda tmp: _run_folder(tmp, dev_history=[["x", 87.1]]),
+     "run summary {run}/summary.json: key 'dev_history[0][0]' must be an integer, got 'x'"),
+    (lambda tmp: _run_folder(tmp, frozen_baseline={"stsb_dev": 80.0}),
+     "run summary {run}/summary.json: key 'frozen_baseline.pooler' is missing"),
+    (lambda tmp: _run_folder(tmp) / "summary.json", "{run} is a file, not a run folder: give a training run's "
+                                                    "output_dir"),
 ])
 def test_a_bad_run_dir_is_one_line(tmp_path, capsys, make, message):
     run = make(tmp_path)

@@ -119,3 +119,38 @@ def test_bad_seed_arguments_fail_before_training(base_config, tiny_sts_dir, tmp_
         assert message in capsys.readouterr().err
     assert not Path(out).exists()
     assert parse_seeds("42, 43,44") == [42, 43, 44]
+
+
+@pytest.mark.parametrize("content, message", [
+    ("[1]", r"seed-1/summary.json must be a JSON object, got \[1\]"),  # an AttributeError before
+    ('{"status": "completed", "dev_his', r"seed-1/summary.json is corrupt \(not valid UTF-8 JSON\)"),
+    (json.dumps({"status": "completed", "dev_history": [], "test": {"sts12": "abc"}}),
+     r"seed-1/summary.json: key 'test.sts12' must be a number, got 'abc'"),
+    (json.dumps({"status": "completed", "dev_history": [], "test": {"sts12": 1.0}}),
+     r"seed-1/summary.json: key 'test' has no sts13, sts14"),
+])
+def test_a_malformed_seed_summary_is_one_line_naming_it(base_config, tiny_sts_dir, tmp_path, content, message):
+    """Issue 40, items 11 and 15: a seed's summary.json of the wrong shape (or truncated) is one line naming the
+    file and the key, with what to do, before anything trains."""
+    cfg = load_config(_recipe(tmp_path, base_config, tiny_sts_dir), {"output_dir": str(tmp_path / "s")})
+    (tmp_path / "s" / "seed-1").mkdir(parents=True)
+    (tmp_path / "s" / "seed-1" / "summary.json").write_text(content, encoding="utf-8")
+    calls = []
+    with pytest.raises(ValueError, match=message + ".*; delete it and rerun: seed 1 then resumes from its last/"):
+        train_seeds(cfg, [1, 2], run=lambda c: calls.append(c.seed))
+    assert calls == []
+
+
+def test_every_seed_is_checked_before_the_first_trains(base_config, tiny_sts_dir, tmp_path, capsys):
+    """Issue 40, item 15: --seeds 1,5000000000 trained and evaluated seed 1 before refusing the second."""
+    with pytest.raises(ValueError, match=r"--seeds: 5000000000 is not a seed: a run's seed is in \[0, 4294967295\]"):
+        parse_seeds("1,5000000000")
+    recipe = _recipe(tmp_path, base_config, tiny_sts_dir)
+    out = tmp_path / "never"
+    assert _main(["train", "--config", str(recipe), "--output-dir", str(out), "--seeds", "1,5000000000"]) == 2
+    assert "5000000000 is not a seed" in capsys.readouterr().err and not out.exists()
+    cfg = load_config(recipe, {"output_dir": str(out)})
+    calls = []
+    with pytest.raises(ValueError, match=r"seed must be in \[0, 4294967295\], got 5000000000"):
+        train_seeds(cfg, [1, 5000000000], run=lambda c: calls.append(c.seed))  # the Python API too
+    assert calls == []
