@@ -39,17 +39,75 @@ def load_examples(cfg: TrainConfig, path: str | None = None) -> TrainExamples:
     ex = load_train_file(path or d.train_file, fmt=d.train_format, on_decode_error=d.on_decode_error,
                          negatives_per_row=d.negatives_per_row, pad_negatives=d.pad_negatives, seed=cfg.run.seed)
     logger.info("training data: %d rows of %s from %s", len(ex), "/".join(ex.columns), ex.source or "memory")
+    if ex.query_rows:
+        _check_no_pad_text(ex, d.pad_negatives)
+    repeats = len(rows_repeating_their_positive(ex))
+    if repeats:
+        logger.info("%s: %d row(s) with a negative that is their own positive's text: that column leaves the row's "
+                    "softmax (it is no negative)", ex.source or "the training data", repeats)
     return ex
+
+
+def _check_no_pad_text(examples: TrainExamples, pad_negatives: bool) -> None:
+    """Refuse a text holding a NUL character (a JSON ``"\\u0000"``): the trainer marks padding negatives with
+    one, so such a text would be trained as an empty text, or masked as padding. Only the padding that
+    ``pad_negatives`` added (a NUL alone, in a negative column) passes."""
+    from fastprompt.data.corpus import is_negative_column
+    from fastprompt.data.retrieval import PAD_TEXT
+    from fastprompt.messages import shown
+
+    padding = [pad_negatives and is_negative_column(c) for c in examples.columns]
+    for i, row in enumerate(examples.rows):
+        for j, text in enumerate(row):
+            if "\x00" in text and not (padding[j] and text == PAD_TEXT):
+                raise ValueError(f"{examples.source or 'the training data'}: training row {i + 1} has a "
+                                 f"{examples.columns[j]} text holding a NUL character ({shown(text)}, a JSON "
+                                 "\"\\u0000\"): no sentence holds one, and the trainer marks padding negatives with "
+                                 "it; remove it (a row with fewer negatives: negatives_per_row with "
+                                 "pad_negatives=true)")
+
+
+def rows_repeating_their_positive(examples: TrainExamples) -> list[int]:
+    """The rows one of whose negatives is their own positive's text (a false negative: the text ids leave that
+    column out of the row's softmax)."""
+    from fastprompt.data.corpus import PAIR_COLUMNS, is_negative_column
+
+    columns = examples.columns
+    if PAIR_COLUMNS[1] not in columns:
+        return []
+    pos = columns.index(PAIR_COLUMNS[1])
+    negatives = [j for j, c in enumerate(columns) if is_negative_column(c)]
+    return [i for i, row in enumerate(examples.rows) if any(row[j] == row[pos] for j in negatives)]
 
 
 def load_datasets(cfg: TrainConfig) -> list[TrainExamples]:
     """The rows of every training file (``train_files``, or ``train_file``)."""
+    check_distinct_files(cfg.data.files)
     datasets = [load_examples(cfg, path) for path in cfg.data.files]
     k = cfg.data.negatives_per_row
     if k is not None and not any(ex.query_rows for ex in datasets):
         raise ValueError(f"negatives_per_row={k} is for query/positive/negative rows (JSONL, or a CSV with query and "
                          f"positive columns); no training file has them ({', '.join(cfg.data.files)})")
     return datasets
+
+
+def check_distinct_files(files: Sequence[str]) -> None:
+    """Refuse two entries of ``train_files`` that are one file (the config refuses the same spelling twice):
+    ``tf/nli.csv`` and ``./tf/nli.csv``, a symbolic link or a hard link to it; it would train twice per epoch."""
+    seen: dict[object, str] = {}
+    for name in files:
+        key: object = name
+        if not name.startswith("builtin:"):
+            try:
+                st = Path(name).stat()  # follows symbolic links; a hard link has the same inode
+                key = (st.st_dev, st.st_ino)
+            except OSError:  # missing or unreadable: the reader says so; compare the spelled paths meanwhile
+                key = str(Path(name).resolve())
+        if key in seen:
+            raise ValueError(f"train_files lists one file twice: {seen[key]!r} and {name!r} are the same file "
+                             "(another spelling of its path, a symbolic link or a hard link to it), which would "
+                             "train twice per epoch; list each file once")
+        seen[key] = name
 
 
 def dataset_names(datasets: Sequence[TrainExamples]) -> list[str]:
@@ -182,10 +240,10 @@ def build_collator(cfg: TrainConfig, encoder, examples: TrainExamples, method: M
 
 
 def needs_text_ids(cfg: TrainConfig, examples: TrainExamples) -> bool:
-    """Whether the loss reads the rows' text ids: padding negatives (masked by their id -1)."""
-    from fastprompt.data.retrieval import PAD_TEXT
-
-    return cfg.data.pad_negatives and any(PAD_TEXT in row for row in examples.rows)
+    """Whether the loss reads the rows' text ids: always with ``pad_negatives`` (padding negatives, id -1, leave
+    every softmax; a column repeating a row's positive text leaves that row's), and wherever a row's negative is
+    its own positive (docs/retrieval-data.md)."""
+    return cfg.data.pad_negatives or bool(rows_repeating_their_positive(examples))
 
 
 def build_embed(cfg: TrainConfig, encoder, examples: TrainExamples, method: Method) -> Callable | None:

@@ -48,8 +48,20 @@ def check_sts_files(cfg: TrainConfig):
 
 
 def check_max_length(cfg: TrainConfig, encoder) -> None:
-    """``max_length`` within the positions the model has (a template's sentences are cut to fit already)."""
-    limit = encoder.model_max_tokens()
-    if getattr(encoder, "_template", None) is None and cfg.data.max_length > limit:
-        raise ValueError(f"max_length={cfg.data.max_length} is more than {cfg.encoder.model} allows ({limit} tokens, "
+    """``max_length`` within the positions the model has, and with room for at least one token of text after the
+    special tokens the tokenizer adds (``max_length=2`` made every BERT sentence ``[CLS] [SEP]``: identical inputs).
+    With a template ``max_length`` counts the sentence's own tokens (at least 2; the template comes on top, and its
+    sentences are cut to fit the positions already)."""
+    if cfg.uses_template or getattr(encoder, "_template", None) is not None:
+        return
+    limit, max_length = encoder.model_max_tokens(), cfg.data.max_length
+    if max_length > limit:
+        raise ValueError(f"max_length={max_length} is more than {cfg.encoder.model} allows ({limit} tokens, "
                          f"special tokens included, with this prompt's positions); set max_length <= {limit}")
+    special = encoder.tokenize([""], min(limit, 16))["input_ids"][0].tolist()  # what an empty sentence becomes
+    if max_length <= len(special):
+        tokens = " ".join(encoder.tokenizer.convert_ids_to_tokens(special))
+        raise ValueError(f"max_length={max_length} leaves no room for text: {cfg.encoder.model}'s tokenizer adds "
+                         f"{len(special)} special token(s) to every sentence ({tokens}), so every sentence would be "
+                         f"those alone and the run would train on identical inputs; set max_length >= "
+                         f"{len(special) + 1} (it counts the special tokens; the papers use 32)")

@@ -105,3 +105,28 @@ def test_warmup_longer_than_the_run_is_refused(base_config):
                                          r"the last step\)"):
         Trainer(base_config(warmup_steps=100)).train()
     assert Trainer(base_config(warmup_steps=7, max_steps=8)).train()["global_step"] == 8
+
+
+@pytest.mark.parametrize("max_length", [2, 3])
+def test_max_length_without_room_for_text_is_refused(base_config, max_length):
+    """Issue 40, item 9: max_length=2 made every sentence [CLS] [SEP] and trained on identical inputs without a word;
+    3 leaves one token of text and trains."""
+    cfg = base_config(max_length=max_length, max_steps=1)
+    if max_length == 2:
+        with pytest.raises(ValueError, match=r"max_length=2 leaves no room for text: .*'s tokenizer adds 2 special "
+                                             r"token\(s\) to every sentence \(\[CLS\] \[SEP\]\).* set max_length >= 3"):
+            Trainer(cfg, callbacks=[_never_steps]).train()
+    else:
+        trainer = Trainer(cfg)
+        trainer.setup()
+        _, (dataset, rows) = next(trainer.sampler.iter_from(0))
+        assert trainer.make_batch(rows, 0, dataset).input_ids.shape[1] == 3
+
+
+def test_a_template_takes_its_room_on_top_of_max_length(base_config):
+    """PromptBERT: max_length counts the sentence's own tokens, the template's come on top: 2 still holds text."""
+    trainer = Trainer(base_config(max_length=2, pooler="mask", max_steps=1))
+    trainer.setup()
+    _, (dataset, rows) = next(trainer.sampler.iter_from(0))
+    batch = trainer.make_batch(rows, 0, dataset)
+    assert batch.input_ids.shape[1] > 2 + 2

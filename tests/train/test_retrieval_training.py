@@ -137,3 +137,43 @@ def test_trainer_trains_padded_k_negatives_under_the_gradient_cache(base_config,
     assert len(seen) == 3 and all(math.isfinite(out.loss) and not out.skipped for out in seen)
     after = trainer.encoder.prompt_state_dict()
     assert any(not torch.equal(before[k], after[k].cpu()) for k in before)
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+@pytest.mark.parametrize("pad_negatives", [True, False])
+def test_a_negative_repeating_its_positive_leaves_the_softmax(base_config, tmp_path, pad_negatives):
+    """Issue 40, item 6: rows whose negative is their own positive (none padded) trained that column as a negative,
+    with pad_negatives as without (the batches had no text ids): docs/retrieval-data.md says it leaves the row's
+    softmax. The batches now carry text ids, which the loss masks by (its masking: the reference test above)."""
+    s = make_sentences(16 * 3, seed=11)
+    rows = [{"query": s[3 * i], "pos": [s[3 * i + 1]], "neg": [s[3 * i + 1] if i % 2 else s[3 * i + 2]]}
+            for i in range(16)]
+    cfg = base_config(train_file=str(_jsonl(tmp_path / "rows.jsonl", rows)), negatives_per_row=1,
+                      pad_negatives=pad_negatives)
+    trainer = Trainer(cfg)
+    trainer.setup()
+    _, (dataset, batch_rows) = next(trainer.sampler.iter_from(0))
+    batch = trainer.make_batch(batch_rows, 0, dataset)
+    ids = batch.text_ids.view(batch.n_views, batch.batch_size)
+    repeats = [r[1] == r[2] for r in (trainer.datasets[dataset].rows[i] for i in batch_rows)]
+    assert any(repeats) and (ids[2] == ids[1]).tolist() == repeats
+
+
+@pytest.mark.parametrize("pad_negatives", [True, False])
+def test_a_nul_text_is_refused_not_trained_as_an_empty_text(tmp_path, pad_negatives):
+    """Issue 40, item 6: a JSON "\\u0000" negative was logged as padding and, with pad_negatives=false, trained as
+    an empty text; a text holding a NUL anywhere is refused (with pad_negatives, a lone NUL negative is padding)."""
+    from fastprompt.train.build import load_examples
+    from fastprompt.train.config import TrainConfig
+
+    s = make_sentences(8 * 3, seed=12)
+    rows = [{"query": s[3 * i], "pos": [s[3 * i + 1]], "neg": [s[3 * i + 2]]} for i in range(8)]
+    rows[2]["neg"] = ["a\u0000b" if pad_negatives else "\u0000"]
+    cfg = TrainConfig(train_file=str(_jsonl(tmp_path / "nul.jsonl", rows)), negatives_per_row=1,
+                      pad_negatives=pad_negatives)
+    with pytest.raises(ValueError, match=r"nul.jsonl: training row 3 has a hard_neg text holding a NUL character"):
+        load_examples(cfg)

@@ -79,3 +79,27 @@ def test_train_files_settings_are_checked(base_config, tiny_corpus, tiny_triplet
     with pytest.raises(ValueError, match="negatives_per_row=1 is for query/positive/negative rows"):
         Trainer(base_config(train_file=WIKI, train_files=[str(tiny_corpus), str(tiny_triplets)],
                             negatives_per_row=1)).setup()
+
+
+@pytest.mark.parametrize("spelling", ["dot-slash", "symlink", "hardlink"])
+def test_one_file_under_two_names_is_refused(tiny_corpus, tmp_path, monkeypatch, spelling):
+    """Issue 40, item 7: ``[tf/nli.csv, ./tf/nli.csv]`` trained the file twice per epoch (only the same spelling
+    twice was refused): the paths are compared as files (resolved, symbolic and hard links too), before any is
+    read."""
+    from fastprompt.train.build import load_datasets
+    from fastprompt.train.config import TrainConfig
+
+    monkeypatch.chdir(tmp_path)
+    Path("tf").mkdir()
+    Path("tf/corpus.txt").write_bytes(tiny_corpus.read_bytes())
+    other = {"dot-slash": "./tf/corpus.txt", "symlink": "link.txt", "hardlink": "hard.txt"}[spelling]
+    if spelling == "symlink":
+        Path(other).symlink_to("tf/corpus.txt")
+    elif spelling == "hardlink":
+        os.link("tf/corpus.txt", other)
+    cfg = TrainConfig(train_files=["tf/corpus.txt", other])
+    with pytest.raises(ValueError, match=rf"train_files lists one file twice: 'tf/corpus.txt' and '{other}' are the "
+                                         "same file"):
+        load_datasets(cfg)
+    Path("tf/copy.txt").write_bytes(tiny_corpus.read_bytes())  # a copy is another file: both train
+    assert [len(d) for d in load_datasets(TrainConfig(train_files=["tf/corpus.txt", "tf/copy.txt"]))] == [96, 96]
