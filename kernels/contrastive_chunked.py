@@ -1,6 +1,7 @@
 """The stripe path of the fused contrastive loss: its gradient in three N²·d products, from a stored row chunk of the
-similarity matrix, with one Triton epilogue and cuBLAS products. No autograd here (``fastprompt/ops/contrastive.py``
-calls :func:`stripe`); the problem, the logits and the raw-space gradients are those of
+similarity matrix, with one Triton epilogue (``_epilogue_kernel`` of :mod:`fastprompt.kernels.contrastive_loss`, where
+all the loss's kernels live) and cuBLAS products. No autograd here (``fastprompt/ops/contrastive.py`` calls
+:func:`stripe`); the problem, the logits and the raw-space gradients are those of
 :mod:`fastprompt.kernels.contrastive_loss` and ``csrc/contrastive_loss.cpp``.
 
 For a chunk of R rows of a problem (rows x against the columns c = cat(segments), M of them) the raw products of

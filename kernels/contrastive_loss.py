@@ -1,9 +1,12 @@
-"""Triton kernels of the fused contrastive loss (``fastprompt.ops.contrastive_loss``): the statistics of a problem
-(forward) and its gradients (a backward row pass and column pass), with their launchers and ahead-of-time specs.
-No autograd here: ``fastprompt/ops/contrastive.py`` builds the problems, wraps the kernels in a torch.library op and
-finishes the gradients. The problem, the logits and the raw-space gradients are those of the C++ kernels
-(``csrc/contrastive_loss.cpp`` describes them); how the Triton kernels work: ``docs/ops/contrastive_loss.md`` ("The
-Triton kernels in detail").
+"""Triton kernels of the fused contrastive loss (``fastprompt.ops.contrastive_loss``), with their launch
+configurations and ahead-of-time specs: the statistics of a problem (a program per row tile and column split, on
+tensor cores, optionally storing the raw products of a row chunk: the stripe), the stripe epilogue (statistics and
+dS from a stored stripe, W written in place; its host side, the chunk loop and the cuBLAS products, is
+:mod:`fastprompt.kernels.contrastive_chunked`) and the streaming backward (a row pass and a column pass that
+recompute the tiles: where a stripe does not fit). No autograd here: ``fastprompt/ops/contrastive.py`` builds the
+problems, wraps the kernels in a torch.library op and finishes the gradients. The problem, the logits and the
+raw-space gradients are those of the C++ kernels (``csrc/contrastive_loss.cpp`` describes them); how the Triton
+kernels work: ``docs/ops/contrastive_loss.md`` ("The Triton kernels in detail").
 """
 from __future__ import annotations
 
@@ -574,9 +577,9 @@ def _default(kernel: str, tag: str, aligned: bool = True) -> LaunchConfig:
     tc = tag != "fp32"
     bk = 16 if tag == "tf32" else 32
     if kernel == "stats":
-        if tc and aligned:
-            return LaunchConfig(dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=2 * bk, WAVES=2), num_warps=8, num_stages=3,
-                                maxnreg=255)
+        if tc and aligned:  # (tf32's operands are twice as wide: 64 x 64 x 32; 16-bit: 64 x 32 x 64)
+            tiles = dict(BLOCK_N=64, BLOCK_K=32) if tag == "tf32" else dict(BLOCK_N=32, BLOCK_K=64)
+            return LaunchConfig(dict(BLOCK_M=64, **tiles, WAVES=2), num_warps=8, num_stages=3, maxnreg=255)
         if tc:
             return LaunchConfig(dict(BLOCK_M=64, BLOCK_N=32, BLOCK_K=bk, WAVES=2), num_warps=8, num_stages=3,
                                 maxnreg=255)
@@ -589,7 +592,7 @@ def _default(kernel: str, tag: str, aligned: bool = True) -> LaunchConfig:
             return LaunchConfig(dict(tiles, BLOCK_K=bk), num_warps=8, num_stages=2, maxnreg=255)
         return LaunchConfig(dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=16), num_warps=4, num_stages=2, maxnreg=255)
     if kernel == "epilogue":  # memory-bound (a stripe read or two, a write); its one product is the guide's
-        return LaunchConfig(dict(BLOCK_M=32, BLOCK_N=64 if tc or aligned else 32, BLOCK_K=32 if tc else 16,
+        return LaunchConfig(dict(BLOCK_M=32, BLOCK_N=64 if aligned else 32, BLOCK_K=32 if tc else 16,
                                  STRIPE_KIB=512 << 10), num_warps=8, num_stages=2, maxnreg=255)
 def _interpreter_default(kernel: str) -> LaunchConfig:
     """Small tiles under the interpreter (each program instance costs ~20 ms)."""
@@ -965,7 +968,7 @@ def specs_for(kernels: list, precisions, full: bool) -> list[KernelSpec]:
                                                     torch.float32 if ty == "fp32" else torch.float16, 1)
                     base = dict(flags, UPCAST=False, DOT_PREC=prec)
                     sig = signature(ty)
-                    tag_flags = "_".join(f"{k.lower()}{int(v)}" for k, v in consts.items())
+                    tag_flags = "_".join(f"{k.lower().replace('_', '')}{int(v)}" for k, v in consts.items())
                     specs.append(KernelSpec(f"cl_{name}_{tag}_{tag_flags}{'' if strided else '_s1'}", fn, sig,
                                             dict(base, **consts), divisible_by_16=aligned(sig, strided), **launch))
     return specs
@@ -979,12 +982,15 @@ def aot_specs(full: bool = False) -> list[KernelSpec]:
     (segments, DPAD 1 or 8, storing the stripe; the epilogue's passes) x row strides divisible by 16 or not (Triton
     specialises on it: d = 768 vs d = 100; the launchers take narrower tiles for the latter). Hardest-negative tracking,
     text ids and the false-negative margin are runtime switches, so every variant carries their code. The CI subset
-    keeps the register-heaviest variant of each kernel, 16-divisible strides, for fp16 (bf16 compiles to the same
-    tiles), tf32 and exact fp32.
+    keeps the register-heaviest variant, 16-divisible strides: of each kernel for fp16 (bf16 compiles to the same
+    tiles), of the statistics kernel for tf32 and exact fp32 (6 specialisations).
     """
     rows = [(name, fn, sig, variants, name) for name, fn, sig, variants in kernel_variants(full)]
-    precisions = AOT_PRECISIONS if full else tuple(p for p in AOT_PRECISIONS if p[0] != "bf16")
-    return specs_for(rows, precisions, full)
+    if full:
+        return specs_for(rows, AOT_PRECISIONS, full)
+    precision = {p[0]: p for p in AOT_PRECISIONS}
+    return (specs_for(rows, [precision["fp16"]], full)
+            + specs_for(rows[:1], [precision["tf32"], precision["fp32"]], full))
 
 
 def aligned(sig: dict, strides: bool) -> tuple:

@@ -10,8 +10,8 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 RUNS = {
-    "bench_contrastive_loss.py": (["--n", "64", "--d", "32", "--loss", "simcse", "--repeats", "2"],
-                                  ["fused", "reference"], "reference"),
+    "bench_contrastive_loss.py": (["--smoke"], ["fused", "triton", "chunked", "torch_chunked", "reference"],
+                                  "reference"),
     "bench_prefix_attention.py": (["--shapes", "4x8", "--prefix", "2", "--heads", "2", "--head-dim", "16",
                                    "--kv-heads", "1", "--causal", "--modes", "fwd+bwd", "--repeats", "2", "--warmup",
                                    "1"],

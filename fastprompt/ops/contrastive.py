@@ -3,27 +3,32 @@ masks, the symmetric loss, Matryoshka dimensions and PromCSE's energy-based hing
 
 ``contrastive_loss(z1, z2, z3)`` scores every anchor ``z1[i]`` against every column of ``cat(z2, z3[0], ...,
 z3[k-1])`` by cosine similarity and returns the cross-entropy of its positive ``z2[positive_offset + i]``. The
-kernels never materialise the N x M similarity matrix: the forward streams column tiles with an online log-sum-exp
-and a running max/argmax for the hardest negative and saves only per-row statistics; the backward recomputes the
-tiles. The definitions (every option, with its paper or library): :func:`contrastive_loss` and
-``docs/ops/contrastive_loss.md``.
+kernels never materialise the N x M similarity matrix: they stream column tiles with an online log-sum-exp and a
+running max/argmax for the hardest negative, or store a bounded row chunk of it at a time. The definitions (every
+option, with its paper or library): :func:`contrastive_loss` and ``docs/ops/contrastive_loss.md``.
 
 How the work is split: this module validates the arguments, turns a call into one or two *problems* (rows against
 column segments: the anchors against the positives and negatives, and for the symmetric loss the positives
 against the anchors), computes what every backend shares (the inverse norms of each Matryoshka prefix, GISTEmbed's
 thresholds, the targets' text ids) and, from the kernels' per-row statistics, the row losses and the per-row
 coefficients of the backward. The kernels (the C++ ones of ``fastprompt._C``, the Triton ones of
-:mod:`fastprompt.kernels.contrastive_loss`) stream the tiles: statistics, and gradients in raw space that
-:func:`_finish` turns into the gradients of the unnormalised embeddings. On the CPU, when the gradient is needed
-and the reduction is mean/sum (not symmetric), the forward computes the gradients too from the same tiles (for the
-unit upstream gradient; the backward only rescales them).
+:mod:`fastprompt.kernels.contrastive_loss` with the stripe path of :mod:`fastprompt.kernels.contrastive_chunked`)
+compute statistics, and gradients in raw space that :func:`_finish` turns into the gradients of the unnormalised
+embeddings. When the gradient is needed and the reduction is mean/sum (the loss is the last op: a uniform upstream
+gradient) the forward computes the gradients too, from the same tiles (for the unit upstream gradient; the backward
+only rescales them): on the CPU unless symmetric, on the Triton backends always (3 products per tile, from stored row
+chunks of the similarity matrix, where one row tile's chunk fits the budget).
 
-Backends: ``"triton"`` (CUDA; on CPU tensors the Triton interpreter), ``"cpu"`` (the C++ kernels, CPU tensors
-only), ``"reference"`` (plain PyTorch, :func:`fastprompt.ops.reference.contrastive_loss_reference`) and
-``"auto"``, resolved by the rule shared by every op (:func:`fastprompt.backends.resolve_backend`; this op declares
-:data:`SUPPORT`). The triton/cpu kernels are one ``torch.library`` custom op with a ``backend`` argument
-(``fastprompt::contrastive_loss_fwd`` + ``_bwd``, with fake implementations and a registered autograd formula; the
-wiring every fused op shares, ``docs/adding-a-kernel.md``), so ``torch.compile`` sees a single opaque node.
+Backends: ``"triton"`` (the fused Triton kernels; CUDA, on CPU tensors the Triton interpreter), ``"chunked"`` (cuBLAS
+products with a Triton epilogue; same conditions), ``"cpu"`` (the C++ kernels, CPU tensors only), ``"reference"``
+(plain PyTorch, :func:`fastprompt.ops.reference.contrastive_loss_reference`) and ``"auto"``, resolved by the rule
+shared by every op (:func:`fastprompt.backends.resolve_backend`; this op declares :data:`SUPPORT`); on CUDA ``auto``
+takes one of the two Triton variants (:func:`fastprompt.kernels.contrastive_chunked.choose_variant`: the GPU's
+tuned table, else a heuristic). The host path of the Triton backends reads no device tensor (value checks are
+``torch._assert_async`` on the device; constant tables are cached). The triton/chunked/cpu kernels are one
+``torch.library`` custom op with a ``backend`` argument (``fastprompt::contrastive_loss_fwd`` + ``_bwd``, with fake
+implementations and a registered autograd formula; the wiring every fused op shares, ``docs/adding-a-kernel.md``),
+so ``torch.compile`` sees a single opaque node.
 """
 from __future__ import annotations
 
@@ -750,11 +755,13 @@ def contrastive_loss(
         reduction: "mean" | "sum" | "none" (per-anchor losses).
         return_stats: also return a :class:`ContrastiveStats`.
         positive_offset: row of z2 holding the positive of z1[0].
-        backend: "auto" (CUDA -> Triton, CPU -> C++ if built, else the reference with a one-time warning),
-            "triton" (CPU tensors run in the Triton interpreter), "cpu", "reference"; see
+        backend: "auto" (CUDA -> one of the Triton variants, CPU -> C++ if built, else the reference with a
+            one-time warning), "triton" (the fused kernels; CPU tensors run in the Triton interpreter), "chunked"
+            (cuBLAS products and a Triton epilogue, the same conditions), "cpu", "reference"; see
             :func:`fastprompt.backends.resolve_backend`.
         check_finite: raise ValueError on NaN/Inf inputs and negative positive ids (one pass over the inputs;
-            skipped under torch.compile).
+            skipped under torch.compile). On CUDA a device-side assertion instead (``torch._assert_async``: no wait
+            for the GPU; a failure surfaces as a CUDA error at the next synchronisation).
 
     Returns the loss (float32, or float64 for float64 inputs), or ``(loss, stats)`` with ``return_stats``.
     Gradients flow to z1, z2, z3 and reverse_columns.

@@ -27,7 +27,7 @@ def test_config_order_override_interpreter_table_default(monkeypatch):
     entry = tuning.TunedEntry("contrastive_loss", "stats", KEY, {"BLOCK_N": 128, "WAVES": 4, "num_warps": 4})
     monkeypatch.setattr(tuning, "tuned_entry", lambda op, kernel, key, device: entry if kernel == "stats" else None)
     default = tk.config(torch.bfloat16, interpret=False, kernel="stats")
-    assert default.tiles == {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 64, "WAVES": 2} and default.num_stages == 3
+    assert default.tiles == {"BLOCK_M": 64, "BLOCK_N": 32, "BLOCK_K": 64, "WAVES": 2} and default.num_stages == 3
     tuned = tk.config(torch.bfloat16, interpret=False, kernel="stats", key=KEY, device="cuda")
     assert tuned.tiles == {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "WAVES": 4} and tuned.num_warps == 4
     assert tk.config(torch.bfloat16, interpret=False, kernel="stats", key=KEY, device="cpu") == default

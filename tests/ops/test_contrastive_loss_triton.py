@@ -58,9 +58,15 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("n,m2,d,z3,offset,kw", CASES)
-def test_triton_matches_reference_fp32(n, m2, d, z3, offset, kw, backend):
+# the chunked backend shares the epilogue with the Triton one (its options: FEATURE_CASES below): here the cases
+# that reach other corners (one column, reduction none with a symmetric offset, a sum with gathered columns)
+BACKEND_CASES = ([("triton", case) for case in CASES]
+                 + [("chunked", case) for case in (CASES[0], CASES[2], CASES[5])])
+
+
+@pytest.mark.parametrize("backend,case", BACKEND_CASES, ids=[f"{b}-{i}" for i, (b, _) in enumerate(BACKEND_CASES)])
+def test_triton_matches_reference_fp32(backend, case):
+    n, m2, d, z3, offset, kw = case
     zs = make_inputs(n, m2, d, z3)
     ref = loss_and_grads(zs, "reference", positive_offset=offset, **kw)
     out = loss_and_grads(zs, backend, positive_offset=offset, **kw)
