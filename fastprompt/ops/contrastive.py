@@ -390,7 +390,7 @@ def _stripe_grads(be, prob: _Problem, cfg: _Cfg, gw, forward: bool, extra, track
     from fastprompt.kernels import contrastive_chunked as tc
 
     half = 0.5 if cfg.symmetric and not cfg.joint else 1.0
-    weights = _weights(cfg, prob.rx.new_empty(0, dtype=torch.float32))
+    weights = _weights(cfg, torch.float32, prob.x.device)
     coef = tc.Coefficients(gw, weights, half / cfg.temperature, cfg.hinge_weight if forward else 0.0,
                            cfg.hinge_margin, forward or not cfg.joint, extra if cfg.joint else None)
     return tc.stripe(*prob.args(), variant="chunked" if be == "chunked" else "triton", track_hard=track_hard,
@@ -406,14 +406,14 @@ def _grads(be, prob: _Problem, coefficients):
     return tk.grads(*prob.args(), *coefficients)
 
 
-def _weights(cfg: _Cfg, like: torch.Tensor) -> torch.Tensor:
-    """The Matryoshka weights as a (D,) tensor like ``like``: on the C++ backend a host tensor, else a cached device
-    table (no host-to-device copy per call)."""
+def _weights(cfg: _Cfg, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The Matryoshka weights as a (D,) tensor: on the C++ backend a host tensor, else a cached device table (no
+    host-to-device copy per call)."""
     if cfg.backend == "cpu":
-        return torch.tensor(cfg.weights, dtype=like.dtype)
+        return torch.tensor(cfg.weights, dtype=dtype)
     from fastprompt.kernels.contrastive_loss import device_table
 
-    return device_table(cfg.weights, like.dtype, like.device)
+    return device_table(cfg.weights, dtype, device)
 
 
 def _row_losses(cfg: _Cfg, st, rst):
@@ -428,14 +428,14 @@ def _row_losses(cfg: _Cfg, st, rst):
         ce = lse - pos * inv_tau
     if cfg.hinge_weight != 0.0:
         ce = ce + cfg.hinge_weight * (cfg.hinge_margin + hard - pos).clamp_min(0)
-    return (_weights(cfg, ce)[:, None] * ce).sum(0)
+    return (_weights(cfg, ce.dtype, ce.device)[:, None] * ce).sum(0)
 
 
 def _coefficients(cfg: _Cfg, grad_rows, st, rst):
     """The per-row coefficients of dS (L, cce, cdiag, chg, hidx), (D, n) each, for the anchors' problem and the
     reverse one (None unless symmetric), for the upstream gradient of each row's loss."""
     lse, pos, hard, hidx = st
-    gw = grad_rows.to(lse.dtype)[None, :] * _weights(cfg, lse)[:, None]  # (D, n)
+    gw = grad_rows.to(lse.dtype)[None, :] * _weights(cfg, lse.dtype, lse.device)[:, None]  # (D, n)
     half = 0.5 if cfg.symmetric and not cfg.joint else 1.0
     cce = gw * (half / cfg.temperature)
     if cfg.hinge_weight != 0.0:
