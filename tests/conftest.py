@@ -44,6 +44,15 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.skip(reason=reason))
 
 
+@pytest.fixture(autouse=True)
+def _own_user_cache(tmp_path_factory, monkeypatch):
+    """Every test its own user cache (the frozen-score cache, the tuned kernel tables): nothing written to the
+    user's home, and no test sees another's entries."""
+    root = tmp_path_factory.mktemp("user-cache")
+    monkeypatch.setenv("FASTPROMPT_CACHE_DIR", str(root))
+    monkeypatch.setenv("FASTPROMPT_TUNING_DIR", str(root / "tuning"))
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """../shared/data, or a skip with the reason when it is absent (e.g. on a user's machine)."""

@@ -39,6 +39,9 @@ def add_train_parser(subparsers) -> argparse.ArgumentParser:
                    help="train the recipe once per seed (comma-separated), each in <output_dir>/seed-<N>/, then "
                         "write the mean ± std table of their STS test results to <output_dir>/seeds.md and "
                         "seeds.json (needs sts_dir)")
+    p.add_argument("--no-cache", action="store_true",
+                   help="recompute the frozen baseline's scores instead of taking them from the cache (shorthand for "
+                        "--set frozen_cache=false)")
     p.add_argument("--print-config", action="store_true", help="print the resolved config as YAML and exit")
     p.add_argument("--help-config", action="store_true",
                    help="print every config key (type, default, meaning), grouped by section, and exit")
@@ -59,6 +62,8 @@ def run_train(args: argparse.Namespace) -> int:
         keys["output_dir"] = args.output_dir
     if args.no_resume:
         keys["resume"] = False
+    if args.no_cache:
+        keys["frozen_cache"] = False
     # The config modules load no torch: a bad recipe or --set fails in a fraction of a second.
     config = load_config_args(args, **keys)
     seeds = None

@@ -255,6 +255,9 @@ class EvalConfig(Section):
     eval_precision: str = option("fp32", "autocast dtype of the evaluations (STS-B dev selection, the final test "
                                  "table, the frozen baseline): fp32, as the papers evaluate, whatever the training "
                                  "precision", choices=PRECISIONS, identity=False)
+    frozen_cache: bool = option(True, "take the frozen baseline's scores from the cache when it holds them (keyed "
+                                "by a hash of the weights, the STS pairs and the protocol: fastprompt.eval."
+                                "frozen_cache); false recomputes them (fastprompt train --no-cache)", identity=False)
 
     def validate(self):
         if isinstance(self.eval_steps, int) and not isinstance(self.eval_steps, bool) and self.eval_steps <= 0:

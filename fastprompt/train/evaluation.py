@@ -227,18 +227,49 @@ class Evaluator:
                                                append_eos=enc.append_eos, trust_remote_code=enc.trust_remote_code)
         return frozen.to(self.device).eval()
 
+    def _cached(self, frozen, setting: FrozenSetting, datasets) -> tuple[str, dict[str, Any] | None, Path | None]:
+        """(cache key, cached entry or None, its file) of the frozen scores of ``setting`` on ``datasets``
+        (:mod:`fastprompt.eval.frozen_cache`); the entry is None when the cache is off (``frozen_cache: false``)."""
+        from fastprompt.eval import frozen_cache
+
+        ev, enc = self.config.evaluation, self.config.encoder
+        how = {"pooler": setting.pooler, "template": setting.template, "denoise": setting.denoise, "topk": setting.topk,
+               "append_eos": enc.append_eos, "eval_precision": ev.eval_precision, "batch_size": ev.eval_batch_size}
+        key = frozen_cache.entry_key(frozen_cache.weights_digest(frozen), how, frozen_cache.data_digest(datasets),
+                                     str(getattr(self.device, "type", self.device)))
+        if not ev.frozen_cache:
+            return key, None, None
+        entry, path = frozen_cache.load(key)
+        return key, entry, path
+
+    def _remember(self, key: str, entry: dict[str, Any], what: str) -> None:
+        from fastprompt.eval import frozen_cache
+
+        path = frozen_cache.store(key, {"model": self.config.encoder.model, **entry})
+        if path is not None:
+            logger.info("frozen %s, %s: computed, cached in %s", self.config.encoder.model, what, path)
+
     def frozen_dev(self) -> list[dict[str, Any]]:
         """STS-B dev of the base model as a user gets it, no prompt and no trained head, in each of
-        :func:`frozen_settings` (the bar the dev curve is drawn against). The vectors stay in memory for the
-        final evaluation."""
+        :func:`frozen_settings` (the bar the dev curve is drawn against), from the frozen-score cache when it
+        holds them (:mod:`fastprompt.eval.frozen_cache`). Computed vectors stay in memory for the final
+        evaluation."""
         from fastprompt.eval.sts import scores_from_pairs, sentence_vectors
 
         out = []
         for setting in self.frozen_settings:
-            pairs = self._encode(self._frozen_encoder(setting), self.dev_data)
-            self._frozen_vectors[setting.key] = sentence_vectors(pairs, self.dev_data)
-            score = float(scores_from_pairs(pairs, self.dev_data)["stsb"])
-            logger.info("frozen %s, %s: STS-B dev %.2f", self.config.encoder.model, setting.source, score)
+            frozen = self._frozen_encoder(setting)
+            key, cached, path = self._cached(frozen, setting, self.dev_data)
+            if cached is not None and "stsb_dev" in cached:
+                score = float(cached["stsb_dev"])
+                logger.info("frozen %s, %s: STS-B dev %.2f (from the cache: %s; --no-cache recomputes)",
+                            self.config.encoder.model, setting.source, score, path)
+            else:
+                pairs = self._encode(frozen, self.dev_data)
+                self._frozen_vectors[setting.key] = sentence_vectors(pairs, self.dev_data)
+                score = float(scores_from_pairs(pairs, self.dev_data)["stsb"])
+                logger.info("frozen %s, %s: STS-B dev %.2f", self.config.encoder.model, setting.source, score)
+                self._remember(key, {"kind": "stsb_dev", "stsb_dev": score}, f"{setting.source}, STS-B dev")
             out.append({"key": setting.key, **setting.describe(), "stsb_dev": score})
         return out
 
@@ -254,15 +285,25 @@ class Evaluator:
         known_dev = {d["key"]: d["stsb_dev"] for d in dev or []}
         entries = []
         for setting in self.frozen_settings:
+            frozen = self._frozen_encoder(setting)
+            key, cached, path = self._cached(frozen, setting, {**data, "_dev": self.dev_data["stsb"]})
+            if cached is not None and "test" in cached:
+                test, dev_score = dict(cached["test"]), float(known_dev.get(setting.key, cached["stsb_dev"]))
+                logger.info("frozen %s, %s: STS-B dev %.2f, seven-task average %.2f (from the cache: %s; --no-cache "
+                            "recomputes)", self.config.encoder.model, setting.source, dev_score, test["avg"], path)
+                entries.append({"key": setting.key, **setting.describe(), "stsb_dev": dev_score, "test": test})
+                continue
             # without the dev score, the dev sentences join the test sets' encoding pass
             datasets = data if setting.key in known_dev else {**data, "_dev": self.dev_data["stsb"]}
-            pairs = self._encode(self._frozen_encoder(setting), datasets, self._frozen_vectors.get(setting.key),
+            pairs = self._encode(frozen, datasets, self._frozen_vectors.get(setting.key),
                                  what=f"frozen model, {setting.pooler} pooling")
             test = scores_from_pairs({k: pairs[k] for k in data}, data)
             dev_score = (known_dev[setting.key] if setting.key in known_dev
                          else scores_from_pairs({"stsb": pairs["_dev"]}, self.dev_data)["stsb"])
             logger.info("frozen %s, %s: STS-B dev %.2f, seven-task average %.2f", self.config.encoder.model,
                         setting.source, dev_score, test["avg"])
+            self._remember(key, {"kind": "test", "stsb_dev": float(dev_score), "test": test},
+                           f"{setting.source}, the seven test tasks")
             entries.append({"key": setting.key, **setting.describe(), "stsb_dev": dev_score, "test": test})
         return frozen_summary(entries)
 
