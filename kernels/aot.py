@@ -32,6 +32,8 @@ logger = logging.getLogger(__name__)
 
 # Maximum dynamic shared memory per block (opt-in), bytes: H100 (sm_90) and A100 (sm_80).
 SHARED_MEM_LIMIT = {90: 232448, 80: 166912}
+# 32-bit registers per multiprocessor (and at most per block) on sm_80 and sm_90.
+REGISTERS_PER_SM = 65536
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,15 @@ class KernelResources:
         return self.mma != "none"
 
     @property
+    def registers_fit(self) -> bool:
+        """A block's registers (per thread x its threads) within the multiprocessor's 64K: otherwise it cannot
+        launch at all (ptxas does not refuse it; the launch fails)."""
+        return self.n_regs * self.num_warps * 32 <= REGISTERS_PER_SM
+
+    @property
     def fits(self) -> bool:
-        return self.n_spills == 0 and self.spill_stores == 0 and self.shared <= self.shared_limit
+        return (self.n_spills == 0 and self.spill_stores == 0 and self.shared <= self.shared_limit
+                and self.registers_fit)
 
 
 def _jit_function(fn):

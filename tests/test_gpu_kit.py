@@ -26,7 +26,13 @@ def test_the_kit_fits_well_under_eight_minutes_and_is_ordered_by_value():
     for step in gpu_kit.STEPS:  # the GPU commands name the device and write under the results folder
         assert "cuda" in " ".join(step.gpu) and any("{out}/" in a for a in step.gpu)
         assert "cuda" not in " ".join(step.smoke)
-    assert (ROOT / "bench" / "tune_plan_sm90.json").is_file()  # the tune step's AOT-filtered candidates
+    plan = json.loads((ROOT / "bench" / "tune_plan_sm90.json").read_text())  # the tune step's candidates
+    assert plan["cc"] == 90 and plan["sizes"] == "realistic"
+    assert list(plan["candidates"]) == [c.label() for c in tune.plan("realistic")]  # made from today's size set
+    for case in tune.plan("realistic"):
+        assert set(plan["candidates"][case.label()]) == set(tune.kernel_candidates(case))
+        for cfgs in plan["candidates"][case.label()].values():
+            assert cfgs and all(tune.config_to_dict(tune.config_from_dict(c)) == c for c in cfgs)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA GPU is present: the kit would run for real")

@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 from fastprompt import _moved
 from fastprompt.choices import (
-    BACKENDS,
     HARDNESS_MODES,
+    LOSS_BACKENDS,
     MARGIN_STRATEGIES,
     SKI2_DENOMINATORS,
 )
@@ -104,7 +104,7 @@ class ObjectiveConfig(Section):
                                  "cos(h, h+))", ge=0.0, identity=True)
     hinge_weight: float | None = option(None, "weight of the hinge term; null: the objective's default "
                                         "(simcse 0, promcse_eh 10)", ge=0.0, identity=True)
-    loss_backend: str = option("auto", "implementation of the fused contrastive_loss op", choices=BACKENDS,
+    loss_backend: str = option("auto", "implementation of the fused contrastive_loss op", choices=LOSS_BACKENDS,
                                identity=False)
     hardness_mode: str | None = option(None, "hardness weighting (sentence-transformers' hardness_mode): the "
                                        "negatives whose logits get hardness_strength * stop_grad(cos) added; null: "

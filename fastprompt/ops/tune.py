@@ -181,7 +181,9 @@ def kernel_candidates(case):
 
     key = kernels.shape_key(DTYPES[case.dtype], case.n, case.n, case.d)
     key["dtype"] = case.dtype if case.dtype == "tf32" else key["dtype"]
-    return {name: (key, kernels.tune_space(name, key), None) for name in kernels.KERNELS}
+    # what a training call runs (statistics, then the stripe epilogue); the streaming backward's row and column
+    # passes run only when not one row chunk fits the stripe budget
+    return {name: (key, kernels.tune_space(name, key), None) for name in ("stats", "epilogue")}
 
 
 def candidate_plan(sizes: str, ops=None, cc: int | None = None, max_candidates: int = MAX_CANDIDATES) -> dict:
@@ -192,8 +194,8 @@ def candidate_plan(sizes: str, ops=None, cc: int | None = None, max_candidates: 
     for case in plan(sizes, ops):
         kernels = {}
         for name, (_, cands, sc) in kernel_candidates(case).items():
-            keep, _ = aot_filter(case, name, sc, cands[:4 * max_candidates], cc)
-            kernels[name] = [config_to_dict(c) for c in keep[:max_candidates]]
+            keep, _ = aot_filter(case, name, sc, cands, cc, limit=max_candidates)
+            kernels[name] = [config_to_dict(c) for c in keep]
         out[case.label()] = kernels
     return out
 
@@ -211,19 +213,28 @@ def config_from_dict(data: dict):
                         data.get("maxnreg"))
 
 
-def aot_filter(case, name: str, sc, candidates: list, cc: int | None) -> tuple[list, str]:
-    """The candidates that compile for compute capability ``cc`` without spills or too much shared memory, and
+def aot_filter(case, name: str, sc, candidates: list, cc: int | None, limit: int | None = None
+               ) -> tuple[list, str]:
+    """The candidates that compile for compute capability ``cc`` without spills, too much shared memory or too
+    many registers per block (the heaviest flags of the kernel), in order, the first ``limit`` of them at most, and
     how they were filtered."""
-    if case.op != "prefix_attention" or cc is None or sc is None:
-        return candidates, "not AOT-filtered (a failing candidate is dropped at launch)"
     from fastprompt.kernels import aot
-    from fastprompt.kernels import prefix_attention as kernels
 
+    if cc is None:
+        return candidates[:limit], "not AOT-filtered (a failing candidate is dropped at launch)"
     if cc not in aot.SHARED_MEM_LIMIT:
-        return candidates, f"not AOT-filtered (no shared-memory limit known for sm_{cc})"
-    specs = kernels.aot_specs(candidates={(name, sc): candidates})
-    keep = []
+        return candidates[:limit], f"not AOT-filtered (no shared-memory limit known for sm_{cc})"
+    if case.op == "prefix_attention":
+        from fastprompt.kernels import prefix_attention as kernels
+
+        specs = kernels.aot_specs(candidates={(name, sc): candidates})
+    else:
+        specs = [_loss_spec(case, name, cfg, i) for i, cfg in enumerate(candidates)]
+    keep, tried = [], 0
     for cfg, spec in zip(candidates, specs):
+        if limit is not None and len(keep) >= limit:
+            break
+        tried += 1
         try:
             fits = aot.compile_spec(spec, cc).fits
         except Exception as exc:  # a candidate that does not compile is not a candidate
@@ -231,7 +242,24 @@ def aot_filter(case, name: str, sc, candidates: list, cc: int | None) -> tuple[l
             fits = False
         if fits:
             keep.append(cfg)
+    candidates = candidates[:tried]
     return keep, f"AOT-filtered for sm_{cc}: {len(keep)} of {len(candidates)} fit"
+
+
+def _loss_spec(case, name: str, cfg, index: int):
+    """The AOT specialisation of one loss-kernel candidate: the kernel's register-heaviest flags, 16-divisible
+    strides (d = 768), the case's precision."""
+    from fastprompt.kernels import contrastive_loss as kernels
+    from fastprompt.kernels.aot import KernelSpec
+
+    tag = case.dtype
+    ty = "fp32" if tag in ("fp32", "tf32") else tag
+    (fn, signature, variants), = [(f, sig, v) for n, f, sig, v in kernels.kernel_variants(False) if n == name]
+    flags, launch, _ = kernels.split_config(cfg, DTYPES[tag], 1)
+    consts = dict(flags, UPCAST=False, DOT_PREC="tf32" if tag == "tf32" else "ieee", **variants[0])
+    sig = signature(ty)
+    return KernelSpec(f"cand{index}_cl_{name}_{tag}", fn, sig, consts, divisible_by_16=kernels.aligned(sig, True),
+                      **launch)
 
 
 def time_ms(fn, budget_ms: float = 400.0) -> float:
@@ -255,7 +283,7 @@ def tune_case(case, device, cc: int | None, budget_s: float, chosen: dict | None
         if chosen is not None and name in chosen:
             keep, how = [config_from_dict(c) for c in chosen[name]], "the plan's AOT-filtered list"
         else:
-            keep, how = aot_filter(case, name, sc, candidates[:4 * max_candidates], cc)
+            keep, how = aot_filter(case, name, sc, candidates, cc, limit=max_candidates)
         filtered[name] = (key, keep[:max_candidates])
         notes.append(f"{name}: {how}, {len(filtered[name][1])} timed")
     n = sum(len(c) for _, c in filtered.values()) + 2

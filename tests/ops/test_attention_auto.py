@@ -6,8 +6,8 @@ import logging
 
 import pytest
 import torch
-
 from fastprompt.kernels.tuning import BackendChoice
+
 from fastprompt.ops import attention as attn
 
 

@@ -179,3 +179,11 @@ def test_compile_refuses_interpreted_kernels():
         aot.compile_spec(spec, 90)
     with pytest.raises(ValueError, match="compute capability"):
         aot.compile_spec(spec, 75)
+
+
+def test_a_block_whose_registers_exceed_the_multiprocessor_does_not_fit():
+    """240 registers x 16 warps x 32 threads = 122,880 > 65,536: ptxas compiles it, the launch would fail."""
+    base = dict(name="k", cc=90, n_spills=0, local_bytes=0, spill_stores=0, shared=0, shared_limit=232448,
+                num_stages=2)
+    assert aot.KernelResources(n_regs=240, num_warps=16, **base).fits is False
+    assert aot.KernelResources(n_regs=255, num_warps=8, **base).fits is True  # 65,280
