@@ -28,9 +28,9 @@ sees another's tokens and no (N, N) mask is ever built (:func:`packed_forward` t
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import inspect
+import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -40,9 +40,18 @@ from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
 ATTN_IMPLEMENTATION = "fastprompt"
 _CACHE_KEYWORDS: dict[type, str] = {}
-#: the offsets of the packed batch running now, else None: transformers' mask builders then build nothing (see
-#: :func:`packed_forward`)
-_PACKED = contextvars.ContextVar("fastprompt_packed", default=None)
+
+
+class _PackedBatch(threading.local):
+    """The offsets of the packed batch running now in this thread (``offsets``), else None: transformers' mask
+    builders then build nothing (see :func:`packed_forward`). A thread-local attribute, which torch.compile traces
+    (a ContextVar's ``get`` broke the compiled graph in every layer)."""
+
+    def __init__(self):  # run in each thread; an attribute set from the start, as the compiled guards expect
+        self.offsets: torch.Tensor | None = None
+
+
+_PACKED = _PackedBatch()
 
 
 @dataclass
@@ -230,22 +239,22 @@ def packed_forward(cu_seqlens: torch.Tensor):
     mask. The attention function gets the offsets instead (every layer, with an empty prefix where it has none);
     the mask transformers would build for one row of N tokens is (N, N) and could not keep the sequences apart
     anyway. Code that hooks a backbone's modules finds the layout with :func:`packed_offsets`."""
-    token = _PACKED.set(cu_seqlens)
+    previous, _PACKED.offsets = _PACKED.offsets, cu_seqlens
     try:
         yield
     finally:
-        _PACKED.reset(token)
+        _PACKED.offsets = previous
 
 
 def packed_offsets() -> torch.Tensor | None:
     """The (B + 1,) offsets of the packed batch running now (its activations are (1, N, ...), sequence b at rows
     ``offsets[b]:offsets[b + 1]``), None in a padded forward ((B, S, ...) activations)."""
-    return _PACKED.get()
+    return _PACKED.offsets
 
 
 def _mask(*args, **kwargs):
     """The registered mask builder: eager attention's additive float mask, none for a packed batch."""
-    return None if _PACKED.get() is not None else eager_mask(*args, **kwargs)
+    return None if _PACKED.offsets is not None else eager_mask(*args, **kwargs)
 
 
 def check_prefix_consumed(prefixed, served, model_name: str) -> None:

@@ -18,6 +18,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from fastprompt.choices import BACKENDS, MLP_MODES, POOLERS, PREFIX_MODES, check_choice
+from fastprompt.host_sync import host_side
 from fastprompt.messages import shown
 
 from .backbone import Architecture, check_max_length, ensure_pad_token, max_input_length
@@ -62,6 +63,7 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
         self.backbone_trained = False  # full fine-tuning: checkpoints then hold the backbone (train_backbone)
         ensure_pad_token(tokenizer)
         self.tokenizer = tokenizer
+        self._mask_token_id = tokenizer.mask_token_id  # an int for the forward: the tokenizer's lookup breaks a graph
         self.base_model = base_model or getattr(backbone.config, "_name_or_path", None)
         #: end every sequence with the tokenizer's EOS (decoder embedders pool it: :meth:`tokenize`)
         self.append_eos = bool(append_eos)
@@ -251,9 +253,8 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
             warn_if_slow(torch.get_autocast_dtype(device.type) if autocast else self.backbone.dtype, device)
         if lengths is not None and len(lengths) != attention_mask.shape[0]:
             raise ValueError(f"lengths has {len(lengths)} entries for {attention_mask.shape[0]} rows")
-        padded = (any(n < attention_mask.shape[1] for n in lengths) if lengths is not None
-                  else not bool(attention_mask.bool().all()))
-        packed = self.packed and _capture is None and (pooled is not None or padded)
+        # whether the batch has padding matters to a packed encoder only (no host read otherwise)
+        packed = self.packed and _capture is None and (pooled is not None or _has_padding(attention_mask, lengths))
         inputs = {"position_ids": self._position_ids(input_ids, attention_mask, positions, explicit=packed)}
         if self.cls_prompt is None and self.input_prompt is None and self.template_words is None:
             inputs["input_ids"] = input_ids
@@ -306,7 +307,7 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
         if not (self.packed and self.architecture.pooled_rows_only) or self.input_prompt is not None:
             return None
         tpl = self._resolve_template(template)
-        return self.pooler.positions(attention_mask, input_ids, self.tokenizer.mask_token_id,
+        return self.pooler.positions(attention_mask, input_ids, self._mask_token_id,
                                      mask_positions=self._mask_positions(tpl, attention_mask))
 
     def pool(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
@@ -319,7 +320,7 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
         denoising and so always here.
         """
         tpl = self._resolve_template(template)
-        vec = self.pooler.select(hidden, attention_mask, input_ids, self.tokenizer.mask_token_id,
+        vec = self.pooler.select(hidden, attention_mask, input_ids, self._mask_token_id,
                                  mask_positions=self._mask_positions(tpl, attention_mask))
         vec = self.pooler.transform(vec)  # the mlm_transform head: on the [MASK] state and on the bias alike
         vec = self._denoise_and_topk(vec, tpl, attention_mask, denoise)
@@ -359,8 +360,14 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
             chunks = []
             for start in tqdm(range(0, len(order), batch_size), desc="encode", disable=not show_progress_bar):
                 batch = [sentences[i] for i in order[start:start + batch_size]]
-                inputs = {k: v.to(self.device) for k, v in self.tokenize(batch, max_length).items()}
-                emb = self(inputs["input_ids"], inputs["attention_mask"], inputs.get("token_type_ids")).float()
+                inputs = self.tokenize(batch, max_length)
+                lengths = None  # a padded forward reads none (and a compiled one would recompile per list length)
+                if self.packed:
+                    with host_side():  # the tokenizer's fresh CPU tensor: the packed forward reads no mask back
+                        lengths = inputs["attention_mask"].sum(1).tolist()
+                inputs = {k: v.to(self.device) for k, v in inputs.items()}
+                emb = self(inputs["input_ids"], inputs["attention_mask"], inputs.get("token_type_ids"),
+                           lengths=lengths).float()
                 if dim is not None:
                     if dim > emb.shape[1]:
                         raise ValueError(f"dim={dim} is more than the {emb.shape[1]} dimensions of the embeddings")
@@ -393,6 +400,13 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
         a = [a] if isinstance(a, str) else a
         b = [b] if isinstance(b, str) else b
         return self.encode(a, batch_size) @ self.encode(b, batch_size).T
+
+
+def _has_padding(attention_mask: torch.Tensor, lengths: Sequence[int] | None) -> bool:
+    """Whether a row of the batch is shorter than its width: from the host lengths, else read from the mask."""
+    if lengths is not None:
+        return any(n < attention_mask.shape[1] for n in lengths)
+    return not bool(attention_mask.bool().all())  # host read: without host lengths only
 
 
 def _check_sentences(sentences):

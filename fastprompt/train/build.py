@@ -184,7 +184,7 @@ def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device, total_steps
 
     ``compile: null`` (auto) is decided on the run's ``total_steps``, not the steps left, so a resumed run
     compiles exactly when the uninterrupted one did (a compiled step draws other dropout masks than an eager one)."""
-    from fastprompt.train.compile import resolve_compile
+    from fastprompt.train.compile import compile_encoder, resolve_compile
 
     encoder.to(device).train()
     if cfg.backbone.train_backbone:
@@ -196,7 +196,7 @@ def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device, total_steps
         packed = cfg.run.compile is not True and encoder.packing_refusal() is None
     encoder.pack_sequences(packed)
     if resolve_compile(cfg, encoder, device, total_steps, packed=packed):
-        encoder.compile()
+        compile_encoder(encoder)
     return encoder
 
 

@@ -9,6 +9,9 @@ in place) was as fast as the compiled one (within 3%, slower compiled); short ru
 more to compilation than they gain. Prompt dropout
 draws a per-example copy of every layer's prefix, elementwise work Inductor fuses: there a compiled step saved
 16-22%. The measurements are in docs/speed.md ("Compile default").
+
+:func:`compile_encoder` compiles it: the forward traces whole, without a graph break (a test keeps it so), and
+Dynamo's recompile-limit warning is one line.
 """
 from __future__ import annotations
 
@@ -54,3 +57,38 @@ def resolve_compile(config, encoder, device, steps: int, packed: bool = False) -
     logger.info("compile: null (auto) -> %s: %d steps, ~%.2g FLOP of matrix work (compiles from %.2g)",
                 "compiling the encoder" if on else "eager", steps, work, AUTO_MIN_RUN_FLOPS)
     return on
+
+
+def compile_encoder(encoder) -> None:
+    """``torch.compile`` the encoder in place (parameter names, checkpoints and the module stay), with what its
+    graphs read prepared beforehand: the C++ kernels' extension imported once (the fused ops import it on first
+    use, and an import inside the traced forward broke the graph at every fused op). Dynamo's multi-line warning
+    that a function reached its recompile limit becomes one line (:class:`OneLineRecompileLimit`)."""
+    from fastprompt.ops import _cpp
+
+    _cpp.available()
+    dynamo_log = logging.getLogger(DYNAMO_LOGGER)
+    if not any(isinstance(f, OneLineRecompileLimit) for f in dynamo_log.filters):
+        dynamo_log.addFilter(OneLineRecompileLimit())
+    encoder.compile()
+
+
+#: The logger of torch._dynamo's "hit config.recompile_limit" warning.
+DYNAMO_LOGGER = "torch._dynamo.convert_frame"
+
+
+class OneLineRecompileLimit(logging.Filter):
+    """torch._dynamo's warning that a function hit its recompile limit (five lines and a link), in one line that
+    says what it means in a fastprompt run: a packed encoder's forward takes the rows' host lengths, a list whose
+    length Dynamo specialises, so each batch row count (the last, smaller batch of an evaluation) compiles a graph of
+    its own; past the limit, inputs of further shapes run eagerly (the same results). Other records pass unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args if isinstance(record.args, tuple) else ()
+        if isinstance(record.msg, str) and record.msg.startswith("torch._dynamo hit config.") and len(args) >= 4:
+            limit_type, limit, function, reason = args[:4]
+            record.msg = ("torch.compile: %s reached config.%s (%s graphs; the last for %s): inputs of further "
+                          "shapes run it eagerly (a packed encoder compiles a graph per batch row count); "
+                          "TORCH_LOGS=recompiles lists each")
+            record.args = (function, limit_type, limit, str(reason).split("#")[0].strip())
+        return True

@@ -66,7 +66,7 @@ def _loss_and_grad(model_dir, compiled, backend="inductor", train=False):
 
 
 def _assert_matches(loss, grads, eager_loss, eager_grads):
-    assert loss == pytest.approx(eager_loss, rel=1e-5, abs=1e-5)
+    assert float(loss) == pytest.approx(float(eager_loss), rel=1e-5, abs=1e-5)  # 0-d tensors: the step reads none
     assert grads.keys() == eager_grads.keys() and any("prompt" in n for n in grads)
     for name, want in eager_grads.items():
         assert want.abs().max() > 0, name
@@ -127,6 +127,27 @@ def test_compiled_run_resumes_bit_for_bit(base_config, aot_eager_compile, tmp_pa
         for key in want:
             if name == "prompt.safetensors" or key.startswith("optimizer."):
                 assert torch.equal(got[key], want[key]), f"{name}: {key} differs"
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_compiled_run_traces_without_a_graph_break(base_config, aot_eager_compile, tiny_sts_dir, packed):
+    """Issue 40, item 18: ``compile: true`` on the CPU printed 62 lines of torch._dynamo warnings (23 packed):
+    fastprompt's code broke the graph ~40 times in a short run (a host read of the mask, the tokenizer's mask-id
+    lookup, a ContextVar read in every layer, the C++ extension imported inside the traced forward), and the
+    pieces recompiled past Dynamo's limit. A compiled run's steps, collapse probe and STS evaluations now trace
+    whole. (Packed, without the STS evaluations: a packed forward takes the rows' host lengths, a list whose length
+    Dynamo specialises, so each evaluation batch of another row count compiles again, as docs/speed.md says.)"""
+    from torch._dynamo.utils import counters
+
+    from fastprompt.train import Trainer
+
+    torch._dynamo.reset()
+    counters.clear()
+    cfg = base_config(compile=True, packed=packed, max_steps=2, eval_steps=2,
+                      sts_dir=None if packed else str(tiny_sts_dir))
+    assert Trainer(cfg).train()["status"] == "completed"
+    assert aot_eager_compile and dict(counters["graph_break"]) == {}
+    assert counters["stats"]["unique_graphs"] <= 6  # train and eval modes, static then dynamic shapes
 
 
 def test_compile_key_compiles_the_trainers_encoder(base_config):
@@ -198,3 +219,27 @@ def test_auto_decides_on_the_runs_total_steps_also_on_resume(base_config, tmp_pa
     assert Trainer(run, callbacks=[interrupt_at_step_3]).train()["global_step"] == 3
     assert Trainer(run).train()["global_step"] == 5
     assert seen == [5, 5]
+
+
+def test_dynamos_recompile_limit_warning_is_one_line(caplog):
+    """Issue 40, item 18: past the recompile limit (a packed encoder compiles a graph per batch row count) Dynamo
+    warned in five lines and a link; a compiled encoder's run says it in one."""
+    import logging
+
+    from fastprompt.train.compile import DYNAMO_LOGGER, compile_encoder
+
+    compile_encoder(torch.nn.Identity())
+    compile_encoder(torch.nn.Identity())  # the filter is installed once
+    log = logging.getLogger(DYNAMO_LOGGER)
+    with caplog.at_level(logging.WARNING, logger=DYNAMO_LOGGER):
+        # the call in torch/_dynamo/convert_frame.py (torch 2.13)
+        log.warning("torch._dynamo hit config.%s (%s)\n   function: %s\n   last reason: %s\nTo log all recompilation "
+                    'reasons, use TORCH_LOGS="recompiles".\nTo diagnose recompilation issues, see %s',
+                    "recompile_limit", 8, "'forward' (fastprompt/model/encoder.py:285)",
+                    "0/5: len(lengths) == 128        # if lengths is not None and len(lengths) != ...", "https://x")
+        log.warning("another %s", "warning")
+    first, other = (r.getMessage() for r in caplog.records)
+    assert first == ("torch.compile: 'forward' (fastprompt/model/encoder.py:285) reached config.recompile_limit (8 "
+                     "graphs; the last for 0/5: len(lengths) == 128): inputs of further shapes run it eagerly (a "
+                     "packed encoder compiles a graph per batch row count); TORCH_LOGS=recompiles lists each")
+    assert other == "another warning" and sum(isinstance(f, type(log.filters[-1])) for f in log.filters) == 1
