@@ -149,9 +149,10 @@ def test_a_malformed_device_fails_at_config_time(device):
         TrainConfig(device=device)
 
 
-@pytest.mark.parametrize("key", ["attn_backend", "loss_backend"])
-def test_backend_typos_fail_at_config_time_with_the_choices(key):
-    with pytest.raises(ValueError, match=f"{key} must be one of auto, triton, cpu, reference; got 'trition'"):
+@pytest.mark.parametrize("key, choices", [("attn_backend", "auto, triton, cpu, reference"),
+                                         ("loss_backend", "auto, triton, cpu, reference, chunked")])
+def test_backend_typos_fail_at_config_time_with_the_choices(key, choices):
+    with pytest.raises(ValueError, match=f"{key} must be one of {choices}; got 'trition'"):
         load_config(None, [f"{key}=trition"])
 
 
