@@ -113,7 +113,8 @@ def test_host_reads_records_the_reads_fastprompt_makes():
 #: The modules a CUDA training step runs (the ops, their kernels' launchers, the model's packed path, the objectives,
 #: the step strategies and the trainer's step).
 CUDA_PATH = ["fastprompt/ops/attention.py", "fastprompt/ops/contrastive.py", "kernels/prefix_attention.py",
-             "kernels/contrastive_loss.py", "kernels/contrastive_chunked.py", "fastprompt/model/attention.py", "fastprompt/model/backbone.py",
+             "kernels/contrastive_loss.py", "kernels/contrastive_chunked.py", "fastprompt/model/attention.py",
+             "fastprompt/model/backbone.py",
              "fastprompt/methods/simcse/objective.py", "fastprompt/methods/skicse/objective.py",
              "fastprompt/train/steps.py", "fastprompt/train/grad_cache.py", "fastprompt/train/build.py",
              "fastprompt/data/collate.py"]
