@@ -40,10 +40,20 @@ def test_pin_script_rewrites_only_the_named_entries(tmp_path):
     pins.write_text(original, encoding="utf-8")
     names = sorted(CONFIG_DIR.glob("d2cse-*.yaml"))
     assert script.main([str(p) for p in names], pins) == 0
-    assert pins.read_text(encoding="utf-8") == original
-    edited = json.loads(original)
+    first = json.loads(pins.read_text(encoding="utf-8"))
+    before = json.loads(original)
+    # other entries stay as they were; a named entry keeps every pinned value (keys added to TrainConfig since
+    # the committed pin, such as frozen_cache, may join it)
+    assert {k: v for k, v in first.items() if not k.startswith("d2cse-")} == {
+        k: v for k, v in before.items() if not k.startswith("d2cse-")}
+    for p in names:
+        assert before[p.name].items() <= first[p.name].items()
+    pinned_once = pins.read_text(encoding="utf-8")
+    assert script.main([str(p) for p in names], pins) == 0
+    assert pins.read_text(encoding="utf-8") == pinned_once
+    edited = json.loads(pinned_once)
     edited["d2cse-unsup-minilm.yaml"]["epochs"] = 99.0
     pins.write_text(json.dumps(edited, indent=1) + "\n", encoding="utf-8")
     assert script.main([str(CONFIG_DIR / "d2cse-unsup-minilm.yaml")], pins) == 0
-    assert pins.read_text(encoding="utf-8") == original
+    assert pins.read_text(encoding="utf-8") == pinned_once
     assert script.main([], pins) == 2
