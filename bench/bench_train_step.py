@@ -14,6 +14,9 @@ over cosine similarities / 0.05), backward into the prefix, one AdamW step.
   [CLS] rows only (docs/speed.md).
 - ``fastprompt_padded``: the same step on the padded batch (packing off): what packing saves.
 - ``fastprompt_compiled``: the same with the encoder compiled (``torch.compile``, the trainer's ``run.compile``).
+- ``fastprompt_graphs`` (CUDA only): the trainer's ``cuda_graphs: true``: the batch padded to its graph width
+  (:func:`fastprompt.train.compile.graph_widths`), the encoder compiled with ``mode="reduce-overhead"``, so its
+  forward and backward replay as CUDA graphs.
 - ``peft``: ``peft.get_peft_model(AutoModel, PrefixTuningConfig(task_type="FEATURE_EXTRACTION"))``, the loss in
   plain PyTorch (what a PEFT user writes), AdamW on PEFT's prefix embedding. The baseline of the ratios.
 
@@ -89,7 +92,9 @@ from _harness import (
 )
 
 DEFAULT_CORPUS = ROOT.parent / "shared" / "data" / "corpus" / "wiki-sentences.txt"
-PROVIDERS = ("fastprompt", "fastprompt_padded", "fastprompt_compiled", "peft")
+PROVIDERS = ("fastprompt", "fastprompt_padded", "fastprompt_compiled", "fastprompt_graphs", "peft")
+#: providers that run on a CUDA device only (left out of the default list elsewhere)
+CUDA_ONLY = ("fastprompt_graphs",)
 MATMULS = ("matmul_ffn", "matmul_attn")  # the rate pseudo-providers of the timing process
 BASELINE = "peft"
 CONFIG_KEYS = ("model", "pairs", "seq", "prompt_length")
@@ -157,6 +162,7 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
     from fastprompt.model import PromptConfig, PromptEncoder
     from fastprompt.model.resolve import resolve_model_path
     from fastprompt.objectives import Method
+    from fastprompt.train.compile import compile_encoder, graph_widths
     from fastprompt.train.distributed import DistributedContext
     from fastprompt.train.steps import LossSide, PlainStep
 
@@ -187,7 +193,9 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
     def tokenize(texts, max_length):  # cut at `seq` tokens, padded to the batch's longest (or to exactly `seq`)
         return dict(tokenizer(texts, padding=padding, truncation=True, max_length=max_length, return_tensors="pt"))
 
-    batch = Collator(tokenize, seq)([(s,) for s in sentences(corpus, pairs)]).to(device)
+    graphs = provider == "fastprompt_graphs"
+    widths = graph_widths(seq) if graphs else None  # the trainer's cuda_graphs pads to a few widths
+    batch = Collator(tokenize, seq, pad_widths=widths)([(s,) for s in sentences(corpus, pairs)]).to(device)
     inputs = batch.model_inputs()
     sync = device_sync(device)
 
@@ -235,6 +243,8 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
         enc.pack_sequences(provider == "fastprompt" and enc.packing_refusal() is None)
         if provider == "fastprompt_compiled":
             enc.compile()
+        if graphs:  # the trainer's cuda_graphs: true
+            compile_encoder(enc, cuda_graphs=True)
 
         def loss_of():  # the trainer's forward of both views and its loss
             with autocast():
@@ -243,6 +253,8 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
 
         def train_step():  # PlainStep: forward of both views, the fused loss, backward
             optimizer.zero_grad(set_to_none=True)
+            if graphs:
+                torch.compiler.cudagraph_mark_step_begin()
             loss = plain(batch, step=0, seed=seed).loss
             optimizer.step()
             return float(loss)  # a read per step, as PEFT's side makes (the harness syncs each timed call anyway)
@@ -265,7 +277,9 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
             for p, p0 in zip(params, initial):
                 p.copy_(p0)
             module.eval()
-            out["loss_nodrop"] = float(loss_of())  # the compiled provider compiles its eval graph here
+            # the compiled provider compiles its eval graph here; the graphs' one runs it eagerly, as the trainer
+            with torch.compiler.set_stance("force_eager") if graphs else contextlib.nullcontext():
+                out["loss_nodrop"] = float(loss_of())
             module.train()
         return out
 
@@ -390,7 +404,8 @@ def main(argv=None):
                         "a trainer pads; max_length: every row exactly --seq tokens")
     p.add_argument("--prompt-length", type=int, default=16)
     p.add_argument("--dropout", type=float, default=0.1, help="the encoder's dropout in the timed steps")
-    p.add_argument("--providers", default=",".join(PROVIDERS))
+    p.add_argument("--providers", default=None,
+                   help=f"comma-separated, of {','.join(PROVIDERS)} (default: all; {','.join(CUDA_ONLY)} on CUDA only)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--repeats", type=int, default=3)
@@ -405,10 +420,15 @@ def main(argv=None):
 
     from fastprompt.model.resolve import resolve_model_path
 
-    providers = [s for s in args.providers.split(",") if s]
+    if args.providers is None:
+        providers = [pr for pr in PROVIDERS if args.device == "cuda" or pr not in CUDA_ONLY]
+    else:
+        providers = [s for s in args.providers.split(",") if s]
     unknown = set(providers) - set(PROVIDERS)
     if unknown:
         p.error(f"unknown providers {sorted(unknown)}; choose from {','.join(PROVIDERS)}")
+    if args.device != "cuda" and set(providers) & set(CUDA_ONLY):
+        p.error(f"{','.join(sorted(set(providers) & set(CUDA_ONLY)))} replays CUDA graphs: it needs --device cuda")
     if "peft" in providers:
         try:
             import peft  # noqa: F401

@@ -6,20 +6,23 @@ runs out of time does not stop the others):
 
 1. ``profile`` (1.0): the profile of one small training step (bench/profile_step.py: MiniLM's shape, 64 pairs x
    32 tokens): wall time against kernel time, launches, host reads and syncs, whether it captures into a CUDA graph;
-2. ``tune`` (2.5): ``fastprompt tune`` for both ops at the realistic sizes (the tiles and auto's backend choice per
+2. ``graphs`` (1.5): the training step at MiniLM's shape (random weights), 64 pairs x 32 tokens, fp32: fastprompt
+   packed (the default), padded and with ``cuda_graphs: true`` (its forward and backward replayed as CUDA graphs),
+   against PEFT prefix tuning: the issue's first target (at or below PEFT's time);
+3. ``tune`` (2.0): ``fastprompt tune`` for both ops at the realistic sizes (the tiles and auto's backend choice per
    shape class), written to the user's tuning folder and to bench/results/ (and, to commit, into
    kernels/configs/); its candidates come AOT-filtered for sm_90 from bench/tune_plan_sm90.json (made on the CPU:
    ``fastprompt tune --dry-run --cc 90 --max-candidates 4 --output bench/tune_plan_sm90.json``), so the GPU's minutes
    go to timing;
-3. ``loss`` (1.5): the contrastive loss at N = 16,384 and 65,536, d = 768, bf16, against eager PyTorch and the
+4. ``loss`` (1.5): the contrastive loss at N = 16,384 and 65,536, d = 768, bf16, against eager PyTorch and the
    chunked-matmul loss (bench/bench_contrastive_loss.py);
-4. ``train_step`` (2.0): the training step of a random-weight bert-base (its shape, no download) at 256 pairs x 64
+5. ``train_step`` (1.5): the training step of a random-weight bert-base (its shape, no download) at 256 pairs x 64
    tokens, bf16 autocast, against PEFT prefix tuning (bench/bench_train_step.py).
 
 The CUDA test suite (``pytest -m cuda``, ~4.5 min: Triton compiles every specialisation) runs after, in a second
 call, if time remains: ``bash scripts/gpu_check.sh tests``.
 
-    python bench/gpu_kit.py                      # on the GPU machine: the four steps, ~7 min
+    python bench/gpu_kit.py                      # on the GPU machine: the five steps, ~7.5 min
     python bench/gpu_kit.py --only profile loss  # some steps
     python bench/gpu_kit.py --dry-run            # anywhere: the same sequence at smoke sizes on the CPU
 
@@ -58,8 +61,15 @@ STEPS = [
          ["{py}", "bench/profile_step.py", "--device", "cuda", "--out", "{out}/profile_step_cuda.json"],
          ["{py}", "bench/profile_step.py", "--shape", "tiny", "--pairs", "8", "--seq", "16", "--warmup", "1",
           "--steps", "1", "--repeats", "1", "--out", "{out}/profile_step_cpu.json"]),
-    Step("tune", 2.5, "fastprompt tune: tiles and auto's backend per shape class, both ops",
-         ["{py}", "-m", "fastprompt", "tune", "--sizes", "realistic", "--max-minutes", "2.3", "--max-candidates", "4",
+    Step("graphs", 1.5, "MiniLM's shape at 64 pairs x 32 tokens: eager, padded and cuda_graphs steps vs PEFT",
+         ["{py}", "bench/bench_train_step.py", "--device", "cuda", "--model", "random-minilm", "--batches", "64",
+          "--seq", "32", "--repeats", "5", "--no-memory", "--profile", "none", "--providers",
+          "fastprompt,fastprompt_padded,fastprompt_graphs,peft", "--out", "{out}/train_step_graphs_minilm_cuda.csv"],
+         ["{py}", "bench/bench_train_step.py", "--model", "random-tiny", "--batches", "4", "--seq", "16",
+          "--repeats", "1", "--no-memory", "--profile", "none", "--providers", "fastprompt_padded,peft",
+          "--out", "{out}/train_step_graphs_smoke_cpu.csv"]),
+    Step("tune", 2.0, "fastprompt tune: tiles and auto's backend per shape class, both ops",
+         ["{py}", "-m", "fastprompt", "tune", "--sizes", "realistic", "--max-minutes", "1.8", "--max-candidates", "4",
           "--plan", "bench/tune_plan_sm90.json", "--output", "{out}/tuning_cuda.json"],
          ["{py}", "-m", "fastprompt", "tune", "--sizes", "realistic", "--dry-run", "--max-candidates", "4",
           "--output", "{out}/tuning_plan.json"]),
@@ -67,7 +77,7 @@ STEPS = [
          ["{py}", "bench/bench_contrastive_loss.py", "--device", "cuda", "--n", "16384", "65536", "--d", "768",
           "--dtype", "bf16", "--out", "{out}/contrastive_loss_bf16_cuda.csv"],
          ["{py}", "bench/bench_contrastive_loss.py", "--smoke", "--out", "{out}/contrastive_loss_smoke_cpu.csv"]),
-    Step("train_step", 2.0, "bert-base (random weights) at 256 pairs x 64 tokens, bf16, vs PEFT",
+    Step("train_step", 1.5, "bert-base (random weights) at 256 pairs x 64 tokens, bf16, vs PEFT",
          ["{py}", "bench/bench_train_step.py", "--device", "cuda", "--model", "random-bert-base", "--batches", "256",
           "--seq", "64", "--precision", "bf16", "--repeats", "5", "--no-memory", "--profile", "none",
           "--providers", "fastprompt,peft", "--out", "{out}/train_step_bert_base_bf16_cuda.csv"],

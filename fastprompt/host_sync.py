@@ -53,7 +53,8 @@ def host_side():
 def checks_stay_on_device(*tensors: torch.Tensor | None) -> bool:
     """Whether a value check of ``tensors`` must not read them on the host: some are CUDA tensors, torch.compile
     is tracing, or :func:`sync_free` is on."""
-    return (_SYNC_FREE.get() or torch.compiler.is_compiling()
+    # is_compiling() first: Dynamo cannot trace a ContextVar's get (a graph break), and need not when compiling
+    return (torch.compiler.is_compiling() or _SYNC_FREE.get()
             or any(t is not None and t.device.type != "cpu" for t in tensors))
 
 

@@ -156,3 +156,12 @@ def test_bench_writes_every_point(bench, tiny_bert_dir, tmp_path):
         assert ms["matmul"] > 0 and bench.UNATTRIBUTED in parts
         # every category rounded to 0.1 ms: the sum is off the step's wall time by at most 0.05 ms each
         assert sum(parts.values()) == pytest.approx(ms["step"], abs=0.05 * len(parts) + 1e-6)
+
+
+def test_the_cuda_graphs_provider_needs_a_gpu(bench):
+    """``fastprompt_graphs`` (the trainer's cuda_graphs: true) replays CUDA graphs: asked for on the CPU it is
+    refused before any work, and the CPU's default list leaves it out."""
+    proc = subprocess.run([sys.executable, str(BENCH), "--providers", "fastprompt,fastprompt_graphs"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "fastprompt_graphs replays CUDA graphs: it needs --device cuda" in proc.stderr
+    assert "fastprompt_graphs" in bench.PROVIDERS and bench.CUDA_ONLY == ("fastprompt_graphs",)

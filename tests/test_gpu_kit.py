@@ -21,7 +21,7 @@ from fastprompt.ops import tune  # noqa: E402
 
 
 def test_the_kit_fits_well_under_eight_minutes_and_is_ordered_by_value():
-    assert [s.name for s in gpu_kit.STEPS] == ["profile", "tune", "loss", "train_step"]
+    assert [s.name for s in gpu_kit.STEPS] == ["profile", "graphs", "tune", "loss", "train_step"]
     assert sum(s.minutes for s in gpu_kit.STEPS) <= gpu_kit.BUDGET_MINUTES < 8
     for step in gpu_kit.STEPS:  # the GPU commands name the device and write under the results folder
         assert "cuda" in " ".join(step.gpu) and any("{out}/" in a for a in step.gpu)
@@ -54,7 +54,7 @@ def test_the_dry_run_executes_every_step_at_smoke_sizes(tmp_path):
     assert profile["wall_ms"] > 0 and profile["launches"] > 0 and profile["host_reads"] == []
     plan = json.loads((tmp_path / "tuning_plan.json").read_text())
     assert {c["case"].split()[0] for c in plan["cases"]} == {"prefix_attention", "contrastive_loss"}
-    for name in ("contrastive_loss_smoke_cpu.csv", "train_step_smoke_cpu.csv"):
+    for name in ("contrastive_loss_smoke_cpu.csv", "train_step_smoke_cpu.csv", "train_step_graphs_smoke_cpu.csv"):
         assert len((tmp_path / name).read_text().splitlines()) >= 3, name
 
 

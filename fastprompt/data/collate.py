@@ -143,12 +143,15 @@ class Collator:
         ``pad_token_id``.
     text_ids: also give the batch its rows' text ids (``Batch.text_ids``). A padding negative
         (:data:`~fastprompt.data.retrieval.PAD_TEXT`) is tokenised as an empty text.
+    pad_widths: ascending widths a batch is right-padded to: the smallest that holds its longest row (a batch
+        wider than all of them keeps its width). None: the longest row's width. A few fixed widths let a CUDA graph
+        per width replay every batch (``cuda_graphs``); the padding is masked, so the maths stays the same.
     """
 
     def __init__(self, tokenize: Callable[[list[str], int], dict], max_length: int = 32, *,
                  columns: Sequence[str] | None = None, views: Sequence[str] | None = None,
                  view_tokenize: Sequence[Callable | None] | None = None, pad_token_id: int = 0,
-                 text_ids: bool = False):
+                 text_ids: bool = False, pad_widths: Sequence[int] | None = None):
         if max_length < 2:
             raise ValueError(f"max_length must be >= 2 (room for the special tokens), got {max_length}")
         if not callable(tokenize):
@@ -164,6 +167,20 @@ class Collator:
             raise ValueError("view_tokenize needs views= and one entry (a function or None) per view")
         self.pad_token_id = pad_token_id
         self.text_ids = text_ids
+        self.pad_widths = pad_widths
+
+    @property
+    def pad_widths(self) -> tuple[int, ...] | None:
+        return self._pad_widths
+
+    @pad_widths.setter
+    def pad_widths(self, widths: Sequence[int] | None) -> None:
+        if widths is not None:
+            widths = tuple(widths)
+            if not widths or any(not isinstance(w, int) or w < 1 for w in widths) or list(widths) != sorted(
+                    set(widths)):
+                raise ValueError(f"pad_widths must be ascending positive ints, got {widths}")
+        self._pad_widths = widths
 
     def __call__(self, rows: Sequence[tuple[str, ...]]) -> Batch:
         if not rows:
@@ -192,6 +209,8 @@ class Collator:
                                   if k in ("input_ids", "attention_mask", "token_type_ids")}
         parts = [encoded[col, fn or self.tokenize] for col, fn in zip(views, fns)]
         width_tokens = max(p["input_ids"].shape[1] for p in parts)
+        if self.pad_widths is not None:
+            width_tokens = next((w for w in self.pad_widths if w >= width_tokens), width_tokens)
         keys = [k for k in ("input_ids", "attention_mask", "token_type_ids") if all(k in p for p in parts)]
         out = {k: torch.cat([_pad_right(p[k], width_tokens, self.pad_token_id if k == "input_ids" else 0)
                              for p in parts]) for k in keys}

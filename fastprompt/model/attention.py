@@ -38,6 +38,8 @@ from transformers import AttentionInterface, DynamicCache
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, eager_mask
 
+from fastprompt.host_sync import checks_stay_on_device
+
 ATTN_IMPLEMENTATION = "fastprompt"
 _CACHE_KEYWORDS: dict[type, str] = {}
 
@@ -253,8 +255,15 @@ def packed_offsets() -> torch.Tensor | None:
 
 
 def _mask(*args, **kwargs):
-    """The registered mask builder: eager attention's additive float mask, none for a packed batch."""
-    return None if _PACKED.offsets is not None else eager_mask(*args, **kwargs)
+    """The registered mask builder: eager attention's additive float mask, none for a packed batch. On the CUDA
+    path it never skips the mask of a batch without padding: finding that out reads the mask on the host
+    (transformers' ``padding_mask.all()``), a wait for the GPU in every forward (docs/gpu.md, "The host path")."""
+    if _PACKED.offsets is not None:
+        return None
+    mask = kwargs.get("attention_mask")
+    if kwargs.get("allow_is_bidirectional_skip") and mask is not None and checks_stay_on_device(mask):
+        kwargs["allow_is_bidirectional_skip"] = False
+    return eager_mask(*args, **kwargs)
 
 
 def check_prefix_consumed(prefixed, served, model_name: str) -> None:

@@ -246,7 +246,8 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
         if input_ids.dim() != 2 or attention_mask.shape != input_ids.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and attention_mask "
                              f"{tuple(attention_mask.shape)} must both be (batch, seq_len)")
-        if not self._speed_checked:
+        # (not while torch.compile traces: the flag's flip would be a guard, and compile the forward again)
+        if not torch.compiler.is_compiling() and not self._speed_checked:
             self._speed_checked = True
             device = self.device
             autocast = torch.is_autocast_enabled(device.type)

@@ -193,10 +193,10 @@ def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device, total_steps
         encoder.gradient_checkpointing_enable()
     packed = cfg.encoder.packed
     if packed is None:  # auto: a compiled encoder would recompile for every packed length (and break its graph)
-        packed = cfg.run.compile is not True and encoder.packing_refusal() is None
+        packed = cfg.run.compile is not True and not cfg.run.cuda_graphs and encoder.packing_refusal() is None
     encoder.pack_sequences(packed)
     if resolve_compile(cfg, encoder, device, total_steps, packed=packed):
-        compile_encoder(encoder)
+        compile_encoder(encoder, cuda_graphs=cfg.run.cuda_graphs)
     return encoder
 
 
@@ -228,15 +228,23 @@ def _method_hook(cfg: TrainConfig, hook: str, *args):
 
 def build_collator(cfg: TrainConfig, encoder, examples: TrainExamples, method: Method) -> Collator:
     """The collator of a dataset's rows (a method's own, e.g. PromptBERT's templates, when the config asks for
-    it); with text ids (``Batch.text_ids``) when the loss masks by them."""
+    it); with text ids (``Batch.text_ids``) when the loss masks by them; padding to a few fixed widths with
+    ``cuda_graphs``."""
     views = method.sentence.views_for(examples.columns)
     ids = needs_text_ids(cfg, examples)
-    own = _method_hook(cfg, "collator", encoder, examples.columns, views, ids)
-    if own is not None:
-        return own
-    pad = encoder.tokenizer.pad_token_id
-    return Collator(encoder.tokenize, cfg.data.max_length, columns=examples.columns, views=views,
-                    pad_token_id=pad if pad is not None else 0, text_ids=ids)
+    collator = _method_hook(cfg, "collator", encoder, examples.columns, views, ids)
+    if collator is None:
+        pad = encoder.tokenizer.pad_token_id
+        collator = Collator(encoder.tokenize, cfg.data.max_length, columns=examples.columns, views=views,
+                            pad_token_id=pad if pad is not None else 0, text_ids=ids)
+    if cfg.run.cuda_graphs:  # a few static widths, one CUDA graph each (train.compile.graph_widths)
+        from fastprompt.train.compile import graph_widths
+
+        if not isinstance(collator, Collator):
+            raise ValueError(f"cuda_graphs: true pads batches to a few widths, which this method's collator "
+                             f"({type(collator).__name__}, not a fastprompt Collator) cannot do")
+        collator.pad_widths = graph_widths(cfg.data.max_length)
+    return collator
 
 
 def needs_text_ids(cfg: TrainConfig, examples: TrainExamples) -> bool:

@@ -12,9 +12,17 @@ draws a per-example copy of every layer's prefix, elementwise work Inductor fuse
 
 :func:`compile_encoder` compiles it: the forward traces whole, without a graph break (a test keeps it so), and
 Dynamo's recompile-limit warning is one line.
+
+``cuda_graphs: true`` (:func:`check_cuda_graphs`, :func:`graph_widths`, :func:`eager_outside_training`) compiles it
+with ``mode="reduce-overhead"``: Inductor replays each training forward and backward as a CUDA graph, one launch
+instead of hundreds, which is what a launch-bound GPU step needs. A graph holds one set of shapes, so the batches are
+padded to at most eight widths (the rows' count varies only for a last, smaller batch; one compilation with dynamic
+shapes, a graph recorded per shape); the host path reads nothing back (fastprompt.host_sync), the
+dropout seeds are drawn on the device, and the evaluations run the encoder eagerly (their widths vary per batch).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from .flops import step_flops
@@ -42,6 +50,8 @@ def resolve_compile(config, encoder, device, steps: int, packed: bool = False) -
     """Whether to ``torch.compile`` the encoder for a run of ``steps`` optimisation steps (its total, so that a
     resumed run decides as the uninterrupted one did) on ``device``; ``packed``: the encoder runs packed batches."""
     setting = config.run.compile
+    if config.run.cuda_graphs:  # the graphs are torch.compile's (check_cuda_graphs refused compile: false)
+        return True
     if setting is not None:
         return bool(setting)
     if getattr(device, "type", str(device)) != "cpu":
@@ -59,18 +69,65 @@ def resolve_compile(config, encoder, device, steps: int, packed: bool = False) -
     return on
 
 
-def compile_encoder(encoder) -> None:
+def compile_encoder(encoder, cuda_graphs: bool = False) -> None:
     """``torch.compile`` the encoder in place (parameter names, checkpoints and the module stay), with what its
     graphs read prepared beforehand: the C++ kernels' extension imported once (the fused ops import it on first
     use, and an import inside the traced forward broke the graph at every fused op). Dynamo's multi-line warning
-    that a function reached its recompile limit becomes one line (:class:`OneLineRecompileLimit`)."""
+    that a function reached its recompile limit becomes one line (:class:`OneLineRecompileLimit`).
+    ``cuda_graphs``: Inductor's CUDA graphs (``mode="reduce-overhead"``) around the compiled forward and backward."""
     from fastprompt.ops import _cpp
 
     _cpp.available()
     dynamo_log = logging.getLogger(DYNAMO_LOGGER)
     if not any(isinstance(f, OneLineRecompileLimit) for f in dynamo_log.filters):
         dynamo_log.addFilter(OneLineRecompileLimit())
-    encoder.compile()
+    if cuda_graphs:
+        # dynamic shapes from the first call: one compilation serves every width and row count (automatic dynamic
+        # shapes would compile up to three times: static, then the width, then the rows dynamic)
+        encoder.compile(mode="reduce-overhead", dynamic=True)
+    else:
+        encoder.compile()
+
+
+#: The most padded widths a ``cuda_graphs`` run's batches take (a graph is recorded per width and row count).
+MAX_GRAPH_WIDTHS = 8
+
+
+def graph_widths(max_length: int) -> tuple[int, ...]:
+    """The widths a ``cuda_graphs`` run pads its batches to: multiples of ``max(8, max_length / 8)`` tokens up to
+    ``max_length`` (at most :data:`MAX_GRAPH_WIDTHS`, and max_length itself), so a batch carries at most an eighth
+    of ``max_length`` more padding than its longest row needs (masked: the same maths). A batch wider than
+    ``max_length`` (a template's tokens on top, PromptBERT) keeps its own width, a shape of its own."""
+    step = max(8, -(-max_length // MAX_GRAPH_WIDTHS))
+    return tuple(sorted({*range(step, max_length, step), max_length}))
+
+
+def check_cuda_graphs(config, device) -> None:
+    """Refuse ``cuda_graphs: true`` where it cannot apply, before the model loads: on any device but a GPU (what
+    it captures are CUDA graphs); the settings that rule it out whatever the device are refused by the config
+    itself (:meth:`fastprompt.train.config.TrainConfig.validate`: the gradient cache, packed batches, compile:
+    false)."""
+    if config.run.cuda_graphs and getattr(device, "type", str(device)) != "cuda":
+        raise ValueError(f"cuda_graphs: true captures CUDA graphs and needs a CUDA device; this run is on "
+                         f"{device} (device: {config.run.device}): set cuda_graphs: false, or run on a GPU")
+
+
+def eager_outside_training(config):
+    """A context in which a ``cuda_graphs`` run's compiled encoder runs eagerly: the evaluations and the collapse
+    probe, whose batch widths vary (each would record a graph of its own); a no-op context otherwise."""
+    if config.run.cuda_graphs:
+        import torch
+
+        return torch.compiler.set_stance("force_eager")
+    return contextlib.nullcontext()
+
+
+def mark_step(config) -> None:
+    """Tell Inductor's CUDA graphs that a training step begins (their outputs of the last step may be reused)."""
+    if config.run.cuda_graphs:
+        import torch
+
+        torch.compiler.cudagraph_mark_step_begin()
 
 
 #: The logger of torch._dynamo's "hit config.recompile_limit" warning.

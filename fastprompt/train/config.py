@@ -201,6 +201,10 @@ class RunConfig(Section):
                                   "runs of an unpacked encoder with prompt_dropout > 0 long enough to pay back the "
                                   "compilation "
                                   "(docs/speed.md)", identity=False)
+    cuda_graphs: bool = option(False, "replay each training forward and backward as a CUDA graph (torch.compile "
+                               "with mode reduce-overhead; batches padded to at most 8 widths): fewer launches on a "
+                               "GPU; CUDA only, not with the gradient cache, packed batches or compile: false "
+                               "(docs/gpu.md)", identity=False)
     max_nonfinite_steps: int = option(5, "stop after this many consecutive non-finite losses (each is skipped)",
                                       gt=0, identity=False)
     output_dir: str = option("runs/fastprompt", "folder of the checkpoints (best/, last/), logs and summary",
@@ -422,6 +426,18 @@ class TrainConfig:
         if 0 < budget < max_length:
             raise ValueError(f"max_tokens_per_micro_batch={budget} must be >= max_length ({max_length}): a "
                              "micro-batch holds at least one whole sequence")
+        if self.run.cuda_graphs:  # (the device is checked when the run starts: train.compile.check_cuda_graphs)
+            if self.large_batch.enabled:
+                raise ValueError("cuda_graphs: true records one graph per batch shape; the gradient cache "
+                                 "(micro_batch_size / max_tokens_per_micro_batch) splits batches into micro-batches "
+                                 "of varying rows and widths and runs each forward twice: turn one of them off")
+            if self.encoder.packed:
+                raise ValueError("cuda_graphs: true needs a few static shapes: packed batches change their token "
+                                 "count with every batch; set packed: false (or null, which cuda_graphs resolves "
+                                 "to false)")
+            if self.run.compile is False:
+                raise ValueError("cuda_graphs: true replays the graphs torch.compile builds (mode reduce-overhead): "
+                                 "compile: false contradicts it; leave compile null or set it true")
         for method in METHODS.values():
             if method.check is not None:
                 method.check(self)

@@ -23,6 +23,7 @@ import numpy as np
 
 from fastprompt.choices import TEMPLATE_POOLERS
 from fastprompt.train.collapse import embedding_spread
+from fastprompt.train.compile import eager_outside_training
 from fastprompt.train.progress import LoggedEncoder
 
 logger = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class Evaluator:
         the check is off. Reads no random numbers and changes no state, so resuming stays bit for bit."""
         if not self.config.run.collapse_ratio or len(self.probe) < 2:
             return None
-        with self.autocast():
+        with self.autocast(), eager_outside_training(self.config):
             z = self.encoder.encode(self.probe, batch_size=len(self.probe), normalize=False, convert_to_numpy=False,
                                     show_progress_bar=False, max_length=self.config.data.max_length)
         return embedding_spread(z)
@@ -166,7 +167,7 @@ class Evaluator:
         show = what is not None and (run.progress_bar if run.progress_bar is not None else sys.stderr.isatty())
         if what is not None and not show:
             model = LoggedEncoder(model, what)
-        with self.eval_autocast():
+        with self.eval_autocast(), eager_outside_training(self.config):
             return encode_pairs(model, datasets, batch_size=self.config.evaluation.eval_batch_size,
                                 show_progress_bar=show, known=known)
 

@@ -97,14 +97,15 @@ class LossSide:
         self.method, self.encoder, self.dist = method, encoder, dist
         # model inputs -> pre-head vectors (rows, H); PromptBERT's views pool each row at its own template
         self.embed = embed or functools.partial(encoder, head=False)
-        # the encoder's own forward takes the rows' host-side lengths (no read of the mask on the GPU)
+        # the encoder's own forward takes the rows' host-side lengths (a packed forward's, so that it never reads the
+        # mask on the GPU; an unpacked forward does not need them, and a compiled one would guard on their count)
         self._embed_takes_lengths = embed is None
         self.autocast = autocast
         self.loss_scale = loss_scale or (lambda loss: loss)
 
     def embed_rows(self, *, lengths: tuple[int, ...] | None = None, **inputs: torch.Tensor) -> torch.Tensor:
         """Pre-head vectors of some rows; ``lengths``: their real-token counts on the host (``Batch.lengths``)."""
-        if self._embed_takes_lengths and lengths is not None:
+        if self._embed_takes_lengths and lengths is not None and getattr(self.encoder, "packed", False):
             return self.embed(**inputs, lengths=lengths)
         return self.embed(**inputs)
 

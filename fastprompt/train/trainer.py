@@ -35,6 +35,7 @@ from fastprompt.objectives.base import TokenTerm
 from fastprompt.train import build, preflight
 from fastprompt.train.checkpoints import RunDirectory, data_fingerprint
 from fastprompt.train.collapse import SPREAD_STAT, CollapseMonitor
+from fastprompt.train.compile import check_cuda_graphs, mark_step
 from fastprompt.train.config import TrainConfig, load_config, save_config
 from fastprompt.train.distributed import init_distributed
 from fastprompt.train.evaluation import Evaluator, frozen_summary, probe_sentences
@@ -198,6 +199,7 @@ class Trainer:
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         self.dist = init_distributed(cfg.run.device)  # a device this machine lacks fails here, before any loading
+        check_cuda_graphs(cfg, self.dist.device)
         if self.dist.is_main:  # one run per output_dir: a second one is refused before it writes anything
             preflight.check_output_dir(self.output_dir)
             self.run_dir.check_target(cfg.run.overwrite_output_dir)  # a user's own files are never replaced unasked
@@ -307,6 +309,7 @@ class Trainer:
         """Forward, loss and backward of one batch; leaves this process's gradients in ``.grad`` (not applied).
 
         A non-finite sentence loss is returned without a backward pass."""
+        mark_step(self.config)  # cuda_graphs: a new step of the recorded graphs
         return self.step(batch, self.state.global_step, seed)
 
     def optimizer_step(self, finite_loss: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
