@@ -13,17 +13,21 @@ Providers (each runs one fwd+bwd of the same loss on the same inputs):
   exceeds ``--max-ref-gb``.
 
 Two losses: ``simcse`` (z1, z2: in-batch InfoNCE) and ``promcse`` (z1, z2, z3 hard negatives + the energy-based hinge,
-weight 10; M = 2N columns). Every point measures its providers with bench/_harness.py: the time of fwd+bwd (all
-providers alternating in one fresh process; median and 20th/80th percentiles) and the peak memory of one fwd+bwd
-above the inputs (a fresh process per provider; the gradients count). ``tflops`` is the useful work over the median
-time: 3 products of 2·N·M·d (S = X·Cᵀ, dS·C, dSᵀ·X), whatever a provider does to get there (the streaming or
-recomputing paths do 4-5); ``peak_fraction`` that over the GPU's dense peak for the dtype (bf16/fp16; ``tf32``: fp32
-inputs with TF32 allowed; ``fp32``: exact, the FMA peak; empty on the CPU). Ratios are provider / reference.
+weight 10; M = 2N columns); with ``--options``, ``simcse`` and each of the loss's options alone on top of it
+(:data:`OPTIONS`: symmetric, hardness weighting, the false-negative mask by text ids, GISTEmbed's margin mask by the
+model's own and by a guide's cosines, Matryoshka at four dimensions). Every point measures its providers with
+bench/_harness.py: the time of fwd+bwd (all providers alternating in one fresh process; median and 20th/80th
+percentiles) and the peak memory of one fwd+bwd above the inputs (a fresh process per provider; the gradients count).
+``tflops`` is the useful work over the median time: 3 products of 2·N·M·d (S = X·Cᵀ, dS·C, dSᵀ·X), whatever a provider
+does to get there (the streaming or recomputing paths do 4-5); ``peak_fraction`` that over the GPU's dense peak for
+the dtype (bf16/fp16; ``tf32``: fp32 inputs with TF32 allowed; ``fp32``: exact, the FMA peak; empty on the CPU).
+Ratios are provider / reference.
 
     python bench/bench_contrastive_loss.py                       # CPU grid -> results/contrastive_loss_cpu.csv
     python bench/bench_contrastive_loss.py --smoke               # tiny sizes (the test suite's run)
     python bench/bench_contrastive_loss.py --device cuda         # bf16 and tf32, N = 4k/16k/65k, d = 768/1024
     python bench/bench_contrastive_loss.py --device cuda --n 65536 --d 768 --dtype bf16 --loss simcse
+    python bench/bench_contrastive_loss.py --options --n 16384 --d 768 --providers fused reference  # per option
 """
 from __future__ import annotations
 
@@ -38,7 +42,7 @@ import torch.nn.functional as F
 from _harness import add_ratios, machine, markdown_table, results_path, run_fresh, write_results
 from tqdm import tqdm
 
-from fastprompt.ops import _cpp, contrastive_loss
+from fastprompt.ops import Guide, _cpp, contrastive_loss
 
 logger = logging.getLogger("bench_contrastive_loss")
 
@@ -46,6 +50,23 @@ LOSSES = {
     "simcse": dict(z3=False, kw=dict(temperature=0.05)),
     "promcse": dict(z3=True, kw=dict(temperature=0.05, hinge_weight=10.0, hinge_margin=0.2)),
 }
+#: The loss's options, each alone on top of ``simcse`` (``--loss`` takes their names too; not in the default
+#: grid): what each costs in time and memory against the reference with the same option. ``extra(n, d, device)``
+#: builds the option's tensor arguments (text ids with repeats, a guide model's embeddings).
+OPTIONS = {
+    "simcse+symmetric": dict(kw=dict(symmetric=True)),
+    "simcse+hardness": dict(kw=dict(hardness_mode="in_batch_negatives", hardness_strength=5.0)),
+    "simcse+fn_ids": dict(kw=dict(), extra=lambda n, d, device: dict(  # every 8th text repeats another row's
+        column_ids=torch.arange(n, device=device).masked_fill(torch.arange(n, device=device) % 8 == 7, 0))),
+    "simcse+fn_margin": dict(kw=dict(fn_margin=0.1)),
+    "simcse+guide": dict(kw=dict(fn_margin=0.1), extra=lambda n, d, device: dict(guide=Guide(
+        *(torch.randn(n, 384, generator=torch.Generator(device=device).manual_seed(s), device=device)
+          for s in (1, 2))))),
+    "simcse+matryoshka": dict(kw=dict(), extra=lambda n, d, device: dict(
+        matryoshka_dims=[d // 8, d // 4, d // 2, d])),
+}
+for _name, _opt in OPTIONS.items():
+    LOSSES[_name] = dict(z3=False, kw=dict(LOSSES["simcse"]["kw"], **_opt["kw"]), extra=_opt.get("extra"))
 #: provider -> backend of contrastive_loss (None: the plain-PyTorch chunked loss of this file)
 PROVIDERS = {"fused": "cpu", "triton": "triton", "chunked": "chunked", "torch_chunked": None,
              "reference": "reference"}
@@ -126,24 +147,29 @@ def setup(provider: str, loss: str, dtype: str, n: int, d: int, device: str):
         return [torch.randn(rows, d, generator=g, device=device).to(DTYPES[dtype]).requires_grad_()
                 for _ in range(count)]
 
-    def run(zs):
+    def extra(rows):
+        return cfg["extra"](rows, d, device) if cfg.get("extra") else {}
+
+    def run(zs, kw):
         for z in zs:
             z.grad = None
         if provider == "torch_chunked":
+            if kw or cfg["kw"].keys() - {"temperature", "hinge_weight", "hinge_margin"}:
+                raise ValueError(f"torch_chunked has the InfoNCE and the hinge only, not {loss}'s option")
             torch_chunked_loss(*zs, **cfg["kw"]).backward()
         else:
-            contrastive_loss(*zs, backend=PROVIDERS[provider], **cfg["kw"]).backward()
+            contrastive_loss(*zs, backend=PROVIDERS[provider], **cfg["kw"], **kw).backward()
 
-    run(inputs(16))
-    zs = inputs(n)
-    return lambda: run(zs)
+    run(inputs(16), extra(16))
+    zs, kw = inputs(n), extra(n)
+    return lambda: run(zs, kw)
 
 
 def reference_gb(loss: str, n: int) -> float:
     """Rough peak of the reference: ~5 live (N x M) fp32 matrices at once (cosines, logits, softmax and
     their gradients; the hinge adds a masked copy)."""
     m = n * (2 if LOSSES[loss]["z3"] else 1)
-    return (6 if loss == "promcse" else 5) * n * m * 4 / 2**30
+    return (5 if loss == "simcse" else 6) * n * m * 4 / 2**30  # an option's mask or weights: one more
 
 
 def useful_flops(loss: str, n: int, d: int) -> int:
@@ -177,7 +203,9 @@ def main(argv=None) -> int:
     p.add_argument("--n", type=int, nargs="+", default=None,
                    help="rows (default: CPU 1024..32768; CUDA 4096 16384 65536)")
     p.add_argument("--d", type=int, nargs="+", default=None, help="width (default: CPU 384 768; CUDA 768 1024)")
-    p.add_argument("--loss", nargs="+", default=None, choices=sorted(LOSSES), help="default: both")
+    p.add_argument("--loss", nargs="+", default=None, choices=list(LOSSES),
+                   help="default: simcse and promcse; simcse+<option>: one of the loss's options (--options: all)")
+    p.add_argument("--options", action="store_true", help="the loss's options, each on top of simcse, and simcse")
     p.add_argument("--dtype", nargs="+", default=None, choices=sorted(DTYPES),
                    help="input dtypes; tf32: fp32 inputs with TF32 allowed (default: CPU fp32; CUDA bf16 tf32)")
     p.add_argument("--providers", nargs="+", default=None, choices=sorted(PROVIDERS),
@@ -195,7 +223,7 @@ def main(argv=None) -> int:
         for name, value in SMOKE.items():
             if not getattr(args, name):
                 setattr(args, name, value)
-    args.loss = args.loss or sorted(LOSSES)
+    args.loss = args.loss or (["simcse", *OPTIONS] if args.options else ["promcse", "simcse"])
     args.n = args.n or ([4096, 16384, 65536] if cuda else [1024, 2048, 4096, 8192, 16384, 32768])
     args.d = args.d or ([768, 1024] if cuda else [384, 768])
     args.dtype = args.dtype or (["bf16", "tf32"] if cuda else ["fp32"])

@@ -38,3 +38,22 @@ def test_op_bench_measures_every_provider(script, tmp_path):
             assert float(r["tflops"]) > 0 and r["peak_fraction"] == "", r
     assert next(r for r in rows if r["provider"] == baseline)["time_vs_baseline"] == "1.0"
     assert json.loads(out.with_suffix(".json").read_text())["command"].startswith(f"python bench/{script} ")
+
+
+def test_the_loss_bench_measures_each_option_against_the_reference_with_it(tmp_path):
+    """``--options``: simcse and each of the loss's options alone on top of it, the fused op and the reference
+    with the same option, each option's row divided by its own reference (issue 40, item 21's per-option table)."""
+    sys.path.insert(0, str(BENCH))
+    import bench_contrastive_loss as bench
+
+    out = tmp_path / "options.csv"
+    proc = subprocess.run([sys.executable, str(BENCH / "bench_contrastive_loss.py"), "--options", "--n", "24",
+                           "--d", "16", "--repeats", "1", "--providers", "fused", "reference", "--out", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = list(csv.DictReader(out.open()))
+    assert [(r["loss"], r["provider"]) for r in rows] == [
+        (loss, p) for loss in ["simcse", *bench.OPTIONS] for p in ("fused", "reference")]
+    for r in rows:
+        assert float(r["median_ms"]) > 0 and float(r["peak_mb"]) >= 0 and r["baseline"] == "reference"
+        assert r["time_vs_baseline"] == "1.0" if r["provider"] == "reference" else float(r["time_vs_baseline"]) > 0
