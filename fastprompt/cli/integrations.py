@@ -10,16 +10,18 @@ from pathlib import Path
 from fastprompt.choices import PAPER_POOLER_TYPES, POOLERS
 from fastprompt.cli.options import add_trust_remote_code_arg
 
-EXPORT_FORMATS = ("sentence-transformers", "peft")
+EXPORT_FORMATS = ("sentence-transformers", "peft", "onnx")
 IMPORT_FORMATS = ("promcse", "dcpcse", "peft")
 
 EXPORT_EPILOG = """\
 examples:
   fastprompt export --prompt runs/quickstart/best --to sentence-transformers --output st-model
   fastprompt export --prompt runs/quickstart/best --to peft --output peft-adapter
+  fastprompt export --prompt runs/quickstart/best --to onnx --output onnx-model
 
 A sentence-transformers folder loads with SentenceTransformer("st-model", trust_remote_code=True) where fastprompt
-is installed; a PEFT folder with PeftModel.from_pretrained(AutoModel.from_pretrained(base), "peft-adapter").
+is installed; a PEFT folder with PeftModel.from_pretrained(AutoModel.from_pretrained(base), "peft-adapter"); an ONNX
+folder (model.onnx, tokenizer, fastprompt_onnx.json) with onnxruntime alone, no PyTorch (docs/deploy.md).
 """
 
 IMPORT_EPILOG = """\
@@ -41,36 +43,55 @@ def _check_output(output: str, *sources: str | None) -> None:
 
 def add_export_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "export", help="write a prompt checkpoint as a sentence-transformers model or a PEFT adapter",
+        "export", help="write a prompt checkpoint as a sentence-transformers model, a PEFT adapter or an ONNX graph",
         description="Convert a prompt checkpoint for use outside fastprompt. sentence-transformers: a model folder "
                     "(backbone, prompt, pooling, normalisation, model card) whose encode() equals fastprompt's; "
-                    "peft: a prefix-tuning adapter (adapter_config.json + adapter_model.safetensors).",
+                    "peft: a prefix-tuning adapter (adapter_config.json + adapter_model.safetensors); onnx: one "
+                    "graph with the prefix baked in, for onnxruntime (model.onnx, tokenizer, fastprompt_onnx.json; "
+                    "needs pip install 'fastprompt[onnx]').",
         epilog=EXPORT_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prompt", required=True, metavar="CHECKPOINT_DIR", help="prompt checkpoint folder")
     p.add_argument("--to", required=True, choices=EXPORT_FORMATS, help="target format")
     p.add_argument("--output", required=True, metavar="DIR", help="folder to write")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace --output even if it holds something other than an earlier export of this format")
-    st = p.add_argument_group("sentence-transformers")
+                   help="replace --output even if it holds something other than an earlier export of this format "
+                        "(onnx: replace only the files the export writes, keep the others)")
+    st = p.add_argument_group("sentence-transformers and onnx")
     st.add_argument("--model", metavar="NAME_OR_PATH", help="base model (default: the one the checkpoint names)")
     st.add_argument("--no-backbone", action="store_true",
                     help="do not copy the backbone into the folder; name the base model instead (refused for a "
                          "fine-tuned backbone)")
-    st.add_argument("--no-normalize", action="store_true", help="no L2 normalisation module")
+    st.add_argument("--no-normalize", action="store_true",
+                    help="no L2 normalisation (sentence-transformers: module; onnx: of sentence_embedding)")
     add_trust_remote_code_arg(st)
+    onnx = p.add_argument_group("onnx")
+    onnx.add_argument("--max-length", type=int, metavar="TOKENS",
+                      help="longest input the saved tokenizer keeps (default: the checkpoint's max_length, else what "
+                           "the model takes, at most 512)")
     p.set_defaults(func=run_export)
     return p
 
 
 def run_export(args: argparse.Namespace) -> int:
     _check_output(args.output, args.prompt, args.model)
+    if args.max_length is not None and args.to != "onnx":
+        raise ValueError("--max-length applies to --to onnx only")
     if args.to == "peft":
         if args.model or args.no_backbone or args.no_normalize or args.trust_remote_code:
             raise ValueError("--model, --no-backbone, --no-normalize and --trust-remote-code apply to --to "
-                             "sentence-transformers only")
+                             "sentence-transformers and onnx only")
         from fastprompt.integrations.peft import export_peft
 
         out = export_peft(args.prompt, args.output, overwrite=args.overwrite)
+    elif args.to == "onnx":
+        if args.no_backbone:
+            raise ValueError("--no-backbone applies to --to sentence-transformers only (the ONNX graph holds the "
+                             "backbone)")
+        from fastprompt.integrations.onnx import export_onnx
+
+        out = export_onnx(args.prompt, args.output, base_model=args.model, normalize=not args.no_normalize,
+                          max_length=args.max_length, overwrite=args.overwrite,
+                          trust_remote_code=args.trust_remote_code)
     else:
         from fastprompt.integrations.sentence_transformers import export_sentence_transformers
 

@@ -13,6 +13,8 @@ and an integration's own library is needed only by that integration); their comm
 - :mod:`~fastprompt.integrations.st_loss` — ``MultipleNegativesRankingLoss``, ``CachedMultipleNegativesRankingLoss``
   and the symmetric variants: sentence-transformers losses computed by fastprompt's fused contrastive loss
   (needs ``sentence-transformers``)
+- :mod:`~fastprompt.integrations.onnx` — :func:`export_onnx`: one ONNX graph with the prefix baked in, served by
+  onnxruntime without PyTorch (needs ``onnx``, ``onnxscript``, ``onnxruntime``: ``fastprompt[onnx]``)
 - :mod:`~fastprompt.integrations.mteb` — :class:`MTEBEncoder`: MTEB 2.x's encoder protocol (``mteb`` optional)
 - :mod:`~fastprompt.integrations.papers` — :func:`import_promcse`: PromCSE/DCPCSE checkpoints of the papers' code
 """
@@ -22,6 +24,7 @@ from fastprompt._lazy import lazy_getattr
 
 if TYPE_CHECKING:  # the definitions, for type checkers and IDEs; at run time a name loads on first use
     from fastprompt.integrations.mteb import MTEBEncoder as MTEBEncoder
+    from fastprompt.integrations.onnx import export_onnx as export_onnx
     from fastprompt.integrations.papers import import_promcse as import_promcse
     from fastprompt.integrations.peft import export_peft as export_peft
     from fastprompt.integrations.peft import import_peft as import_peft
@@ -46,6 +49,7 @@ _LAZY = {
     "export_peft": "fastprompt.integrations.peft",
     "import_peft": "fastprompt.integrations.peft",
     "MTEBEncoder": "fastprompt.integrations.mteb",
+    "export_onnx": "fastprompt.integrations.onnx",
     "import_promcse": "fastprompt.integrations.papers",
     "accelerate_peft": "fastprompt.integrations.peft_attention",
     "restore_peft": "fastprompt.integrations.peft_attention",

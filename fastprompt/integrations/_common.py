@@ -138,3 +138,25 @@ def prefix_from_rows(rows: torch.Tensor, num_layers: int, num_heads: int) -> tor
         raise ValueError(f"prefix rows of shape {tuple(rows.shape)} do not split into {num_layers} layers x 2 x "
                          f"{num_heads} heads")
     return rows.reshape(rows.shape[0], num_layers, 2, num_heads, -1).permute(1, 2, 3, 0, 4).contiguous()
+
+
+#: texts the exported tokenizer must split as the encoder's own does (words, punctuation, digits, case, accents)
+TOKENIZER_PROBE = ["A man is playing a guitar.", "Two dogs run in the park, 3 times!", "the cat", "Café au lait"]
+
+
+def check_tokenizer_reloads(tokenizer, folder: Path) -> None:
+    """ValueError unless the tokenizer saved in ``folder`` loads back (as loading the export will:
+    ``AutoTokenizer``) into one that tokenises :data:`TOKENIZER_PROBE` as ``tokenizer`` does. transformers picks
+    the tokenizer class of some model types itself, whatever the saved files name (its
+    ``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``: Qwen2, ModernBERT, Phi-3, ...), so a tokenizer of another kind
+    attached to such a backbone would come back as another tokenizer and the export would encode other tokens."""
+    from transformers import AutoTokenizer
+
+    loaded = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    ours, theirs = (tok(TOKENIZER_PROBE)["input_ids"] for tok in (tokenizer, loaded))
+    if ours != theirs:
+        raise ValueError(f"the encoder's tokenizer ({type(tokenizer).__name__}) does not load back from the exported "
+                         f"folder: transformers loads it as {type(loaded).__name__} for this model type, which splits "
+                         f"{TOKENIZER_PROBE[0]!r} into {theirs[0]} instead of {ours[0]}; load the encoder from a "
+                         "saved model folder (PromptEncoder.from_pretrained) so that its tokenizer is the one "
+                         "transformers gives that model")

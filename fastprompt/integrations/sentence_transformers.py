@@ -32,6 +32,7 @@ import torch
 from sentence_transformers import SentenceTransformer
 from sentence_transformers.base.modules import InputModule, Normalize
 
+from fastprompt.integrations._common import TOKENIZER_PROBE, check_tokenizer_reloads  # noqa: F401 (re-exported)
 from fastprompt.io import read_json
 from fastprompt.model import PromptEncoder
 from fastprompt.schema import check_json
@@ -212,28 +213,6 @@ def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_mode
                                                   name=Path(output).name), encoding="utf-8")
     logger.info("wrote sentence-transformers model to %s", output)
     return Path(output)
-
-
-#: texts the exported tokenizer must split as the encoder's own does (words, punctuation, digits, case, accents)
-TOKENIZER_PROBE = ["A man is playing a guitar.", "Two dogs run in the park, 3 times!", "the cat", "Café au lait"]
-
-
-def check_tokenizer_reloads(tokenizer, folder: Path) -> None:
-    """ValueError unless the tokenizer saved in ``folder`` loads back (as loading the export will:
-    ``AutoTokenizer``) into one that tokenises :data:`TOKENIZER_PROBE` as ``tokenizer`` does. transformers picks
-    the tokenizer class of some model types itself, whatever the saved files name (its
-    ``MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS``: Qwen2, ModernBERT, Phi-3, ...), so a tokenizer of another kind
-    attached to such a backbone would come back as another tokenizer and the export would encode other tokens."""
-    from transformers import AutoTokenizer
-
-    loaded = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
-    ours, theirs = (tok(TOKENIZER_PROBE)["input_ids"] for tok in (tokenizer, loaded))
-    if ours != theirs:
-        raise ValueError(f"the encoder's tokenizer ({type(tokenizer).__name__}) does not load back from the exported "
-                         f"folder: transformers loads it as {type(loaded).__name__} for this model type, which splits "
-                         f"{TOKENIZER_PROBE[0]!r} into {theirs[0]} instead of {ours[0]}; load the encoder from a "
-                         "saved model folder (PromptEncoder.from_pretrained) so that its tokenizer is the one "
-                         "transformers gives that model")
 
 
 def _run_info(checkpoint: Path | None) -> tuple[dict | None, dict | None]:

@@ -1,0 +1,403 @@
+"""ONNX export: a prompt checkpoint as one self-contained ONNX graph that onnxruntime serves without PyTorch or
+fastprompt, its sentence vectors equal to :meth:`PromptEncoder.encode`'s.
+
+The folder (written by :func:`export_onnx`):
+
+    model.onnx            the graph: the frozen backbone, every layer's trained prefix keys and values as constants
+                          (initialisers; a reparameterised prompt is evaluated through its MLP once, at export),
+                          the [CLS] prompt and soft input tokens where the checkpoint has them, the pooler, the head
+                          the checkpoint applies at inference and (by default) L2 normalisation
+    fastprompt_onnx.json  what the graph expects and returns (inputs, outputs, pooler, normalisation, max_length,
+                          padding side, opset, exporter, the versions it was made with, the largest difference to
+                          PyTorch measured at export, the files the export wrote)
+    tokenizer files       the encoder's tokenizer (``model_max_length`` set to the max_length the graph was checked
+                          at, so ``tokenizer(texts, truncation=True)`` cuts where PromptEncoder.tokenize does)
+
+Inputs ``input_ids``, ``attention_mask`` (int64, (batch, sequence), both axes dynamic) and ``token_type_ids`` where
+the tokenizer returns them; outputs ``sentence_embedding`` (float32, (batch, hidden)) and ``token_embeddings`` (the
+last hidden states, (batch, sequence, hidden), for poolers outside the graph).
+
+How: the encoder runs its own forward (the same code as :meth:`PromptEncoder.encode`: positions, input prompts,
+pooler, head) traced by ``torch.onnx.export(dynamo=True)`` (``torch.export`` then onnxscript's translation), with
+the attention of every prefixed layer on the plain-PyTorch path (``attn_backend="reference"``: the prefix
+concatenated before the token keys/values, visible to every token, padding masked by the attention mask), so the
+graph holds MatMul/Softmax-style ONNX ops only, never the fused training kernels. The TorchScript exporter
+(``dynamo=False``) fails on that path (``aten::__iand_``, an in-place mask update it does not translate) and is
+deprecated in torch 2.9+. After writing, the graph is run once in onnxruntime on padded sentences and compared with
+the encoder; a difference above :data:`EXPORT_CHECK_ATOL` fails the export.
+
+What is exported is what the tests check against :meth:`PromptEncoder.encode` (tests/integrations/
+test_onnx_export.py): the model types of :data:`EXPORTABLE_MODEL_TYPES` and the poolers of
+:data:`EXPORTABLE_POOLERS`; anything else is refused, naming what, before any weights load where the checkpoint's
+config tells (:func:`onnx_refusal`).
+
+Needs ``onnx``, ``onnxscript`` and ``onnxruntime`` (``pip install 'fastprompt[onnx]'``); ``import fastprompt``
+does not.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import shutil
+import tempfile
+from importlib import metadata
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "fastprompt.onnx"
+FORMAT_VERSION = 1
+GRAPH_FILE = "model.onnx"
+#: the weights beside the graph, written only when the graph would pass protobuf's 2 GB limit
+GRAPH_DATA_FILE = "model.onnx.data"
+CONFIG_FILE = "fastprompt_onnx.json"
+#: ONNX opset of the graph: onnxruntime 1.17+ runs it, and it predates opset 23's Attention op, so the
+#: attention stays MatMul/Softmax/Where that every ONNX runtime executes
+OPSET = 18
+EXPORTER = "torch.onnx.export(dynamo=True)"
+#: the packages the export needs, and the extra that installs them
+ONNX_PACKAGES = ("onnx", "onnxscript", "onnxruntime")
+ONNX_EXTRA = "pip install 'fastprompt[onnx]'"
+#: largest |difference| between onnxruntime's and PyTorch's normalised sentence vectors accepted at export (the
+#: tests hold the graphs to 1e-5; this check is there to catch a wrong graph, which differs by ~1e-1)
+EXPORT_CHECK_ATOL = 1e-4
+#: graphs over this many bytes of weights keep them in GRAPH_DATA_FILE (protobuf cannot hold 2 GB)
+EXTERNAL_DATA_BYTES = 1_800_000_000
+
+#: model types whose export the tests compare with PromptEncoder.encode (tiny configs, and real all-MiniLM-L6-v2)
+EXPORTABLE_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "electra", "distilbert", "mpnet", "modernbert", "llama",
+                          "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+#: poolers exported: those computed from the last hidden states and the attention mask alone
+EXPORTABLE_POOLERS = ("cls", "cls_before_pooler", "mean", "bn_mlp", "last")
+#: the sentences the export is checked on: padded (several lengths), punctuation, digits
+CHECK_SENTENCES = ["A man is playing a guitar.", "Two dogs run in the park, 3 times, and then they sleep in the shade "
+                   "of a big old tree near the river.", "ok"]
+
+
+def require_onnx() -> None:
+    """ImportError naming the missing packages and the extra that installs them."""
+    missing = []
+    for name in ONNX_PACKAGES:
+        try:
+            __import__(name)
+        except ImportError:
+            missing.append(name)
+    if missing:
+        raise ImportError(f"the ONNX export needs {', '.join(missing)}, which is not installed: {ONNX_EXTRA} "
+                          f"(or pip install {' '.join(ONNX_PACKAGES)})")
+
+
+def config_refusal(config: dict) -> str | None:
+    """What in a prompt checkpoint's config (``fastprompt_config.json``) cannot be exported, None when nothing is
+    known to stop it (the backbone is checked once loaded: :func:`onnx_refusal`)."""
+    pooler = config.get("pooler")
+    if pooler is not None and pooler not in EXPORTABLE_POOLERS:
+        return _pooler_refusal(pooler)
+    if config.get("template"):
+        return _TEMPLATE_REFUSAL
+    return None
+
+
+_TEMPLATE_REFUSAL = ("the ONNX export does not take a template yet (PromptBERT's templates and their [MASK] "
+                     "pooling: the sentences would have to be wrapped in the template's tokens outside the graph); "
+                     "export a prompt trained without a template")
+
+
+def _pooler_refusal(pooler: str) -> str:
+    return (f"the ONNX export does not take pooler {pooler!r} yet (it exports {', '.join(EXPORTABLE_POOLERS)}; "
+            "'mask' and 'topk' read a template's [MASK]); export a prompt trained with one of those")
+
+
+def onnx_refusal(encoder) -> str | None:
+    """Why ``encoder`` cannot be exported to ONNX, None when it can."""
+    model_type = getattr(encoder.backbone.config, "model_type", None)
+    if model_type not in EXPORTABLE_MODEL_TYPES:
+        return (f"the ONNX export of {encoder.architecture.name} is not implemented: it is tested on "
+                f"{', '.join(EXPORTABLE_MODEL_TYPES)}")
+    if encoder.pooler.pooler not in EXPORTABLE_POOLERS:
+        return _pooler_refusal(encoder.pooler.pooler)
+    if encoder.template is not None or encoder.template_words is not None:
+        return _TEMPLATE_REFUSAL
+    if encoder.pooler.head_kind != "new":
+        return "the ONNX export does not take an mlm_transform pooler head (it goes with pooler 'mask')"
+    dtypes = {p.dtype for p in encoder.parameters()}
+    if dtypes != {torch.float32}:
+        shown = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
+        return (f"the ONNX export writes a float32 graph, but the encoder's weights are {shown}: load it in "
+                "float32 (torch_dtype=None, the default)")
+    if encoder.device.type != "cpu":
+        return f"the ONNX export runs on the CPU, but the encoder is on {encoder.device}: move it with .to('cpu')"
+    return None
+
+
+class OnnxGraph(nn.Module):
+    """What the exported graph computes: :meth:`PromptEncoder.forward` (in eval mode) with every layer's prefix
+    held as a constant, then :meth:`PromptEncoder.encode`'s L2 normalisation (``normalize``). Returns
+    ``(sentence_embedding, token_embeddings)``. Use it inside :func:`export_mode`."""
+
+    def __init__(self, encoder, normalize: bool = True):
+        super().__init__()
+        self.encoder = encoder
+        self.normalize = normalize
+        with torch.no_grad():
+            layers = encoder._layer_prefixes()  # eval mode: no prompt dropout; an MLP-reparameterised prompt evaluated
+        self.prefixed = [i for i, entry in enumerate(layers) if entry is not None]
+        shared = {}
+        for i in self.prefixed:  # a layer-shared prompt is one tensor per kind, stored once
+            for kind, t in zip("kv", layers[i]):
+                key = id(t)
+                if key not in shared:
+                    shared[key] = f"prefix_{kind}_{i}"
+                    self.register_buffer(shared[key], t.detach().float().contiguous().clone())
+        self._names = [None if layers[i] is None else (shared[id(layers[i][0])], shared[id(layers[i][1])])
+                       for i in range(len(layers))]
+
+    def layer_prefixes(self, batch_size: int | None = None):
+        return [None if names is None else (getattr(self, names[0]), getattr(self, names[1]))
+                for names in self._names]
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None):
+        enc = self.encoder
+        hidden = enc.hidden_states(input_ids, attention_mask, token_type_ids)
+        vec = enc.pool(hidden, input_ids, attention_mask).float()
+        if self.normalize:
+            vec = F.normalize(vec, dim=-1)
+        return vec, hidden.float()
+
+
+@contextlib.contextmanager
+def export_mode(graph: OnnxGraph):
+    """The encoder as the exporter must trace it: eval mode, padded (not packed) batches, the plain-PyTorch
+    attention (``attn_backend="reference"``) and the graph's constant prefixes; restored afterwards."""
+    enc = graph.encoder
+    saved = enc.training, enc.attn_backend, enc.packed, enc.prefix_mode
+    enc.eval()
+    enc.attn_backend, enc.packed, enc.prefix_mode = "reference", False, "attention"
+    enc._layer_prefixes = graph.layer_prefixes  # an instance attribute: the class's method is untouched
+    try:
+        yield graph
+    finally:
+        del enc._layer_prefixes
+        enc.train(saved[0])
+        enc.attn_backend, enc.packed, enc.prefix_mode = saved[1:]
+
+
+def is_onnx_export(folder: str | os.PathLike) -> bool:
+    """Whether ``folder`` holds an ONNX export of fastprompt (its ``fastprompt_onnx.json`` says so)."""
+    from fastprompt.io import read_json
+
+    try:
+        return read_json(Path(folder) / CONFIG_FILE, CONFIG_FILE).get("format") == FORMAT
+    except (OSError, ValueError):
+        return False
+
+
+def check_onnx_target(output: str | os.PathLike, source: str | os.PathLike | None, overwrite: bool) -> None:
+    """The output folder must be new or empty; ``overwrite`` lets it hold other files (the export replaces only the
+    files it writes, and those an earlier ONNX export there listed). The input checkpoint, a folder holding it and
+    a folder inside it are refused even with ``overwrite``; so is a file."""
+    from fastprompt.io import check_apart
+
+    out = Path(output)
+    check_apart(out, (source,), "export target")
+    if not os.path.lexists(out):
+        return
+    if not out.is_dir():
+        raise FileExistsError(f"cannot export to {out}: it is a file; choose a folder name")
+    names = sorted(p.name for p in out.iterdir())
+    if names and not overwrite:
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        raise FileExistsError(f"cannot export to {out}: the folder is not empty (it holds {shown}); choose a new or "
+                              "empty folder, or pass overwrite=True (CLI: --overwrite) to replace the files the export "
+                              "writes there (other files are kept)")
+
+
+def _previous_files(folder: Path) -> list[str]:
+    """The files an earlier ONNX export in ``folder`` listed as its own (plain names only)."""
+    from fastprompt.io import read_json
+
+    if not is_onnx_export(folder):
+        return []
+    files = read_json(folder / CONFIG_FILE, CONFIG_FILE).get("files") or []
+    return [f for f in files if isinstance(f, str) and f and Path(f).name == f and f not in (".", "..")]
+
+
+def _move_into(tmp: Path, out: Path) -> None:
+    """Replace, in the existing folder ``out``, the files an earlier export listed and the files in ``tmp``; other
+    files stay. The sidecar JSON goes last, so a folder never names files it does not hold yet."""
+    for name in _previous_files(out):
+        target = out / name
+        if target.is_file() or target.is_symlink():
+            target.unlink()
+    names = sorted(p.name for p in tmp.iterdir())
+    for name in [n for n in names if n != CONFIG_FILE] + [CONFIG_FILE]:
+        target = out / name
+        if target.is_dir() and not target.is_symlink():
+            raise FileExistsError(f"cannot export to {out}: {target} is a folder where the export writes a file")
+        os.replace(tmp / name, target)
+
+
+def _versions() -> dict[str, str]:
+    out = {}
+    for name in ("fastprompt", "torch", "transformers", "onnx", "onnxscript", "onnxruntime"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def export_onnx(prompt, output: str | os.PathLike, *, base_model: str | os.PathLike | None = None,
+                normalize: bool = True, max_length: int | None = None, overwrite: bool = False,
+                trust_remote_code: bool = False) -> Path:
+    """Write ``prompt`` (a checkpoint folder or a :class:`~fastprompt.model.PromptEncoder`) as an ONNX graph with
+    its tokenizer and ``fastprompt_onnx.json`` in the folder ``output`` (see the module docstring).
+
+    ``base_model`` overrides the base the checkpoint names; ``normalize`` L2-normalises ``sentence_embedding``
+    (:meth:`PromptEncoder.encode`'s default); ``max_length`` the longest input the saved tokenizer keeps (default:
+    the encoder's, else what the model takes, at most 512). ``output`` must be new or empty unless ``overwrite``,
+    which replaces only the files the export writes. Refuses (ValueError) what it cannot export, before any
+    weights load where the checkpoint tells (:func:`config_refusal`, :func:`onnx_refusal`). Returns ``output``.
+    """
+    from fastprompt.integrations._common import check_tokenizer_reloads
+    from fastprompt.io import write_json_atomic
+    from fastprompt.model import PromptEncoder
+    from fastprompt.model.checkpoint import read_checkpoint_config
+
+    require_onnx()
+    source = None if isinstance(prompt, PromptEncoder) else Path(prompt)
+    check_onnx_target(output, source, overwrite)
+    if source is not None:
+        refusal = config_refusal(read_checkpoint_config(source))
+        if refusal is not None:
+            raise ValueError(f"cannot export {source} to ONNX: {refusal}")
+        encoder = PromptEncoder.load(source, base_model=base_model, trust_remote_code=trust_remote_code)
+    else:
+        encoder = prompt
+    refusal = onnx_refusal(encoder)
+    if refusal is not None:
+        raise ValueError(f"cannot export to ONNX: {refusal}")
+    encoder.check_max_length(max_length)
+    limit = max_length or encoder.max_length or encoder.model_max_tokens()
+    out = Path(output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    # written beside the target (the same file system, so the files move in with os.replace), removed on any failure
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.onnx-", dir=out.parent))
+    try:
+        info = _write_graph(encoder, tmp, normalize=normalize, max_length=limit)
+        tokenizer = copy.deepcopy(encoder.tokenizer)
+        tokenizer.model_max_length = limit
+        tokenizer.save_pretrained(str(tmp))
+        check_tokenizer_reloads(encoder.tokenizer, tmp)
+        info["files"] = sorted([p.name for p in tmp.iterdir()] + [CONFIG_FILE])
+        write_json_atomic(tmp / CONFIG_FILE, info, CONFIG_FILE)
+        out.mkdir(exist_ok=True)
+        _move_into(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    logger.info("wrote the ONNX export to %s (largest difference to PyTorch %.2g)", out, info["check"]["max_abs_diff"])
+    return out
+
+
+def _write_graph(encoder, folder: Path, *, normalize: bool, max_length: int) -> dict:
+    """Export ``encoder`` to ``folder/model.onnx``, check it in onnxruntime, and return the sidecar's contents."""
+    import onnx
+
+    graph = OnnxGraph(encoder, normalize=normalize).eval()
+    tok = encoder.tokenize(CHECK_SENTENCES, max_length)
+    names = ["input_ids", "attention_mask"] + (["token_type_ids"] if "token_type_ids" in tok else [])
+    args = tuple(tok[n] for n in names)
+    if args[0].shape[0] < 2 or args[0].shape[1] < 3:  # torch.export specialises sizes 0 and 1
+        raise ValueError("the export's example batch must be at least 2 x 3 tokens")
+    batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence")
+    dynamic = {n: {0: batch, 1: sequence} for n in names}
+    weights = sum(t.numel() * t.element_size() for t in list(graph.parameters()) + list(graph.buffers()))
+    external = weights > EXTERNAL_DATA_BYTES
+    path = folder / GRAPH_FILE
+    with export_mode(graph), torch.no_grad(), _quiet_exporter():
+        expected = graph(*args)
+        program = torch.onnx.export(graph, args, input_names=names, output_names=["sentence_embedding",
+                                    "token_embeddings"], dynamic_shapes=dynamic, opset_version=OPSET, dynamo=True,
+                                    optimize=False, verbose=False)
+    program.save(str(path), external_data=external)
+    if external and (folder / f"{GRAPH_FILE}.data").exists() and GRAPH_DATA_FILE != f"{GRAPH_FILE}.data":
+        os.replace(folder / f"{GRAPH_FILE}.data", folder / GRAPH_DATA_FILE)
+    model = onnx.load(str(path), load_external_data=False)
+    foreign = sorted({f"{n.domain}::{n.op_type}" for n in model.graph.node if n.domain not in ("", "ai.onnx")})
+    if foreign:
+        raise RuntimeError(f"the exported graph holds operators outside the standard ONNX domain ({', '.join(foreign)})"
+                           ": it would not run on every ONNX runtime; please report this")
+    diff = _check_graph(path, names, args, expected)
+    if diff > EXPORT_CHECK_ATOL:
+        raise RuntimeError(f"the exported graph's sentence vectors differ from PyTorch's by {diff:.3g} (more than "
+                           f"{EXPORT_CHECK_ATOL:g}) on the check sentences: the graph is wrong for this model; "
+                           "please report this (nothing was written)")
+    cfg = encoder.backbone.config
+    tokenizer = encoder.tokenizer
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "graph": GRAPH_FILE,
+        "inputs": {n: {"dtype": "int64", "shape": ["batch", "sequence"]} for n in names},
+        "outputs": {"sentence_embedding": {"dtype": "float32", "shape": ["batch", encoder.hidden_size],
+                                           "normalized": normalize},
+                    "token_embeddings": {"dtype": "float32", "shape": ["batch", "sequence", encoder.hidden_size]}},
+        "normalized": normalize, "dimension": encoder.hidden_size, "similarity": "cosine",
+        "pooler": encoder.pooler.pooler,
+        "head": encoder.pooler.mlp if encoder.pooler.head is not None and encoder.pooler.mlp == "always" else "none",
+        "max_length": max_length, "padding_side": getattr(tokenizer, "padding_side", "right"),
+        "append_eos": encoder.append_eos, "template": None,
+        "prompt": {"prefix_length": encoder.prompt_length, "input_prompt_length": encoder.input_prompt_length,
+                   "cls_prompt": encoder.cls_prompt is not None},
+        "model_type": getattr(cfg, "model_type", None), "base_model": str(encoder.base_model),
+        "opset": OPSET, "exporter": EXPORTER, "external_data": GRAPH_DATA_FILE if external else None,
+        "check": {"sentences": len(CHECK_SENTENCES), "max_abs_diff": diff, "atol": EXPORT_CHECK_ATOL},
+        "versions": _versions(),
+    }
+
+
+def _check_graph(path: Path, names: list[str], args: tuple, expected: tuple) -> float:
+    """Largest |difference| between onnxruntime's sentence vectors for ``args`` and PyTorch's ``expected``."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    got = session.run(["sentence_embedding"], {n: a.numpy() for n, a in zip(names, args)})[0]
+    return float((torch.from_numpy(got) - expected[0]).abs().max())
+
+
+@contextlib.contextmanager
+def _quiet_exporter():
+    """torch.onnx's progress lines and torch.export's warnings about the model's own code are not the user's
+    business; an error still raises."""
+    import warnings
+
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(_Null()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels):
+            lg.setLevel(level)
+
+
+class _Null:
+    def write(self, text):
+        return len(text)
+
+    def flush(self):
+        pass
+
+
+__all__ = ["export_onnx", "is_onnx_export", "onnx_refusal", "config_refusal", "require_onnx", "OnnxGraph",
+           "export_mode", "EXPORTABLE_MODEL_TYPES", "EXPORTABLE_POOLERS"]

@@ -1,0 +1,305 @@
+"""``fastprompt export --to onnx``: onnxruntime's ``sentence_embedding`` equals :meth:`PromptEncoder.encode` on the
+tiny random configs of tests/model/test_architectures.py (float32) and on the real all-MiniLM-L6-v2 with a
+trained-looking prompt, fed by the tokenizer saved beside the graph; the refusals, before any work.
+
+Tolerance: 1e-5 absolute on L2-normalised float32 vectors (components in [-1, 1]). The graph is the very same
+PromptEncoder forward, traced: the backbone's ops are the same, and the prefix attention is the plain-PyTorch path
+(``attn_backend="reference"``: softmax over the explicit concatenation [prefix ; tokens]) where encode() runs the
+fused C++ kernel (an online softmax over the prefix tile then the token tiles). Both compute in float32; they differ
+in summation order (onnxruntime's MatMul/ReduceSum/LayerNormalization kernels against PyTorch's, the online
+softmax's rescaling against one logsumexp), each op within a few ulps (eps = 6e-8) of values of order 1, and
+LayerNorm after every block keeps the error from growing with depth: a 6-layer MiniLM ends at ~1e-7 per component
+(observed <= 3e-7 over every case here, MiniLM included), so 1e-5 leaves a factor of 30. What a wrong graph does is
+far above it: a lost prefix, a prefix hidden from some tokens, padding left visible or a missed normalisation move
+components by 1e-2 to 1e-1 (:func:`test_the_prefix_and_the_padding_matter` checks the first two on the graph itself).
+
+Time (2 shared cores): 5-12 s per tiny export (torch.export's tracing is most of it), ~16 s for MiniLM; the default
+set is about 60 s, the ``slow`` set (the other architectures and prompt kinds, 13 exports) about 160 s.
+"""
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnx", reason="the ONNX export needs onnx (pip install 'fastprompt[onnx]')")
+pytest.importorskip("onnxscript", reason="the ONNX export needs onnxscript (pip install 'fastprompt[onnx]')")
+ort = pytest.importorskip("onnxruntime", reason="the ONNX export needs onnxruntime (pip install 'fastprompt[onnx]')")
+
+from transformers import AutoTokenizer  # noqa: E402
+
+from fastprompt import cli  # noqa: E402
+from fastprompt.integrations import onnx as fp_onnx  # noqa: E402
+from fastprompt.integrations.onnx import CONFIG_FILE, GRAPH_FILE, export_onnx  # noqa: E402
+from fastprompt.model import PromptConfig, PromptEncoder  # noqa: E402
+from tests.model.test_architectures import (  # noqa: E402
+    BYPASSING,
+    DECODERS,
+    ENCODERS,
+    SENTENCES,
+    _encoder,
+    _one_thread,  # noqa: F401  (the autouse fixture: one thread for the tiny models)
+)
+
+ATOL = 1e-5
+LONG = " ".join(["the big dog runs in the park and a man plays the guitar"] * 8)  # past max_length: truncated
+TEXTS = [*SENTENCES, LONG]
+
+
+def _session(folder):
+    return ort.InferenceSession(str(folder / GRAPH_FILE), providers=["CPUExecutionProvider"])
+
+
+def _run_graph(folder, session, texts):
+    """What a server does: the saved tokenizer (its model_max_length is the export's max_length), then the graph."""
+    info = json.loads((folder / CONFIG_FILE).read_text())
+    tok = AutoTokenizer.from_pretrained(str(folder))
+    tok.padding_side = info["padding_side"]
+    feeds = tok(texts, padding=True, truncation=True, max_length=info["max_length"], return_tensors="np")
+    return session.run(None, {i.name: feeds[i.name].astype(np.int64) for i in session.get_inputs()})
+
+
+def _check_equal(encoder, folder, normalize=True):
+    """ONNX == encode() over one batch of every text (padded: short and truncated-long rows), each text alone
+    (batch size 1, no padding) and two rows."""
+    session = _session(folder)
+    worst = 0.0
+    for texts in (TEXTS, TEXTS[:1], TEXTS[-1:], TEXTS[1:3]):
+        got, tokens = _run_graph(folder, session, texts)
+        want = encoder.encode(texts, normalize=normalize)
+        assert got.shape == want.shape and got.dtype == np.float32
+        assert tokens.shape[:2] == encoder.tokenize(texts)["input_ids"].shape
+        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+        worst = max(worst, float(np.abs(got - want).max()))
+    if normalize:
+        np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
+    return worst
+
+
+def _randomise_head(encoder):
+    if encoder.pooler.head is not None:
+        torch.manual_seed(5)
+        for p in encoder.pooler.head.parameters():
+            torch.nn.init.normal_(p, std=0.3)
+
+
+#: one export per architecture family, each carrying other prompt kinds and poolers: (model_type, prompt config,
+#: encoder keywords)
+CASES = {
+    "bert-cls-prompt-shared-head": ("bert", dict(shared_across_layers=True, cls_prompt=True),
+                                    dict(pooler="cls", mlp="always")),
+    "roberta-projection-shifted": ("roberta", dict(prefix_projection=True, projection_hidden_size=8,
+                                                   position_mode="shifted"), dict(pooler="cls_before_pooler")),
+    "mpnet-relative-bias": ("mpnet", {}, dict(pooler="mean")),
+    "llama-gqa-left-padding": ("llama", {}, dict(pooler="last", padding_side="left")),
+}
+SLOW_CASES = {
+    "distilbert-prefix-and-soft-tokens": ("distilbert", dict(prompt_type="both", input_prompt_length=2),
+                                          dict(pooler="mean")),
+    "modernbert-rope-local-window": ("modernbert", {}, dict(pooler="cls")),
+    "xlm-roberta": ("xlm-roberta", {}, dict(pooler="mean")),
+    "electra": ("electra", {}, dict(pooler="cls")),
+    "bert-bn-mlp-no-normalize": ("bert", {}, dict(pooler="bn_mlp", mlp="always")),
+    "roberta-input-layer-only": ("roberta", dict(input_layer_only=True), dict(pooler="mean")),
+    "bert-soft-tokens-only": ("bert", dict(prompt_type="input", input_prompt_length=3), dict(pooler="mean")),
+    "mistral-sliding-window-left": ("mistral", {}, dict(pooler="last", padding_side="left")),
+    "qwen2": ("qwen2", {}, dict(pooler="last")),
+    "qwen3-mean": ("qwen3", {}, dict(pooler="mean", padding_side="left")),
+    "gemma-mqa": ("gemma", {}, dict(pooler="last")),
+    "gemma2-window": ("gemma2", {}, dict(pooler="last", padding_side="left")),
+    "gemma3-text-local-global": ("gemma3_text", {}, dict(pooler="last")),
+}
+ARCHS = {**ENCODERS, **DECODERS, "mpnet": BYPASSING["mpnet"]}
+
+
+def _tiny_encoder(model_type, prompt, kwargs):
+    config = PromptConfig(prompt_length=3, init_std=0.5, **prompt)
+    encoder = _encoder(model_type, ARCHS[model_type], config, dtype=torch.float32, **kwargs)
+    _randomise_head(encoder)
+    return encoder
+
+
+def _export_and_check(case, tmp_path):
+    model_type, prompt, kwargs = case
+    encoder = _tiny_encoder(model_type, prompt, kwargs)
+    normalize = encoder.pooler.pooler != "bn_mlp"  # one case without normalisation
+    out = export_onnx(encoder, tmp_path / "onnx", normalize=normalize)
+    _check_equal(encoder, out, normalize=normalize)
+    info = json.loads((out / CONFIG_FILE).read_text())
+    assert info["normalized"] is normalize and info["pooler"] == encoder.pooler.pooler
+    assert info["opset"] == fp_onnx.OPSET and info["check"]["max_abs_diff"] < ATOL
+    return encoder, out
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_onnx_equals_encode(case, tmp_path):
+    encoder, out = _export_and_check(CASES[case], tmp_path)
+    if case.startswith("bert"):
+        _check_prefix_and_padding(encoder, out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(SLOW_CASES))
+def test_onnx_equals_encode_slow(case, tmp_path):
+    _export_and_check(SLOW_CASES[case], tmp_path)
+
+
+def test_every_exportable_model_type_is_tested():
+    tested = {c[0] for c in {**CASES, **SLOW_CASES}.values()}
+    assert set(fp_onnx.EXPORTABLE_MODEL_TYPES) == tested
+    assert {c[2]["pooler"] for c in {**CASES, **SLOW_CASES}.values()} == set(fp_onnx.EXPORTABLE_POOLERS)
+
+
+def _check_prefix_and_padding(encoder, out):
+    """On the graph itself: a text's vector does not depend on the padding its batch adds (padding is masked), every
+    layer's prefix is a constant of the graph, and the graph with those constants zeroed differs by far more than
+    the tolerance (the prefix reaches the tokens); plain ONNX operators only."""
+    import onnx
+    from onnx import numpy_helper
+
+    session = _session(out)
+    alone = np.concatenate([_run_graph(out, session, [t])[0] for t in TEXTS])
+    batched = _run_graph(out, session, TEXTS)[0]
+    np.testing.assert_allclose(batched, alone, rtol=0, atol=ATOL)
+    model = onnx.load(str(out / GRAPH_FILE))
+    prefixes = [t for t in model.graph.initializer if t.name.startswith("prefix_")]
+    # a layer-shared prompt is stored once
+    assert len(prefixes) == (2 if encoder.prompt_config.shared_across_layers else 2 * encoder.num_layers)
+    for t in prefixes:
+        t.CopyFrom(numpy_helper.from_array(np.zeros_like(numpy_helper.to_array(t)), t.name))
+    plain = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    feeds = AutoTokenizer.from_pretrained(str(out))(TEXTS, padding=True, truncation=True, return_tensors="np")
+    without = plain.run(None, {i.name: feeds[i.name] for i in plain.get_inputs()})[0]
+    assert np.abs(without - batched).max() > 1e-3
+    # no custom or contrib operator: the fused training kernels never reach the graph
+    assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}
+
+
+def test_real_minilm_through_the_cli(minilm_dir, tmp_path, capsys):
+    """all-MiniLM-L6-v2 with a trained-looking prompt (16 prefix positions, N(0, 0.5): keys and values of the size
+    the backbone's own have), saved as a checkpoint and exported by the command line."""
+    torch.manual_seed(0)
+    encoder = PromptEncoder.from_pretrained(minilm_dir, prompt_config=PromptConfig(prompt_length=16, init_std=0.5),
+                                            pooler="mean", max_length=64).eval()
+    checkpoint = encoder.save(tmp_path / "best")
+    out = tmp_path / "onnx-model"
+    assert cli.main(["export", "--prompt", str(checkpoint), "--to", "onnx", "--output", str(out)]) == 0
+    assert "wrote onnx model to" in capsys.readouterr().out
+    info = json.loads((out / CONFIG_FILE).read_text())
+    assert info["max_length"] == 64 and info["inputs"].keys() == {"input_ids", "attention_mask", "token_type_ids"}
+    assert set(info["files"]) == {p.name for p in out.iterdir()}
+    worst = _check_equal(encoder, out)
+    plain = PromptEncoder.from_pretrained(minilm_dir, pooler="mean", max_length=64)
+    assert np.abs(plain.encode(TEXTS) - encoder.encode(TEXTS)).max() > 1e-2  # the prompt changes the vectors
+    assert worst < ATOL
+
+
+# ------------------------------------------------------------------ refusals, each before any work
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, tiny_bert_dir):
+    encoder = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(prompt_length=2),
+                                            pooler="mean")
+    return encoder.save(tmp_path_factory.mktemp("onnx-ckpt") / "best")
+
+
+@pytest.fixture
+def no_export(monkeypatch):
+    """Fails the test if the export gets as far as loading a model or tracing."""
+    def boom(*args, **kwargs):
+        raise AssertionError("the refusal came after work began")
+
+    monkeypatch.setattr(PromptEncoder, "load", boom)
+    monkeypatch.setattr(fp_onnx, "_write_graph", boom)
+
+
+def test_refuses_a_folder_that_holds_files(tiny_checkpoint, tmp_path, no_export):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match="the folder is not empty .* pass overwrite=True"):
+        export_onnx(tiny_checkpoint, out)
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="it is a file; choose a folder name"):
+        export_onnx(tiny_checkpoint, tmp_path / "file", overwrite=True)
+    assert (out / "notes.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("where", ["inside", "same", "holding"])
+def test_refuses_an_output_inside_or_around_its_input(tiny_checkpoint, where, no_export):
+    out = {"inside": tiny_checkpoint / "onnx", "same": tiny_checkpoint, "holding": tiny_checkpoint.parent}[where]
+    with pytest.raises(ValueError, match="export target"):
+        export_onnx(tiny_checkpoint, out, overwrite=True)
+    assert not (tiny_checkpoint / "onnx").exists()
+
+
+def test_refuses_what_it_cannot_export_before_loading(tiny_checkpoint, tmp_path, no_export):
+    config = json.loads((tiny_checkpoint / "fastprompt_config.json").read_text())
+    for key, value, message in (("pooler", "mask", "does not take pooler 'mask' yet"),
+                                ("template", 'This sentence : "[X]" means [MASK] .', "does not take a template yet")):
+        bad = tmp_path / key
+        bad.mkdir()
+        for f in tiny_checkpoint.iterdir():
+            (bad / f.name).write_bytes(f.read_bytes())
+        (bad / "fastprompt_config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(ValueError, match=message):
+            export_onnx(bad, tmp_path / f"out-{key}")
+        assert not (tmp_path / f"out-{key}").exists()
+
+
+def test_refuses_an_architecture_or_dtype_it_does_not_export(tmp_path):
+    deberta = _encoder("deberta-v2", BYPASSING["deberta-v2"], None, dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"the ONNX export of DebertaV2Model \(model_type 'deberta-v2'\) is not "
+                                         "implemented"):
+        export_onnx(deberta, tmp_path / "a")
+    half = _tiny_encoder("bert", {}, dict(pooler="mean")).to(torch.float16)
+    with pytest.raises(ValueError, match="writes a float32 graph, but the encoder's weights are float16"):
+        export_onnx(half, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def test_without_the_onnx_packages_says_which_extra(monkeypatch, tiny_checkpoint, tmp_path):
+    import builtins
+
+    real = builtins.__import__
+
+    def fake(name, *args, **kwargs):
+        if name == "onnxscript":
+            raise ImportError("No module named 'onnxscript'")
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", fake)
+    with pytest.raises(ImportError, match=r"needs onnxscript, which is not installed: pip install "
+                                          r"'fastprompt\[onnx\]'"):
+        export_onnx(tiny_checkpoint, tmp_path / "out")
+    assert cli.main(["export", "--prompt", str(tiny_checkpoint), "--to", "onnx", "--output",
+                     str(tmp_path / "out")]) == 2
+
+
+def test_overwrite_replaces_only_what_the_export_writes(tiny_checkpoint, tmp_path, monkeypatch):
+    """The file handling, with the graph writer stood in for (the tracing is tested above)."""
+    def fake_graph(encoder, folder, *, normalize, max_length):
+        (folder / GRAPH_FILE).write_bytes(b"graph" * 300)
+        return {"format": fp_onnx.FORMAT, "normalized": normalize, "check": {"max_abs_diff": 0.0}}
+
+    monkeypatch.setattr(fp_onnx, "_write_graph", fake_graph)
+    out = tmp_path / "served"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    (out / GRAPH_FILE).write_text("stale")
+    export_onnx(tiny_checkpoint, out, overwrite=True)
+    first = json.loads((out / CONFIG_FILE).read_text())
+    assert (out / "notes.txt").read_text() == "mine" and (out / GRAPH_FILE).read_bytes() == b"graph" * 300
+    assert "notes.txt" not in first["files"] and set(first["files"]) == {p.name for p in out.iterdir()} - {"notes.txt"}
+    with pytest.raises(FileExistsError, match="not empty"):
+        export_onnx(tiny_checkpoint, out)
+    # a file an earlier export wrote and the next one does not write (another tokenizer's) is removed
+    (out / "old_vocab.txt").write_text("x")
+    (out / CONFIG_FILE).write_text(json.dumps({**first, "files": first["files"] + ["old_vocab.txt", "../x"]}))
+    (tmp_path / "x").write_text("outside")
+    export_onnx(tiny_checkpoint, out, overwrite=True, normalize=False)
+    second = json.loads((out / CONFIG_FILE).read_text())
+    assert second["normalized"] is False and not (out / "old_vocab.txt").exists()
+    assert (out / "notes.txt").exists() and (tmp_path / "x").read_text() == "outside"
+    assert not list(tmp_path.glob(".served.onnx-*"))  # no temporary folder left behind
