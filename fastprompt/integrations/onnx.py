@@ -10,8 +10,10 @@ The folder (written by :func:`export_onnx`):
     fastprompt_onnx.json  what the graph expects and returns (inputs, outputs, pooler, normalisation, max_length,
                           padding side, opset, exporter, the versions it was made with, the largest difference to
                           PyTorch measured at export, the files the export wrote)
-    tokenizer files       the encoder's tokenizer (``model_max_length`` set to the max_length the graph was checked
-                          at, so ``tokenizer(texts, truncation=True)`` cuts where PromptEncoder.tokenize does)
+    tokenizer files       the encoder's tokenizer (``model_max_length`` set to the export's max_length, so
+                          ``tokenizer(texts, truncation=True)`` cuts where PromptEncoder.tokenize does)
+    config.json           the backbone's Hugging Face config, for servers that read one beside the graph
+                          (text-embeddings-inference's ONNX backend; the graph itself needs nothing of it)
 
 Inputs ``input_ids``, ``attention_mask`` (int64, (batch, sequence), both axes dynamic) and ``token_type_ids`` where
 the tokenizer returns them; outputs ``sentence_embedding`` (float32, (batch, hidden)) and ``token_embeddings`` (the
@@ -73,8 +75,9 @@ EXTERNAL_DATA_BYTES = 1_800_000_000
 #: model types whose export the tests compare with PromptEncoder.encode (tiny configs, and real all-MiniLM-L6-v2)
 EXPORTABLE_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "electra", "distilbert", "mpnet", "modernbert", "llama",
                           "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
-#: poolers exported: those computed from the last hidden states and the attention mask alone
-EXPORTABLE_POOLERS = ("cls", "cls_before_pooler", "mean", "bn_mlp", "last")
+#: poolers exported: those computed from the last hidden states and the attention mask, and "mask" (a template's
+#: [MASK] state, with template denoising: its bias is a constant table, one row per sentence length)
+EXPORTABLE_POOLERS = ("cls", "cls_before_pooler", "mean", "bn_mlp", "last", "mask")
 #: the sentences the export is checked on: padded (several lengths), punctuation, digits
 CHECK_SENTENCES = ["A man is playing a guitar.", "Two dogs run in the park, 3 times, and then they sleep in the shade "
                    "of a big old tree near the river.", "ok"]
@@ -99,19 +102,26 @@ def config_refusal(config: dict) -> str | None:
     pooler = config.get("pooler")
     if pooler is not None and pooler not in EXPORTABLE_POOLERS:
         return _pooler_refusal(pooler)
-    if config.get("template"):
-        return _TEMPLATE_REFUSAL
+    if config.get("pooler_head") == "mlm_transform":
+        return _MLM_TRANSFORM_REFUSAL
+    if (config.get("prompt_config") or {}).get("optiprompt"):
+        return _OPTIPROMPT_REFUSAL
+    if config.get("template") and config.get("append_eos"):
+        return _TEMPLATE_EOS_REFUSAL
     return None
 
 
-_TEMPLATE_REFUSAL = ("the ONNX export does not take a template yet (PromptBERT's templates and their [MASK] "
-                     "pooling: the sentences would have to be wrapped in the template's tokens outside the graph); "
-                     "export a prompt trained without a template")
+_MLM_TRANSFORM_REFUSAL = ("the ONNX export does not take the mlm_transform pooler head yet (PromptBERT's supervised "
+                          "BERT head); export a prompt trained with pooler_head 'new'")
+_OPTIPROMPT_REFUSAL = ("the ONNX export does not take OptiPrompt's trainable template words yet; export a prompt "
+                       "trained without optiprompt")
+_TEMPLATE_EOS_REFUSAL = ("the ONNX export does not take a template together with append_eos yet (the template's "
+                         "recipe in fastprompt_onnx.json has no EOS rule); export a prompt trained without one of them")
 
 
 def _pooler_refusal(pooler: str) -> str:
     return (f"the ONNX export does not take pooler {pooler!r} yet (it exports {', '.join(EXPORTABLE_POOLERS)}; "
-            "'mask' and 'topk' read a template's [MASK]); export a prompt trained with one of those")
+            "'topk' needs the MLM head's top-k over the vocabulary); export a prompt trained with one of those")
 
 
 def onnx_refusal(encoder) -> str | None:
@@ -122,10 +132,15 @@ def onnx_refusal(encoder) -> str | None:
                 f"{', '.join(EXPORTABLE_MODEL_TYPES)}")
     if encoder.pooler.pooler not in EXPORTABLE_POOLERS:
         return _pooler_refusal(encoder.pooler.pooler)
-    if encoder.template is not None or encoder.template_words is not None:
-        return _TEMPLATE_REFUSAL
+    if encoder.template_words is not None:
+        return _OPTIPROMPT_REFUSAL
+    if encoder.template is not None and encoder.append_eos:
+        return _TEMPLATE_EOS_REFUSAL
+    if encoder.prefix_mode != "attention":
+        return ("the ONNX export traces the prefix attention path: load the encoder with prefix_mode='attention' "
+                "(the default), not 'cache'")
     if encoder.pooler.head_kind != "new":
-        return "the ONNX export does not take an mlm_transform pooler head (it goes with pooler 'mask')"
+        return _MLM_TRANSFORM_REFUSAL
     dtypes = {p.dtype for p in encoder.parameters()}
     if dtypes != {torch.float32}:
         shown = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
@@ -141,12 +156,25 @@ class OnnxGraph(nn.Module):
     held as a constant, then :meth:`PromptEncoder.encode`'s L2 normalisation (``normalize``). Returns
     ``(sentence_embedding, token_embeddings)``. Use it inside :func:`export_mode`."""
 
-    def __init__(self, encoder, normalize: bool = True):
+    def __init__(self, encoder, normalize: bool = True, max_length: int | None = None):
         super().__init__()
         self.encoder = encoder
         self.normalize = normalize
-        with torch.no_grad():
-            layers = encoder._layer_prefixes()  # eval mode: no prompt dropout; an MLP-reparameterised prompt evaluated
+        tpl = encoder._template
+        #: the most sentence tokens a row holds inside the template (its recipe in fastprompt_onnx.json)
+        self.sentence_room = None if tpl is None else template_room(encoder, max_length)
+        training = encoder.training
+        encoder.eval()  # no prompt dropout; an MLP-reparameterised prompt is evaluated once, here
+        try:
+            with torch.no_grad():
+                layers = encoder._layer_prefixes()
+                if tpl is not None and encoder.denoise:
+                    # template denoising's bias: the [MASK] state of the template alone with the positions it has
+                    # around an L-token sentence, for every L the rows can have (what template_bias caches)
+                    lengths = torch.arange(self.sentence_room + 1, device=encoder.device)
+                    self.register_buffer("template_bias_table", encoder._bias_for(tpl, lengths).float().clone())
+        finally:
+            encoder.train(training)
         self.prefixed = [i for i, entry in enumerate(layers) if entry is not None]
         shared = {}
         for i in self.prefixed:  # a layer-shared prompt is one tensor per kind, stored once
@@ -161,6 +189,15 @@ class OnnxGraph(nn.Module):
     def layer_prefixes(self, batch_size: int | None = None):
         return [None if names is None else (getattr(self, names[0]), getattr(self, names[1]))
                 for names in self._names]
+
+    def template_bias(self, template, lengths: torch.Tensor) -> torch.Tensor:
+        """The table's rows for these sentence lengths (:meth:`PromptEncoder.template_bias`, traceable)."""
+        return self.template_bias_table[lengths.clamp(0, self.sentence_room)]
+
+    @staticmethod
+    def sentence_lengths(tpl, attention_mask: torch.Tensor) -> torch.Tensor:
+        """:meth:`PromptEncoder.sentence_lengths` without its host-side check (rows are built by the recipe)."""
+        return (attention_mask.sum(1).long() - tpl.overhead).clamp_min(0)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                 token_type_ids: torch.Tensor | None = None):
@@ -177,16 +214,38 @@ def export_mode(graph: OnnxGraph):
     """The encoder as the exporter must trace it: eval mode, padded (not packed) batches, the plain-PyTorch
     attention (``attn_backend="reference"``) and the graph's constant prefixes; restored afterwards."""
     enc = graph.encoder
-    saved = enc.training, enc.attn_backend, enc.packed, enc.prefix_mode
+    saved = enc.training, enc.attn_backend, enc.packed
     enc.eval()
-    enc.attn_backend, enc.packed, enc.prefix_mode = "reference", False, "attention"
-    enc._layer_prefixes = graph.layer_prefixes  # an instance attribute: the class's method is untouched
+    enc.attn_backend, enc.packed = "reference", False
+    # instance attributes: the class's methods are untouched
+    enc._layer_prefixes = graph.layer_prefixes
+    enc.template_bias, enc.sentence_lengths = graph.template_bias, graph.sentence_lengths
     try:
         yield graph
     finally:
-        del enc._layer_prefixes
+        del enc._layer_prefixes, enc.template_bias, enc.sentence_lengths
         enc.train(saved[0])
-        enc.attn_backend, enc.packed, enc.prefix_mode = saved[1:]
+        enc.attn_backend, enc.packed = saved[1:]
+
+
+def template_room(encoder, max_length: int | None) -> int:
+    """The most sentence tokens a row holds inside the encoder's template: ``max_length`` (the sentence's own
+    tokens, PromptBERT's rule), within what the model's positions leave (as
+    :func:`fastprompt.model.template.wrap_batch` cuts)."""
+    room = encoder.model_max_tokens() - encoder._template.overhead
+    return room if max_length is None else min(room, max_length)
+
+
+def template_recipe(encoder, room: int) -> dict:
+    """How a server builds a row from a sentence for a template export (the ids PromptEncoder.tokenize gives)."""
+    tpl = encoder._template
+    return {"text": tpl.text, "lead": list(tpl.lead), "before": list(tpl.before), "after": list(tpl.after),
+            "trail": list(tpl.trail), "space_before_sentence": tpl.space_before_sentence,
+            "max_sentence_tokens": room, "denoise": encoder.denoise,
+            "recipe": "input_ids = lead + before + tokenizer(text, add_special_tokens=False).input_ids"
+                      "[:max_sentence_tokens] + after + trail, with text = ' ' + sentence.strip() when "
+                      "space_before_sentence else sentence.strip(); attention_mask 1 per id; pad on padding_side "
+                      "with the tokenizer's pad id"}
 
 
 def is_onnx_export(folder: str | os.PathLike) -> bool:
@@ -285,7 +344,8 @@ def export_onnx(prompt, output: str | os.PathLike, *, base_model: str | os.PathL
     if refusal is not None:
         raise ValueError(f"cannot export to ONNX: {refusal}")
     encoder.check_max_length(max_length)
-    limit = max_length or encoder.max_length or encoder.model_max_tokens()
+    # without a template: the whole row's tokens; with one: the sentence's own (PromptBERT's rule, as tokenize())
+    limit = max_length or encoder.max_length or (None if encoder.template is not None else encoder.model_max_tokens())
     out = Path(output)
     out.parent.mkdir(parents=True, exist_ok=True)
     # written beside the target (the same file system, so the files move in with os.replace), removed on any failure
@@ -293,9 +353,12 @@ def export_onnx(prompt, output: str | os.PathLike, *, base_model: str | os.PathL
     try:
         info = _write_graph(encoder, tmp, normalize=normalize, max_length=limit)
         tokenizer = copy.deepcopy(encoder.tokenizer)
-        tokenizer.model_max_length = limit
+        tokenizer.model_max_length = info["max_length"]
         tokenizer.save_pretrained(str(tmp))
         check_tokenizer_reloads(encoder.tokenizer, tmp)
+        # the backbone's config: what servers that load a model folder read beside model.onnx (text-embeddings-
+        # inference's ONNX backend: hidden size, layers, pad token id; docs/deploy.md)
+        encoder.backbone.config.to_json_file(str(tmp / "config.json"))
         info["files"] = sorted([p.name for p in tmp.iterdir()] + [CONFIG_FILE])
         write_json_atomic(tmp / CONFIG_FILE, info, CONFIG_FILE)
         out.mkdir(exist_ok=True)
@@ -306,29 +369,32 @@ def export_onnx(prompt, output: str | os.PathLike, *, base_model: str | os.PathL
     return out
 
 
-def _write_graph(encoder, folder: Path, *, normalize: bool, max_length: int) -> dict:
-    """Export ``encoder`` to ``folder/model.onnx``, check it in onnxruntime, and return the sidecar's contents."""
+def _write_graph(encoder, folder: Path, *, normalize: bool, max_length: int | None) -> dict:
+    """Export ``encoder`` to ``folder/model.onnx``, check it in onnxruntime, and return the sidecar's contents.
+    ``max_length``: the row's tokens, or with a template the sentence's own (None: what the model leaves)."""
     import onnx
 
-    graph = OnnxGraph(encoder, normalize=normalize).eval()
+    graph = OnnxGraph(encoder, normalize=normalize, max_length=max_length).eval()
     tok = encoder.tokenize(CHECK_SENTENCES, max_length)
     names = ["input_ids", "attention_mask"] + (["token_type_ids"] if "token_type_ids" in tok else [])
     args = tuple(tok[n] for n in names)
-    if args[0].shape[0] < 2 or args[0].shape[1] < 3:  # torch.export specialises sizes 0 and 1
-        raise ValueError("the export's example batch must be at least 2 x 3 tokens")
+    if args[0].shape[1] < 2:  # torch.export would specialise a sequence axis of size 1
+        raise ValueError(f"max_length {max_length} leaves the export's example batch one token wide; give a "
+                         "max_length of at least 2")
     batch, sequence = torch.export.Dim("batch"), torch.export.Dim("sequence")
     dynamic = {n: {0: batch, 1: sequence} for n in names}
     weights = sum(t.numel() * t.element_size() for t in list(graph.parameters()) + list(graph.buffers()))
     external = weights > EXTERNAL_DATA_BYTES
     path = folder / GRAPH_FILE
+    expected = _encoder_vectors(encoder, args, normalize)  # the encoder's own path (its backend, packing)
     with export_mode(graph), torch.no_grad(), _quiet_exporter():
-        expected = graph(*args)
         program = torch.onnx.export(graph, args, input_names=names, output_names=["sentence_embedding",
                                     "token_embeddings"], dynamic_shapes=dynamic, opset_version=OPSET, dynamo=True,
                                     optimize=False, verbose=False)
     program.save(str(path), external_data=external)
-    if external and (folder / f"{GRAPH_FILE}.data").exists() and GRAPH_DATA_FILE != f"{GRAPH_FILE}.data":
-        os.replace(folder / f"{GRAPH_FILE}.data", folder / GRAPH_DATA_FILE)
+    if external and not (folder / GRAPH_DATA_FILE).is_file():
+        raise RuntimeError(f"the exporter wrote no {GRAPH_DATA_FILE} beside {GRAPH_FILE} for this model's "
+                           f"{weights / 2**30:.1f} GB of weights; please report this")
     model = onnx.load(str(path), load_external_data=False)
     foreign = sorted({f"{n.domain}::{n.op_type}" for n in model.graph.node if n.domain not in ("", "ai.onnx")})
     if foreign:
@@ -349,9 +415,15 @@ def _write_graph(encoder, folder: Path, *, normalize: bool, max_length: int) -> 
                     "token_embeddings": {"dtype": "float32", "shape": ["batch", "sequence", encoder.hidden_size]}},
         "normalized": normalize, "dimension": encoder.hidden_size, "similarity": "cosine",
         "pooler": encoder.pooler.pooler,
-        "head": encoder.pooler.mlp if encoder.pooler.head is not None and encoder.pooler.mlp == "always" else "none",
-        "max_length": max_length, "padding_side": getattr(tokenizer, "padding_side", "right"),
-        "append_eos": encoder.append_eos, "template": None,
+        # the pooler's trained head, in the graph when the checkpoint applies it at inference (mlp: always)
+        "head": (("bn_mlp" if encoder.pooler.pooler == "bn_mlp" else "linear_tanh")
+                 if encoder.pooler.head is not None and encoder.pooler.mlp == "always" else None),
+        # the longest row (special tokens included); with a template the sentence's tokens are bounded by the
+        # recipe's max_sentence_tokens and the row is the template's overhead longer
+        "max_length": (max_length if encoder.template is None
+                       else graph.sentence_room + encoder._template.overhead),
+        "padding_side": getattr(tokenizer, "padding_side", "right"), "append_eos": encoder.append_eos,
+        "template": None if encoder.template is None else template_recipe(encoder, graph.sentence_room),
         "prompt": {"prefix_length": encoder.prompt_length, "input_prompt_length": encoder.input_prompt_length,
                    "cls_prompt": encoder.cls_prompt is not None},
         "model_type": getattr(cfg, "model_type", None), "base_model": str(encoder.base_model),
@@ -361,7 +433,19 @@ def _write_graph(encoder, folder: Path, *, normalize: bool, max_length: int) -> 
     }
 
 
-def _check_graph(path: Path, names: list[str], args: tuple, expected: tuple) -> float:
+def _encoder_vectors(encoder, args: tuple, normalize: bool) -> torch.Tensor:
+    """What :meth:`PromptEncoder.encode` returns for the rows ``args`` (one batch, in eval mode)."""
+    training = encoder.training
+    encoder.eval()
+    try:
+        with torch.no_grad():
+            vec = encoder(*args).float()
+    finally:
+        encoder.train(training)
+    return F.normalize(vec, dim=-1) if normalize else vec
+
+
+def _check_graph(path: Path, names: list[str], args: tuple, expected: torch.Tensor) -> float:
     """Largest |difference| between onnxruntime's sentence vectors for ``args`` and PyTorch's ``expected``."""
     import onnxruntime as ort
 
@@ -369,7 +453,7 @@ def _check_graph(path: Path, names: list[str], args: tuple, expected: tuple) -> 
     options.log_severity_level = 3
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     got = session.run(["sentence_embedding"], {n: a.numpy() for n, a in zip(names, args)})[0]
-    return float((torch.from_numpy(got) - expected[0]).abs().max())
+    return float((torch.from_numpy(got) - expected).abs().max())
 
 
 @contextlib.contextmanager

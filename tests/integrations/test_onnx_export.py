@@ -13,8 +13,8 @@ LayerNorm after every block keeps the error from growing with depth: a 6-layer M
 far above it: a lost prefix, a prefix hidden from some tokens, padding left visible or a missed normalisation move
 components by 1e-2 to 1e-1 (:func:`test_the_prefix_and_the_padding_matter` checks the first two on the graph itself).
 
-Time (2 shared cores): 5-12 s per tiny export (torch.export's tracing is most of it), ~16 s for MiniLM; the default
-set is about 60 s, the ``slow`` set (the other architectures and prompt kinds, 13 exports) about 160 s.
+Time (2 shared cores): 5-12 s per tiny export (torch.export's tracing is most of it), ~14 s for MiniLM; the default
+set (7 exports) is about 55 s, the ``slow`` set (the other architectures and prompt kinds, 14 exports) about 170 s.
 """
 import json
 
@@ -51,11 +51,20 @@ def _session(folder):
 
 
 def _run_graph(folder, session, texts):
-    """What a server does: the saved tokenizer (its model_max_length is the export's max_length), then the graph."""
+    """What a server does: the saved tokenizer (its model_max_length is the export's max_length), then the graph; for
+    a template, the recipe fastprompt_onnx.json spells out."""
     info = json.loads((folder / CONFIG_FILE).read_text())
     tok = AutoTokenizer.from_pretrained(str(folder))
     tok.padding_side = info["padding_side"]
-    feeds = tok(texts, padding=True, truncation=True, max_length=info["max_length"], return_tensors="np")
+    tpl = info["template"]
+    if tpl is None:
+        feeds = tok(texts, padding=True, truncation=True, max_length=info["max_length"], return_tensors="np")
+    else:
+        own = tok([(" " + t.strip()) if tpl["space_before_sentence"] else t.strip() for t in texts],
+                  add_special_tokens=False)["input_ids"]
+        rows = [tpl["lead"] + tpl["before"] + ids[:tpl["max_sentence_tokens"]] + tpl["after"] + tpl["trail"]
+                for ids in own]
+        feeds = tok.pad({"input_ids": rows}, padding=True, return_tensors="np")
     return session.run(None, {i.name: feeds[i.name].astype(np.int64) for i in session.get_inputs()})
 
 
@@ -90,6 +99,7 @@ CASES = {
                                     dict(pooler="cls", mlp="always")),
     "roberta-projection-shifted": ("roberta", dict(prefix_projection=True, projection_hidden_size=8,
                                                    position_mode="shifted"), dict(pooler="cls_before_pooler")),
+    "bert-template-mask-denoise-head": ("bert", {}, dict(pooler="mask", denoise=True, mlp="always")),
     "mpnet-relative-bias": ("mpnet", {}, dict(pooler="mean")),
     "llama-gqa-left-padding": ("llama", {}, dict(pooler="last", padding_side="left")),
 }
@@ -99,6 +109,7 @@ SLOW_CASES = {
     "modernbert-rope-local-window": ("modernbert", {}, dict(pooler="cls")),
     "xlm-roberta": ("xlm-roberta", {}, dict(pooler="mean")),
     "electra": ("electra", {}, dict(pooler="cls")),
+    "roberta-template-mask": ("roberta", {}, dict(pooler="mask", max_length=6)),
     "bert-bn-mlp-no-normalize": ("bert", {}, dict(pooler="bn_mlp", mlp="always")),
     "roberta-input-layer-only": ("roberta", dict(input_layer_only=True), dict(pooler="mean")),
     "bert-soft-tokens-only": ("bert", dict(prompt_type="input", input_prompt_length=3), dict(pooler="mean")),
@@ -134,8 +145,12 @@ def _export_and_check(case, tmp_path):
 @pytest.mark.parametrize("case", list(CASES))
 def test_onnx_equals_encode(case, tmp_path):
     encoder, out = _export_and_check(CASES[case], tmp_path)
-    if case.startswith("bert"):
+    if case.startswith("bert-cls"):
         _check_prefix_and_padding(encoder, out)
+    if case.startswith("bert-template"):  # denoising's bias: one row per sentence length the recipe allows
+        info = json.loads((out / CONFIG_FILE).read_text())
+        room = encoder.model_max_tokens() - encoder._template.overhead
+        assert info["template"]["denoise"] and info["template"]["max_sentence_tokens"] == room
 
 
 @pytest.mark.slow
@@ -188,6 +203,7 @@ def test_real_minilm_through_the_cli(minilm_dir, tmp_path, capsys):
     info = json.loads((out / CONFIG_FILE).read_text())
     assert info["max_length"] == 64 and info["inputs"].keys() == {"input_ids", "attention_mask", "token_type_ids"}
     assert set(info["files"]) == {p.name for p in out.iterdir()}
+    assert json.loads((out / "config.json").read_text())["model_type"] == "bert"  # for servers (docs/deploy.md)
     worst = _check_equal(encoder, out)
     plain = PromptEncoder.from_pretrained(minilm_dir, pooler="mean", max_length=64)
     assert np.abs(plain.encode(TEXTS) - encoder.encode(TEXTS)).max() > 1e-2  # the prompt changes the vectors
@@ -236,19 +252,25 @@ def test_refuses_an_output_inside_or_around_its_input(tiny_checkpoint, where, no
 
 def test_refuses_what_it_cannot_export_before_loading(tiny_checkpoint, tmp_path, no_export):
     config = json.loads((tiny_checkpoint / "fastprompt_config.json").read_text())
-    for key, value, message in (("pooler", "mask", "does not take pooler 'mask' yet"),
-                                ("template", 'This sentence : "[X]" means [MASK] .', "does not take a template yet")):
+    prompt = {**config["prompt_config"], "optiprompt": True}
+    for key, change, message in (
+            ("topk", {"pooler": "topk"}, "does not take pooler 'topk' yet"),
+            ("mlm-transform", {"pooler": "mask", "pooler_head": "mlm_transform"},
+             "does not take the mlm_transform pooler head yet"),
+            ("optiprompt", {"pooler": "mask", "prompt_config": prompt}, "does not take OptiPrompt's trainable"),
+            ("template-eos", {"template": 'This sentence : "[X]" means [MASK] .', "append_eos": True},
+             "does not take a template together with append_eos yet")):
         bad = tmp_path / key
         bad.mkdir()
         for f in tiny_checkpoint.iterdir():
             (bad / f.name).write_bytes(f.read_bytes())
-        (bad / "fastprompt_config.json").write_text(json.dumps({**config, key: value}))
+        (bad / "fastprompt_config.json").write_text(json.dumps({**config, **change}))
         with pytest.raises(ValueError, match=message):
             export_onnx(bad, tmp_path / f"out-{key}")
         assert not (tmp_path / f"out-{key}").exists()
 
 
-def test_refuses_an_architecture_or_dtype_it_does_not_export(tmp_path):
+def test_refuses_an_architecture_dtype_or_path_it_does_not_export(tmp_path):
     deberta = _encoder("deberta-v2", BYPASSING["deberta-v2"], None, dtype=torch.float32)
     with pytest.raises(ValueError, match=r"the ONNX export of DebertaV2Model \(model_type 'deberta-v2'\) is not "
                                          "implemented"):
@@ -256,7 +278,11 @@ def test_refuses_an_architecture_or_dtype_it_does_not_export(tmp_path):
     half = _tiny_encoder("bert", {}, dict(pooler="mean")).to(torch.float16)
     with pytest.raises(ValueError, match="writes a float32 graph, but the encoder's weights are float16"):
         export_onnx(half, tmp_path / "b")
-    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    cache = _tiny_encoder("bert", {}, dict(pooler="mean"))
+    cache.prefix_mode = "cache"
+    with pytest.raises(ValueError, match="load the encoder with prefix_mode='attention'"):
+        export_onnx(cache, tmp_path / "c")
+    assert not any((tmp_path / n).exists() for n in "abc")
 
 
 def test_without_the_onnx_packages_says_which_extra(monkeypatch, tiny_checkpoint, tmp_path):
@@ -281,7 +307,8 @@ def test_overwrite_replaces_only_what_the_export_writes(tiny_checkpoint, tmp_pat
     """The file handling, with the graph writer stood in for (the tracing is tested above)."""
     def fake_graph(encoder, folder, *, normalize, max_length):
         (folder / GRAPH_FILE).write_bytes(b"graph" * 300)
-        return {"format": fp_onnx.FORMAT, "normalized": normalize, "check": {"max_abs_diff": 0.0}}
+        return {"format": fp_onnx.FORMAT, "normalized": normalize, "max_length": max_length,
+                "check": {"max_abs_diff": 0.0}}
 
     monkeypatch.setattr(fp_onnx, "_write_graph", fake_graph)
     out = tmp_path / "served"
@@ -303,3 +330,12 @@ def test_overwrite_replaces_only_what_the_export_writes(tiny_checkpoint, tmp_pat
     assert second["normalized"] is False and not (out / "old_vocab.txt").exists()
     assert (out / "notes.txt").exists() and (tmp_path / "x").read_text() == "outside"
     assert not list(tmp_path.glob(".served.onnx-*"))  # no temporary folder left behind
+
+
+def test_cli_refuses_the_other_formats_options(tiny_checkpoint, tmp_path, capsys, no_export):
+    for argv, message in ((["--to", "onnx", "--no-backbone"], "--no-backbone applies to --to sentence-transformers "
+                           "only (the ONNX graph holds the backbone)"),
+                          (["--to", "peft", "--max-length", "32"], "--max-length applies to --to onnx only")):
+        code = cli.main(["export", "--prompt", str(tiny_checkpoint), "--output", str(tmp_path / "o"), *argv])
+        assert code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
