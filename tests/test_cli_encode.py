@@ -261,3 +261,22 @@ def test_encode_dim_truncates_then_normalises(tmp_path, capsys, input_file, tiny
     assert rc == 2 and "dim=33 is more than the 32 dimensions" in err
     with pytest.raises(ValueError, match="dim must be a positive integer"):
         encoder.encode(LINES, dim=0)
+
+
+@pytest.mark.parametrize("max_length", [2, 3])
+def test_max_length_without_room_for_text_is_refused(tmp_path, capsys, input_file, tiny_bert_dir, max_length):
+    """``--max-length 2`` encoded every sentence as ``[CLS] [SEP]``: identical vectors, exit 0, nothing said. Now
+    refused (in encode, eval and the Python API alike: PromptEncoder.tokenize checks it), no output written; 3
+    leaves one token of text."""
+    from fastprompt.model import PromptEncoder
+
+    out = tmp_path / "emb.npy"
+    rc, _, err = _run(capsys, "--model", tiny_bert_dir, "--max-length", max_length, "--input", input_file,
+                      "--output", out)
+    if max_length == 3:
+        assert rc == 0 and np.load(out).shape[0] == len(LINES)
+        return
+    assert rc != 0 and "max_length=2 leaves no room for text" in err and "set max_length >= 3" in err
+    assert not out.exists()
+    with pytest.raises(ValueError, match="leaves no room for text"):
+        PromptEncoder.from_pretrained(tiny_bert_dir).encode(LINES, max_length=2)
