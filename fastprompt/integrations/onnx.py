@@ -355,10 +355,17 @@ def export_onnx(prompt, output: str | os.PathLike, *, base_model: str | os.PathL
         tokenizer = copy.deepcopy(encoder.tokenizer)
         tokenizer.model_max_length = info["max_length"]
         tokenizer.save_pretrained(str(tmp))
-        check_tokenizer_reloads(encoder.tokenizer, tmp)
         # the backbone's config: what servers that load a model folder read beside model.onnx (text-embeddings-
-        # inference's ONNX backend: hidden size, layers, pad token id; docs/deploy.md)
+        # inference's ONNX backend: hidden size, layers, pad token id; docs/deploy.md). With it there, transformers
+        # may load the tokenizer as its own class for that model type: kept only if the tokenizer still loads back
+        # as the encoder's, giving every input the graph takes
         encoder.backbone.config.to_json_file(str(tmp / "config.json"))
+        if not _tokenizer_reloads(encoder.tokenizer, tmp, list(info["inputs"])):
+            (tmp / "config.json").unlink()
+            logger.warning("the export holds no config.json: with it, transformers loads this model type's own "
+                           "tokenizer class instead of the encoder's %s", type(encoder.tokenizer).__name__)
+        check_tokenizer_reloads(encoder.tokenizer, tmp)
+        info["config_json"] = (tmp / "config.json").is_file()
         info["files"] = sorted([p.name for p in tmp.iterdir()] + [CONFIG_FILE])
         write_json_atomic(tmp / CONFIG_FILE, info, CONFIG_FILE)
         out.mkdir(exist_ok=True)
@@ -431,6 +438,21 @@ def _write_graph(encoder, folder: Path, *, normalize: bool, max_length: int | No
         "check": {"sentences": len(CHECK_SENTENCES), "max_abs_diff": diff, "atol": EXPORT_CHECK_ATOL},
         "versions": _versions(),
     }
+
+
+def _tokenizer_reloads(tokenizer, folder: Path, inputs: list[str]) -> bool:
+    """Whether ``AutoTokenizer`` loads ``folder``'s tokenizer into one that splits the probe texts as ``tokenizer``
+    does and returns every one of the graph's ``inputs``."""
+    from transformers import AutoTokenizer
+
+    from fastprompt.integrations._common import TOKENIZER_PROBE
+
+    try:
+        loaded = AutoTokenizer.from_pretrained(str(folder), trust_remote_code=False)
+    except (OSError, ValueError):
+        return False
+    theirs = loaded(TOKENIZER_PROBE)
+    return theirs["input_ids"] == tokenizer(TOKENIZER_PROBE)["input_ids"] and all(n in theirs for n in inputs)
 
 
 def _encoder_vectors(encoder, args: tuple, normalize: bool) -> torch.Tensor:

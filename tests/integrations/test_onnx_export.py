@@ -204,6 +204,7 @@ def test_real_minilm_through_the_cli(minilm_dir, tmp_path, capsys):
     assert info["max_length"] == 64 and info["inputs"].keys() == {"input_ids", "attention_mask", "token_type_ids"}
     assert set(info["files"]) == {p.name for p in out.iterdir()}
     assert json.loads((out / "config.json").read_text())["model_type"] == "bert"  # for servers (docs/deploy.md)
+    assert info["config_json"] is True
     worst = _check_equal(encoder, out)
     plain = PromptEncoder.from_pretrained(minilm_dir, pooler="mean", max_length=64)
     assert np.abs(plain.encode(TEXTS) - encoder.encode(TEXTS)).max() > 1e-2  # the prompt changes the vectors
@@ -307,7 +308,7 @@ def test_overwrite_replaces_only_what_the_export_writes(tiny_checkpoint, tmp_pat
     """The file handling, with the graph writer stood in for (the tracing is tested above)."""
     def fake_graph(encoder, folder, *, normalize, max_length):
         (folder / GRAPH_FILE).write_bytes(b"graph" * 300)
-        return {"format": fp_onnx.FORMAT, "normalized": normalize, "max_length": max_length,
+        return {"format": fp_onnx.FORMAT, "normalized": normalize, "max_length": max_length, "inputs": {},
                 "check": {"max_abs_diff": 0.0}}
 
     monkeypatch.setattr(fp_onnx, "_write_graph", fake_graph)
