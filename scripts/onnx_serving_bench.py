@@ -82,6 +82,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--int8", action="store_true", help="also onnxruntime's dynamic int8 quantisation")
     parser.add_argument("--limit", type=int, help="time the first N distinct sentences only (a quick look)")
+    parser.add_argument("--interleave", type=int, metavar="CHUNK",
+                        help="time the sides in turn on chunks of CHUNK sentences (each chunk: PyTorch, then each "
+                             "graph) and sum per side: on a shared machine the other load then falls on every side "
+                             "alike; no STS scores")
     args = parser.parse_args(argv)
 
     import torch
@@ -122,6 +126,22 @@ def main(argv=None) -> int:
             graphs["onnxruntime int8 (dynamic)"] = "model_int8.onnx"
         sides = {"PyTorch encode (fp32)": encoder}
         sides.update({name: OnnxEncoder(folder, graph, args.threads) for name, graph in graphs.items()})
+        if args.interleave:
+            totals = dict.fromkeys(sides, 0.0)
+            for side in sides.values():
+                side.encode(sentences[:args.batch_size], batch_size=args.batch_size)  # warm-up
+            for start in range(0, len(sentences), args.interleave):
+                chunk = sentences[start:start + args.interleave]
+                for name, side in sides.items():
+                    began = time.perf_counter()
+                    side.encode(chunk, batch_size=args.batch_size)
+                    totals[name] += time.perf_counter() - began
+            print(f"\ninterleaved over chunks of {args.interleave}; {len(sentences)} sentences; CPU: {_cpu_name()}; "
+                  f"load average: {os.getloadavg()[0]:.2f}")
+            for name, total in totals.items():
+                print(f"| {name} | {len(sentences) / total:.0f} sentences/s | "
+                      f"{totals[next(iter(totals))] / total:.2f}x |")
+            return 0
         reference = None
         for name, side in sides.items():
             emb, rate = _timed(side, sentences, args.batch_size, args.repeats)
