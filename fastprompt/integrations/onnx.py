@@ -31,7 +31,7 @@ the encoder; a difference above :data:`EXPORT_CHECK_ATOL` fails the export.
 What is exported is what the tests check against :meth:`PromptEncoder.encode` (tests/integrations/
 test_onnx_export.py): the model types of :data:`EXPORTABLE_MODEL_TYPES` and the poolers of
 :data:`EXPORTABLE_POOLERS`; anything else is refused, naming what, before any weights load where the checkpoint's
-config tells (:func:`onnx_refusal`).
+config tells (:func:`config_refusal`, then :func:`onnx_refusal` once the model is loaded).
 
 Needs ``onnx``, ``onnxscript`` and ``onnxruntime`` (``pip install 'fastprompt[onnx]'``); ``import fastprompt``
 does not.
