@@ -18,8 +18,15 @@ defaults (``backend: auto``, packed batches, dropout 0.1), ``--pairs`` pairs of 
 - ``graph_capture``: whether the step's forward, loss and backward capture into a CUDA graph (``captured``, or the
   error; on the CPU ``n/a``).
 
+``--cuda-graphs`` profiles the trainer's ``cuda_graphs: true`` step instead (the encoder compiled with
+``mode="reduce-overhead"``, batches padded to its widths; CUDA only): then ``graph_capture`` is Inductor's verdict,
+``replayed`` or the reasons it gave for running the step without its CUDA graphs (``cudagraph_skips``), and the
+host reads are counted with the compiled encoder run eagerly (the counting is a TorchFunctionMode, which Dynamo
+would trace).
+
     python bench/profile_step.py --device cuda                       # the GPU kit's step 1 (~1 min)
     python bench/profile_step.py --shape tiny --pairs 8 --seq 16     # the CPU smoke run (tests/test_gpu_kit.py)
+    python bench/profile_step.py --device cuda --cuda-graphs         # the cuda_graphs step (~2 min: it compiles)
 
 Writes ``--out`` (JSON; default bench/results/profile_step_<device>.json) with the machine and the command.
 """
@@ -38,7 +45,8 @@ from _harness import command_line, machine, results_path
 from _random_models import SHAPES, random_bert
 
 
-def build_trainer(device: str, shape: str, pairs: int, seq: int, folder: Path, tokenizer: str | None = None):
+def build_trainer(device: str, shape: str, pairs: int, seq: int, folder: Path, tokenizer: str | None = None,
+                  cuda_graphs: bool = False):
     from bench_train_step import sentences
 
     from fastprompt.train import Trainer
@@ -49,7 +57,7 @@ def build_trainer(device: str, shape: str, pairs: int, seq: int, folder: Path, t
     trainer = Trainer(dict(model=str(model), train_file=str(corpus), output_dir=str(folder / "run"),
                            batch_size=pairs, max_length=seq, prompt_length=16, learning_rate=1e-3, max_steps=10 ** 6,
                            eval_steps=10 ** 6, log_every=10 ** 6, device=device, progress_bar=False, seed=0,
-                           final_eval=False, tensorboard=False))
+                           final_eval=False, tensorboard=False, cuda_graphs=cuda_graphs))
     trainer.setup()
     return trainer
 
@@ -102,13 +110,17 @@ def graph_capture(trainer, rows) -> str:
 
 
 def profile_step(device: str, shape: str, pairs: int, seq: int, warmup: int, steps: int, repeats: int,
-                 tokenizer: str | None = None) -> dict:
+                 tokenizer: str | None = None, cuda_graphs: bool = False) -> dict:
+    import contextlib
+
     import torch
+    from torch._dynamo.utils import counters
 
     from fastprompt.host_sync import HostReads, TritonLaunches
 
+    counters.clear()
     with tempfile.TemporaryDirectory() as tmp:
-        trainer = build_trainer(device, shape, pairs, seq, Path(tmp), tokenizer)
+        trainer = build_trainer(device, shape, pairs, seq, Path(tmp), tokenizer, cuda_graphs)
         rows = list(range(pairs))
 
         def step():
@@ -128,7 +140,8 @@ def profile_step(device: str, shape: str, pairs: int, seq: int, warmup: int, ste
         out = {"wall_ms": round(statistics.median(rounds), 3), "wall_ms_rounds": [round(r, 3) for r in rounds]}
         out.update(kernel_profile(step, device))
         out["kernel_fraction"] = round(out["kernel_ms"] / out["wall_ms"], 3)
-        with HostReads() as reads, TritonLaunches() as launches:
+        eager = torch.compiler.set_stance("force_eager") if cuda_graphs else contextlib.nullcontext()
+        with eager, HostReads() as reads, TritonLaunches() as launches:
             step()
         out["host_reads"] = [str(r) for r in reads.reads]
         out["triton_launches"] = launches.total
@@ -143,7 +156,12 @@ def profile_step(device: str, shape: str, pairs: int, seq: int, warmup: int, ste
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             out["cuda_syncs"] = sum("synchroniz" in str(w.message) for w in caught)
-            out["graph_capture"] = graph_capture(trainer, rows)
+            if cuda_graphs:
+                skips = dict(counters["inductor"]).get("cudagraph_skips", 0)
+                out["graph_capture"] = "replayed" if not skips else f"skipped {skips}x (TORCH_LOGS=perf_hints: why)"
+                out["cudagraph_skips"] = skips
+            else:
+                out["graph_capture"] = graph_capture(trainer, rows)
         else:
             out["cuda_syncs"] = None
             out["graph_capture"] = "n/a"
@@ -162,18 +180,21 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--steps", type=int, default=10, help="steps per timed round")
     p.add_argument("--repeats", type=int, default=5, help="timed rounds")
+    p.add_argument("--cuda-graphs", action="store_true", help="the trainer's cuda_graphs: true step (CUDA only)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    if args.cuda_graphs and args.device != "cuda":
+        p.error("--cuda-graphs profiles CUDA graphs: it needs --device cuda")
     if args.device == "cuda":
         import torch
 
         if not torch.cuda.is_available():
             raise SystemExit("profile_step: --device cuda needs a CUDA GPU (torch sees none)")
     result = profile_step(args.device, args.shape, args.pairs, args.seq, args.warmup, args.steps, args.repeats,
-                          args.tokenizer)
+                          args.tokenizer, args.cuda_graphs)
     out = args.out or results_path("profile_step", args.device).with_suffix(".json")
     out.parent.mkdir(parents=True, exist_ok=True)
-    config = {k: getattr(args, k) for k in ("shape", "pairs", "seq", "warmup", "steps", "repeats")}
+    config = {k: getattr(args, k) for k in ("shape", "pairs", "seq", "warmup", "steps", "repeats", "cuda_graphs")}
     out.write_text(json.dumps({"command": command_line(), "machine": machine(), "config": config,
                                "result": result}, indent=2) + "\n")
     print(json.dumps(result, indent=2))

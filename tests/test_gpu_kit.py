@@ -84,3 +84,11 @@ def test_every_size_set_plans_both_ops():
         assert ops == {"prefix_attention", "contrastive_loss"}, sizes
     with pytest.raises(ValueError, match="unknown size set"):
         tune.plan("huge")
+
+
+def test_profile_step_refuses_cuda_graphs_without_cuda():
+    """``profile_step.py --cuda-graphs`` profiles the trainer's cuda_graphs step: without ``--device cuda`` it is
+    refused at once, before any model is built."""
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "profile_step.py"), "--cuda-graphs"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT / "bench")
+    assert proc.returncode == 2 and "--cuda-graphs profiles CUDA graphs: it needs --device cuda" in proc.stderr
