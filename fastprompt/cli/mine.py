@@ -44,12 +44,14 @@ def _margin(text: str) -> float:
 
 
 def _seed(text: str) -> int:
+    from fastprompt.data.mining import MAX_SEED
+
     try:
         value = int(text)
     except ValueError:
         value = -1
-    if not 0 <= value <= 2**32 - 1:
-        raise argparse.ArgumentTypeError(f"expected an integer in [0, {2**32 - 1}], got {text!r}")
+    if not 0 <= value <= MAX_SEED:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, {MAX_SEED}], got {text!r}")
     return value
 
 
