@@ -68,7 +68,7 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
         #: end every sequence with the tokenizer's EOS (decoder embedders pool it: :meth:`tokenize`)
         self.append_eos = bool(append_eos)
         self._eos_id = eos_token_id(tokenizer, self.base_model) if self.append_eos else None
-        self._special_tokens: int | None = None  # how many tokens an empty sentence becomes (_check_room_for_text)
+        self._special_tokens: list[int] | None = None  # what an empty sentence becomes (special_tokens())
         # the prefix's shape (num_heads: the key/value heads) and whether the token block is causal (a decoder)
         self.num_layers, self.hidden_size, self.head_dim = arch.num_layers, arch.hidden_size, arch.head_dim
         self.num_heads, self.causal = arch.num_heads, arch.causal
@@ -212,16 +212,22 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, nn.Module):
                                        max_length=max_length or self.model_max_tokens(), return_tensors="pt"))
         return dict(self.tokenizer.pad({"input_ids": ids}, padding=True, return_tensors="pt"))
 
+    def special_tokens(self) -> list[int]:
+        """The token ids an empty sentence becomes without a template: the special tokens the tokenizer adds to
+        every sentence (and the EOS with ``append_eos``). Computed once."""
+        if self._special_tokens is None:
+            empty = list(self.tokenizer("")["input_ids"])
+            self._special_tokens = end_with_eos(empty, self._eos_id, len(empty) + 1) if self.append_eos else empty
+        return list(self._special_tokens)
+
     def _check_room_for_text(self, max_length: int) -> None:
         """ValueError when ``max_length`` (special tokens included) leaves no token of text: every sentence would be
         the tokenizer's special tokens alone and encode to one vector (``max_length=2`` on BERT: ``[CLS] [SEP]``)."""
-        if self._special_tokens is None:
-            empty = list(self.tokenizer("")["input_ids"])
-            self._special_tokens = len(end_with_eos(empty, self._eos_id, len(empty) + 1) if self.append_eos else empty)
-        if max_length <= self._special_tokens:
+        special = len(self.special_tokens())
+        if max_length <= special:
             raise ValueError(f"max_length={max_length} leaves no room for text: {self.base_model}'s tokenizer adds "
-                             f"{self._special_tokens} special token(s) to every sentence, so every sentence would be "
-                             f"those alone and encode to the same vector; set max_length >= {self._special_tokens + 1}"
+                             f"{special} special token(s) to every sentence, so every sentence would be "
+                             f"those alone and encode to the same vector; set max_length >= {special + 1}"
                              " (it counts the special tokens)")
 
     def _position_shift(self) -> int:

@@ -58,7 +58,7 @@ def check_max_length(cfg: TrainConfig, encoder) -> None:
     if max_length > limit:
         raise ValueError(f"max_length={max_length} is more than {cfg.encoder.model} allows ({limit} tokens, "
                          f"special tokens included, with this prompt's positions); set max_length <= {limit}")
-    special = encoder.tokenize([""], min(limit, 16))["input_ids"][0].tolist()  # what an empty sentence becomes
+    special = encoder.special_tokens()  # what an empty sentence becomes
     if max_length <= len(special):
         tokens = " ".join(encoder.tokenizer.convert_ids_to_tokens(special))
         raise ValueError(f"max_length={max_length} leaves no room for text: {cfg.encoder.model}'s tokenizer adds "
