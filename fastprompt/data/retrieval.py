@@ -139,13 +139,20 @@ def fewest_distinct(examples: TrainExamples) -> tuple[int, str]:
 
 
 def _unicode(text: str, what: str, where: str) -> str:
-    """``text`` when it is valid Unicode; a JSON escape can write a lone surrogate (``"\\ud800"``), which no UTF-8
-    text holds and no tokenizer takes."""
+    """``text`` when it is valid Unicode without a NUL; a JSON escape can write a lone surrogate (``"\\ud800"``),
+    which no UTF-8 text holds and no tokenizer takes, or a NUL (``"\\u0000"``), which the raw-byte check of the line
+    cannot see: the trainer marks padding negatives with it (:data:`PAD_TEXT`), and ``mine-negatives`` would embed
+    it as text."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as e:
         raise ValueError(f"{where}: not valid Unicode (the {what} holds a lone surrogate {text[e.start]!r} at "
                          f"character {e.start}; a JSON \\uXXXX escape of a surrogate needs its pair)") from None
+    nul = text.find("\x00")
+    if nul >= 0:
+        raise ValueError(f"{where}: the {what} holds a NUL character at character {nul} (a JSON "
+                         "\"\\u0000\"): no sentence holds one, and the trainer marks padding negatives with it; "
+                         "remove it")
     return text
 
 

@@ -39,32 +39,11 @@ def load_examples(cfg: TrainConfig, path: str | None = None) -> TrainExamples:
     ex = load_train_file(path or d.train_file, fmt=d.train_format, on_decode_error=d.on_decode_error,
                          negatives_per_row=d.negatives_per_row, pad_negatives=d.pad_negatives, seed=cfg.run.seed)
     logger.info("training data: %d rows of %s from %s", len(ex), "/".join(ex.columns), ex.source or "memory")
-    if ex.query_rows:
-        _check_no_pad_text(ex, d.pad_negatives)
     repeats = len(rows_repeating_their_positive(ex))
     if repeats:
         logger.info("%s: %d row(s) with a negative that is their own positive's text: that column leaves the row's "
                     "softmax (it is no negative)", ex.source or "the training data", repeats)
     return ex
-
-
-def _check_no_pad_text(examples: TrainExamples, pad_negatives: bool) -> None:
-    """Refuse a text holding a NUL character (a JSON ``"\\u0000"``): the trainer marks padding negatives with
-    one, so such a text would be trained as an empty text, or masked as padding. Only the padding that
-    ``pad_negatives`` added (a NUL alone, in a negative column) passes."""
-    from fastprompt.data.corpus import is_negative_column
-    from fastprompt.data.retrieval import PAD_TEXT
-    from fastprompt.messages import shown
-
-    padding = [pad_negatives and is_negative_column(c) for c in examples.columns]
-    for i, row in enumerate(examples.rows):
-        for j, text in enumerate(row):
-            if "\x00" in text and not (padding[j] and text == PAD_TEXT):
-                raise ValueError(f"{examples.source or 'the training data'}: training row {i + 1} has a "
-                                 f"{examples.columns[j]} text holding a NUL character ({shown(text)}, a JSON "
-                                 "\"\\u0000\"): no sentence holds one, and the trainer marks padding negatives with "
-                                 "it; remove it (a row with fewer negatives: negatives_per_row with "
-                                 "pad_negatives=true)")
 
 
 def rows_repeating_their_positive(examples: TrainExamples) -> list[int]:

@@ -106,10 +106,16 @@ def test_bad_rows_name_their_line(tmp_path, line, message):
                                          "character 0"),
     (b'{"query": "q", "pos": ["p", "x\\udfff"]}', "not valid Unicode \\(the positive holds a lone surrogate"),
     (b'{"query": "q", "pos": "p", "neg": "\\ud83d"}', "not valid Unicode \\(the negative holds a lone surrogate"),
-], ids=["int-query", "list-query", "latin-1", "surrogate-query", "surrogate-positive", "surrogate-negative"])
+    (b'{"query": "a\\u0000b", "pos": "p"}', r"the query holds a NUL character at character 1 \(a JSON "),
+    (b'{"query": "q", "pos": ["p", "\\u0000"]}', "the positive holds a NUL character at character 0"),
+    (b'{"query": "q", "pos": "p", "neg": "x\\u0000"}', "the negative holds a NUL character at character 1"),
+], ids=["int-query", "list-query", "latin-1", "surrogate-query", "surrogate-positive", "surrogate-negative",
+        "nul-query", "nul-positive", "nul-negative"])
 def test_a_query_of_the_wrong_type_bytes_that_are_not_utf8_and_lone_surrogates_are_named(tmp_path, line, message):
     """Issue 40 items 14 and 10: a number as the query was "no query found", a latin-1 byte "not a JSON object", and a
-    lone surrogate escape reached the tokenizer (a TypeError traceback); each now names its line and what is wrong."""
+    lone surrogate escape reached the tokenizer (a TypeError traceback); each now names its line and what is wrong.
+    A JSON "\\u0000" (which the raw-byte NUL check cannot see) is refused by the reader too: the trainer refused it
+    later, naming a row rather than the line, and ``mine-negatives`` embedded it as text."""
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b'{"query": "ok", "pos": ["fine"]}\n' + line + b"\n")
     with pytest.raises(ValueError, match=message) as info:

@@ -175,5 +175,5 @@ def test_a_nul_text_is_refused_not_trained_as_an_empty_text(tmp_path, pad_negati
     rows[2]["neg"] = ["a\u0000b" if pad_negatives else "\u0000"]
     cfg = TrainConfig(train_file=str(_jsonl(tmp_path / "nul.jsonl", rows)), negatives_per_row=1,
                       pad_negatives=pad_negatives)
-    with pytest.raises(ValueError, match=r"nul.jsonl: training row 3 has a hard_neg text holding a NUL character"):
+    with pytest.raises(ValueError, match=r"nul.jsonl:3: the negative holds a NUL character at character "):
         load_examples(cfg)
