@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from fastprompt.choices import BACKENDS, check_choice
+
 logger = logging.getLogger(__name__)
 
 #: Whether the triton package is installed (looked up once, without importing it).
@@ -101,16 +103,22 @@ def register_op(support: OpSupport) -> OpSupport:
 
 
 def op_support(name: str) -> OpSupport:
-    """The registered :class:`OpSupport` of ``name`` (importing ``fastprompt.ops`` registers the built-in ops)."""
+    """The registered :class:`OpSupport` of ``name``.
+
+    The rule never imports an op: each op registers itself from its own module, which imports this one (the
+    built-in ``contrastive_loss`` and ``prefix_attention`` register when ``fastprompt.ops`` is imported, as every
+    call of them does)."""
     if name not in _REGISTRY:
-        import fastprompt.ops  # noqa: F401  (registers contrastive_loss and prefix_attention)
-    if name not in _REGISTRY:
-        raise ValueError(f"unknown op {name!r}; registered: {', '.join(sorted(_REGISTRY))}")
+        raise ValueError(f"unknown op {name!r}; registered: {', '.join(sorted(_REGISTRY))} (the built-in ops "
+                         "register when fastprompt.ops is imported)")
     return _REGISTRY[name]
 
 
 def triton_interpreting() -> bool:
-    """Whether the Triton kernels run in the CPU interpreter (decided when ``fastprompt.kernels`` is imported)."""
+    """Whether the Triton kernels run in the CPU interpreter (decided when ``fastprompt.kernels`` is imported).
+
+    A downward import (the kernels are the layer below the rule), made on first use: the rule itself loads no
+    torch and no triton."""
     from fastprompt.kernels._common import interpreting
 
     return interpreting()
@@ -134,8 +142,6 @@ def resolve_backend(op: str | OpSupport, tensor, requested: str) -> str:
 
     Both errors are ValueError subclasses; their messages name the op, the backend and the reason.
     """
-    from fastprompt.choices import BACKENDS, check_choice
-
     support = op if isinstance(op, OpSupport) else op_support(op)
     check_choice("backend", requested, BACKENDS + support.triton_variants)
     if requested == "reference":

@@ -4,17 +4,17 @@ Standard library only, so the command line can offer these as ``choices=`` for `
 importing torch, and the configuration can reject a typo before any model or data is loaded. Every other
 module (ops, model, config, CLI) imports its allowed values from here instead of spelling them out.
 
-Which backend a fused op runs is decided by one rule, :func:`resolve_backend` (re-exported here from
-:mod:`fastprompt.backends`, with its two errors).
+Which backend a fused op runs is decided by one rule, :func:`fastprompt.backends.resolve_backend` (a layer above
+this one: it reads :data:`BACKENDS` from here).
 """
 from __future__ import annotations
 
 from collections.abc import Iterable
 
-from fastprompt.backends import BackendUnavailableError, UnsupportedInputError, resolve_backend  # noqa: F401
 from fastprompt.messages import shown
 
-#: Implementations of the fused ops (``contrastive_loss``, ``prefix_attention``); see :func:`resolve_backend`.
+#: Implementations of the fused ops (``contrastive_loss``, ``prefix_attention``); the rule that picks one:
+#: :func:`fastprompt.backends.resolve_backend`.
 BACKENDS = ("auto", "triton", "cpu", "reference")
 #: The contrastive loss's backends: those of every fused op, and "chunked" (its cuBLAS products with a Triton epilogue).
 LOSS_BACKENDS = BACKENDS + ("chunked",)
