@@ -27,6 +27,8 @@ MOVED = {
     "fastprompt.objectives.skicse": "fastprompt.methods.skicse.objective",
     "fastprompt.objectives.mlm": "fastprompt.methods.mlm.term",
     "fastprompt.objectives.crtd": "fastprompt.methods.crtd.term",
+    # issue 43: SKICSE's settings moved from the shared objective section to its own
+    "fastprompt.objectives.config.check_ski_weights": "fastprompt.methods.skicse.config.check_ski_weights",
     # SKI generation moved from the data package to the SKICSE method
     **{f"fastprompt.data.ski.{name}": f"fastprompt.methods.skicse.generation.{name}" for name in (
         "AnswerFilter", "Backend", "DEFAULT_LOCAL_MODEL", "Generation", "GenerationReport", "LLMServerError",

@@ -14,6 +14,7 @@ from fastprompt.methods.registry import (
     MethodSpec,
     commands,
     load,
+    objective_sections,
     register_method,
     sections,
     unregister_method,
@@ -25,4 +26,5 @@ BUILTIN = ("simcse", "promcse", "skicse", "mlm", "crtd", "promptbert", "optiprom
 for _name in BUILTIN:
     importlib.import_module(f"{__name__}.{_name}")
 
-__all__ = ["BUILTIN", "METHODS", "MethodSpec", "commands", "load", "register_method", "sections", "unregister_method"]
+__all__ = ["BUILTIN", "METHODS", "MethodSpec", "commands", "load", "objective_sections", "register_method", "sections",
+           "unregister_method"]

@@ -114,6 +114,13 @@ def sections() -> list[tuple[str, type, str]]:
     return [spec.section for spec in METHODS.values() if spec.section is not None]
 
 
+def objective_sections(config) -> dict[str, object]:
+    """The objectives' own sections of a training config, by objective name: the section of each method that
+    registers both (its objective's settings; :func:`fastprompt.objectives.objective_from_config` reads them)."""
+    return {spec.name: getattr(config, spec.section[0]) for spec in METHODS.values()
+            if spec.objective is not None and spec.section is not None}
+
+
 def commands() -> dict[str, str]:
     """Every registered method's subcommands: ``{subcommand: "module:add_parser"}`` (for the command line)."""
     out: dict[str, str] = {}

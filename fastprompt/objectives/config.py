@@ -7,7 +7,8 @@ built), each by its method's one registration call (:func:`fastprompt.methods.re
 ``fastprompt/methods/<name>/``); the ``objective`` key's choices and the builder
 (:func:`fastprompt.objectives.objective_from_config`) read the registry. A token-level term's section is named
 by its method's registration (``MLMConfig``: ``fastprompt/methods/mlm/``), with flat keys prefixed by the term's
-name (``mlm_weight``, ...).
+name (``mlm_weight``, ...); so is an objective's own (SKICSE's ``ski`` section: ``fastprompt/methods/skicse/``).
+This section keeps the settings the objectives share.
 """
 from __future__ import annotations
 
@@ -16,12 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fastprompt import _moved
-from fastprompt.choices import (
-    HARDNESS_MODES,
-    LOSS_BACKENDS,
-    MARGIN_STRATEGIES,
-    SKI2_DENOMINATORS,
-)
+from fastprompt.choices import HARDNESS_MODES, LOSS_BACKENDS, MARGIN_STRATEGIES
 from fastprompt.fields import Section, option
 
 #: The smallest temperature: below it float32 rounding of the cosine/temperature logits swamps the loss.
@@ -73,16 +69,6 @@ def check_hinge_weight(objective: str, hinge_weight: float) -> None:
                          "use objective=simcse for InfoNCE alone")
 
 
-def check_ski_weights(ski_weight: float, ski1_weight: float, ski2_weight: float) -> None:
-    """The weights of the sentence loss, (1 - λ) and (1 - λ1 - λ2), must not be negative."""
-    for key, value in (("ski_weight", ski_weight), ("ski1_weight", ski1_weight), ("ski2_weight", ski2_weight)):
-        if not 0.0 <= value <= 1.0:
-            raise ValueError(f"{key} must be in [0, 1], got {value}")
-    if ski1_weight + ski2_weight > 1.0:
-        raise ValueError(f"ski1_weight + ski2_weight must be <= 1 (the supervised loss gets 1 - their sum), got "
-                         f"{ski1_weight} + {ski2_weight}")
-
-
 @dataclass
 class ObjectiveConfig(Section):
     """The sentence-level contrastive objective and the settings of its fused loss."""
@@ -127,15 +113,6 @@ class ObjectiveConfig(Section):
                                                identity=True)
     matryoshka_weights: list[float] | None = option(None, "Matryoshka: each dimension's weight (null: 1 each)",
                                                     ge=0.0, identity=True)
-    ski_weight: float = option(0.15, "skicse, sent0,ski rows: weight λ of L_ski in (1 - λ) L_simcse + λ L_ski",
-                               ge=0.0, le=1.0, identity=True)
-    ski1_weight: float = option(0.1, "skicse, NLI rows with a ski column: weight λ1 of L_ski1 (SKICSE Eq. 5: "
-                                "anchor the SKI, positive the entailment)", ge=0.0, le=1.0, identity=True)
-    ski2_weight: float = option(0.3, "skicse, NLI rows with a ski column: weight λ2 of L_ski2 (SKICSE Eq. 6: "
-                                "anchor the sentence, positive its SKI)", ge=0.0, le=1.0, identity=True)
-    ski2_denominator: str = option("printed", "skicse, NLI rows: the columns of Eq. 6's denominator: printed (the "
-                                   "entailments and contradictions, as the paper prints it) or ski (the SKIs, "
-                                   "Eq. 2's form; docs/ski.md)", choices=SKI2_DENOMINATORS, identity=True)
 
     def validate(self) -> "ObjectiveConfig":
         super().validate()

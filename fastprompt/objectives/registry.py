@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from collections.abc import Iterator, Mapping
+from typing import Any
 
 from fastprompt.objectives.base import SentenceObjective
 from fastprompt.objectives.config import OBJECTIVE_REGISTRY, ObjectiveConfig
@@ -64,10 +65,16 @@ def build_objective(name: str, **params) -> SentenceObjective:
     return cls(**params)
 
 
-def objective_from_config(config: ObjectiveConfig) -> SentenceObjective:
+def objective_from_config(config: ObjectiveConfig, sections: Mapping[str, Any] | None = None) -> SentenceObjective:
     """The sentence-level objective a training config's objective section describes: every argument of the
     objective's class that the section has a key for (``backend`` is ``loss_backend``, ``hinge_weight`` the
-    resolved one). A key set to other than its default that the objective does not read is refused."""
+    resolved one). A key set to other than its default that the objective does not read is refused.
+
+    ``sections``: the objectives' own config sections, by objective name (a method that registers an objective and
+    a section owns its settings there: SKICSE's ``ski``; :func:`fastprompt.methods.objective_sections` of a
+    training config). The chosen objective's section is read like the shared one; another objective's settings
+    there set to other than their defaults are refused the same way (a section's fields that its objective does
+    not take are its method's other settings, a token term's, and left alone)."""
     cls = objective_class(config.name)
     accepted = _arguments(cls)
     params, unused = {}, []
@@ -80,6 +87,16 @@ def objective_from_config(config: ObjectiveConfig) -> SentenceObjective:
             params[arg] = value
         elif (value != 0 if f.name == "hinge_weight" else value != f.default):
             unused.append(f"{f.metadata.get('key') or f.name}={value!r}")
+    for name, section in (sections or {}).items():
+        own = accepted if name == config.name else _arguments(objective_class(name))
+        for f in dataclasses.fields(section):
+            if f.name not in own:  # the method's other settings (a token term's), not its objective's
+                continue
+            value = getattr(section, f.name)
+            if name == config.name:
+                params[f.name] = value
+            elif value != f.default:
+                unused.append(f"{f.metadata.get('key') or f.name}={value!r}")
     if unused:
         raise ValueError(f"objective {config.name} does not use {', '.join(unused)}: leave these keys at their "
                          f"defaults, or choose an objective that reads them")

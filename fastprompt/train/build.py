@@ -21,7 +21,7 @@ import torch
 from fastprompt.data import Collator, TrainExamples, UniqueBatchSampler, load_train_file, sentence_keys
 from fastprompt.data.multi import MultiDatasetSampler
 from fastprompt.data.retrieval import fewest_distinct
-from fastprompt.methods import METHODS, load
+from fastprompt.methods import METHODS, load, objective_sections
 from fastprompt.objectives.base import Method, TokenTerm
 from fastprompt.objectives.registry import objective_from_config
 from fastprompt.train.config import TrainConfig
@@ -191,7 +191,7 @@ def build_method(cfg: TrainConfig, encoder, terms: Sequence[TokenTerm] = ()) -> 
     if dims and max(dims) > encoder.hidden_size:
         raise ValueError(f"matryoshka_dims {dims} go beyond the {encoder.hidden_size} dimensions of "
                          f"{cfg.encoder.model}'s embeddings")
-    return Method(objective_from_config(cfg.loss), terms)
+    return Method(objective_from_config(cfg.loss, objective_sections(cfg)), terms)
 
 
 def _method_hook(cfg: TrainConfig, hook: str, *args):

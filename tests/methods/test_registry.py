@@ -39,7 +39,8 @@ def test_training_reads_its_sections_choices_and_identity_keys_from_the_registra
     from fastprompt.train.config import RUN_IDENTITY_KEYS, SECTIONS
 
     method_sections = [s.section[0] for s in SPECS if s.section is not None]
-    assert [name for name in SECTIONS if name in method_sections] == method_sections == ["mlm", "rtd", "templates"]
+    assert [name for name in SECTIONS if name in method_sections] == method_sections
+    assert method_sections == ["ski", "mlm", "rtd", "templates"]
     assert list(OBJECTIVE_REGISTRY) == [s.name for s in SPECS if s.objective is not None]
     for spec in SPECS:
         if spec.section is not None:

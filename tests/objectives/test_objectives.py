@@ -86,22 +86,30 @@ def test_registry_and_errors():
 
 @pytest.mark.parametrize("name", sorted(OBJECTIVES))
 def test_an_objective_built_without_a_config_has_the_configs_defaults(name):
-    """The classes take their defaults from ObjectiveConfig: SimCSE() is what a default config builds."""
+    """The classes take their defaults from the config: SimCSE() is what a default config builds (SKICSE's from its
+    own section too)."""
     import dataclasses
 
-    from fastprompt.objectives import ObjectiveConfig, objective_from_config
+    from fastprompt.methods import objective_sections
+    from fastprompt.objectives import objective_from_config
+    from fastprompt.train import TrainConfig
 
-    assert build_objective(name) == objective_from_config(ObjectiveConfig(name=name))
+    cfg = TrainConfig(objective=name)
+    assert build_objective(name) == objective_from_config(cfg.loss, objective_sections(cfg))
     assert all(f.default is not dataclasses.MISSING for f in dataclasses.fields(OBJECTIVES[name]))
 
 
 def test_config_keys_the_objective_does_not_read_are_refused():
     """objective_from_config passes each objective the keys its fields are named after; a key set away from its
     default that the chosen objective ignores would otherwise change nothing, silently."""
+    from fastprompt.methods import objective_sections
     from fastprompt.objectives import ObjectiveConfig, objective_from_config
+    from fastprompt.train import TrainConfig
 
+    cfg = TrainConfig(objective="simcse", ski_weight=0.3)  # SKICSE's key, in its method's own section
+    assert cfg.ski.ski_weight == 0.3 and not hasattr(cfg.loss, "ski_weight")
     with pytest.raises(ValueError, match=r"objective simcse does not use ski_weight=0.3"):
-        objective_from_config(ObjectiveConfig(name="simcse", ski_weight=0.3))
+        objective_from_config(cfg.loss, objective_sections(cfg))
     with pytest.raises(ValueError, match=r"objective skicse does not use hinge_margin=0.5"):
         objective_from_config(ObjectiveConfig(name="skicse", hinge_margin=0.5))
     obj = objective_from_config(ObjectiveConfig(name="promcse_eh", hinge_margin=0.5, loss_backend="reference"))

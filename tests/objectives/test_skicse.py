@@ -14,9 +14,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from fastprompt.methods import objective_sections
 from fastprompt.methods.simcse.objective import SimCSE
 from fastprompt.methods.skicse.objective import SKICSE
 from fastprompt.objectives import ObjectiveConfig, Views, objective_from_config
+from fastprompt.train import TrainConfig
 
 TAU = 0.05
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -163,7 +165,7 @@ def test_eq6_other_reading_is_an_explicit_option(backend):
     with pytest.raises(ValueError, match="ski2_denominator must be one of printed, ski"):
         SKICSE(ski2_denominator="columns")
     with pytest.raises(ValueError, match="ski2_denominator must be one of"):
-        ObjectiveConfig(name="skicse", ski2_denominator="x")
+        TrainConfig(objective="skicse", ski2_denominator="x")
 
 
 def test_zero_weights_reduce_to_simcse():
@@ -198,14 +200,17 @@ def test_bad_views_and_weights_are_refused():
     with pytest.raises(ValueError, match="ski1_weight \\+ ski2_weight must be <= 1"):
         SKICSE(ski1_weight=0.6, ski2_weight=0.5)
     with pytest.raises(ValueError, match="ski_weight must be in"):
-        ObjectiveConfig(name="skicse", ski_weight=1.5)
+        TrainConfig(objective="skicse", ski_weight=1.5)
+    with pytest.raises(ValueError, match="ski1_weight \\+ ski2_weight must be <= 1"):
+        TrainConfig(objective="skicse", ski1_weight=0.6, ski2_weight=0.5)
     with pytest.raises(ValueError, match="no hinge term"):
         ObjectiveConfig(name="skicse", hinge_weight=1.0)
 
 
 def test_config_builds_the_objective_with_its_weights():
-    obj = objective_from_config(ObjectiveConfig(name="skicse", temperature=0.1, ski_weight=0.2, ski1_weight=0.05,
-                                                ski2_weight=0.25, ski2_denominator="ski", loss_backend="reference"))
+    cfg = TrainConfig(objective="skicse", temperature=0.1, ski_weight=0.2, ski1_weight=0.05, ski2_weight=0.25,
+                      ski2_denominator="ski", loss_backend="reference")
+    obj = objective_from_config(cfg.loss, objective_sections(cfg))
     assert isinstance(obj, SKICSE)
     assert (obj.temperature, obj.ski_weight, obj.ski1_weight, obj.ski2_weight, obj.ski2_denominator) == (
         0.1, 0.2, 0.05, 0.25, "ski")

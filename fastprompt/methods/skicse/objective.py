@@ -32,8 +32,9 @@ from dataclasses import dataclass
 import torch.nn.functional as F
 
 from fastprompt.choices import SKI2_DENOMINATORS, check_choice
+from fastprompt.methods.skicse.config import check_ski_weights, ski_default
 from fastprompt.objectives.base import HARD_NEGATIVE_VIEW, SKI_VIEW, ObjectiveOutput, SentenceObjective, Views
-from fastprompt.objectives.config import check_ski_weights, objective_default
+from fastprompt.objectives.config import objective_default
 from fastprompt.ops import contrastive_loss
 
 
@@ -43,10 +44,10 @@ class SKICSE(SentenceObjective):
 
     temperature: float = objective_default("temperature")
     hard_negative_weight: float = objective_default("hard_negative_weight")
-    ski_weight: float = objective_default("ski_weight")
-    ski1_weight: float = objective_default("ski1_weight")
-    ski2_weight: float = objective_default("ski2_weight")
-    ski2_denominator: str = objective_default("ski2_denominator")
+    ski_weight: float = ski_default("ski_weight")
+    ski1_weight: float = ski_default("ski1_weight")
+    ski2_weight: float = ski_default("ski2_weight")
+    ski2_denominator: str = ski_default("ski2_denominator")
     backend: str = objective_default("backend")
 
     name = "skicse"
