@@ -70,11 +70,18 @@ class RunSummary:
     config: dict[str, Any] | None = None
 
 
-#: One line per training objective for the model card (an objective missing here is shown by name).
-OBJECTIVE_DESCRIPTIONS = {
-    "simcse": "InfoNCE over in-batch negatives (SimCSE objective, as DCPCSE)",
-    "promcse_eh": "InfoNCE + energy-based hinge loss over the hardest negative (PromCSE)",
-}
+def _objective_card(objective) -> tuple[str, str]:
+    """The model card's "method" row and BibTeX of a run's objective: the text its class carries
+    (``SentenceObjective.description`` and ``.citation``, its own: a subclass does not inherit its parent's
+    paper); an objective not registered here, or without a description, is shown by name."""
+    from fastprompt.objectives.registry import objective_class
+
+    try:
+        cls = objective_class(objective)
+    except (ValueError, TypeError, ImportError):
+        return f"`{objective}`", ""
+    own = vars(cls)
+    return own.get("description") or f"`{objective}`", own.get("citation", "")
 
 
 def check_prompt_path(prompt_path, folder: str | os.PathLike | None = None) -> str:
@@ -258,9 +265,10 @@ def model_card(encoder: PromptEncoder, checkpoint: Path | None, base_model: str,
     n_prompt = sum(p.numel() for p in encoder.trainable_parameters())
     backbone = "fine-tuned with the prompt" if encoder.backbone_trained else "frozen"
     rows = [("base model", f"`{base_model}` ({backbone})")]
+    citation = ""
     if train_config:
-        objective = train_config.get("objective")
-        rows.append(("method", OBJECTIVE_DESCRIPTIONS.get(objective, f"`{objective}`")))
+        method, citation = _objective_card(train_config.get("objective"))
+        rows.append(("method", method))
     if cfg is not None:
         prompt = f"{cfg.prompt_length} prefix tokens per layer x {encoder.num_layers} layers"
         if cfg.shared_across_layers:
@@ -311,4 +319,6 @@ def model_card(encoder: PromptEncoder, checkpoint: Path | None, base_model: str,
         if train_config:
             lines += ["Training configuration (`fastprompt train`):", "", "```yaml",
                       yaml.safe_dump(train_config, sort_keys=False).rstrip(), "```"]
+    if citation:
+        lines += ["", "## Citation", "", "The training objective's paper:", "", "```bibtex", citation, "```"]
     return "\n".join(lines) + "\n"

@@ -116,6 +116,12 @@ class SentenceObjective:
     name: str = ""
     #: The statistics an output's ``stats`` holds (train_log.csv columns).
     stat_names: tuple[str, ...] = ()
+    #: One line saying what the objective is, for an exported model's card (its "method" row); "": the card shows
+    #: the objective's name. Like sentence-transformers' losses (their ``citation``), the text lives on the class,
+    #: so an objective registered anywhere brings its own.
+    description: str = ""
+    #: BibTeX of the paper the objective comes from, for the model card's "Citation" section ("": none).
+    citation: str = ""
 
     def views_for(self, columns: tuple[str, ...]) -> tuple[str, ...]:
         """The views a batch needs for rows with these data columns: the columns, one column twice (its two

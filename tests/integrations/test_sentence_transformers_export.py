@@ -157,6 +157,7 @@ def test_model_card_has_the_runs_sts_table(tiny_bert_dir, tmp_path):
     assert "| 70.10 | 80.20 | 75.30 | 82.40 | 78.50 | 79.60 | 71.70 | 76.83 |" in card
     assert "Selected at step 250 by STS-B dev Spearman 81.23." in card
     assert "energy-based hinge" in card and "learning_rate: 0.01" in card
+    assert "## Citation" in card and "Improved Universal Sentence Embeddings with Prompt-based" in card
     card = (export_sentence_transformers(run / "last", tmp_path / "st2") / "README.md").read_text(encoding="utf-8")
     assert "STS12" not in card and "## Training" not in card
 
@@ -302,3 +303,18 @@ def test_a_prompt_path_outside_the_folder_is_refused_on_load_and_on_save(tiny_be
         with pytest.raises(ValueError, match="prompt_path must be a folder inside the model folder"):
             module.save(str(tmp_path / "out"))
     assert {p.name: p.read_bytes() for p in victim.iterdir()} == before
+
+
+def test_every_registered_objective_carries_its_model_card_text():
+    """The model card's "method" row and citation come from the objective's class (sentence-transformers' pattern),
+    not from a list kept by hand beside it: every built-in objective says what it is and which paper it is from."""
+    from fastprompt.integrations.sentence_transformers import _objective_card
+    from fastprompt.objectives.config import OBJECTIVE_REGISTRY
+    from fastprompt.objectives.registry import objective_class
+
+    for name in OBJECTIVE_REGISTRY:
+        cls = objective_class(name)
+        assert vars(cls).get("description"), f"{cls.__name__} has no description of its own"
+        assert vars(cls).get("citation", "").startswith("@"), f"{cls.__name__} has no BibTeX citation"
+        assert _objective_card(name) == (cls.description, cls.citation)
+    assert _objective_card("not_registered") == ("`not_registered`", "")

@@ -55,3 +55,4 @@ def test_the_cli_has_every_subcommand_a_method_brings():
 
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert set(commands()) == {"generate-ski", "join-ski", "make-replacements"} <= set(sub.choices)
+

@@ -21,6 +21,13 @@ class PromCSEEH(SimCSE):
     hinge_weight: float = OBJECTIVE_REGISTRY["promcse_eh"].default_hinge_weight
 
     name = "promcse_eh"
+    description = "InfoNCE + energy-based hinge loss over the hardest negative (PromCSE)"
+    citation = """@inproceedings{jiang2022promcse,
+  title = {Improved Universal Sentence Embeddings with Prompt-based Contrastive Learning and Energy-based Learning},
+  author = {Jiang, Yuxin and Zhang, Linhan and Wang, Wei},
+  booktitle = {Findings of the Association for Computational Linguistics: EMNLP 2022},
+  year = {2022}
+}"""
 
     def __post_init__(self):
         check_hinge_weight(self.name, self.hinge_weight)

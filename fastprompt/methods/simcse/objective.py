@@ -52,6 +52,13 @@ class SimCSE(SentenceObjective):
     matryoshka_weights: tuple[float, ...] | None = None
 
     name = "simcse"
+    description = "InfoNCE over in-batch negatives (SimCSE objective, as DCPCSE)"
+    citation = """@inproceedings{gao2021simcse,
+  title = {{SimCSE}: Simple Contrastive Learning of Sentence Embeddings},
+  author = {Gao, Tianyu and Yao, Xingcheng and Chen, Danqi},
+  booktitle = {Empirical Methods in Natural Language Processing (EMNLP)},
+  year = {2021}
+}"""
 
     @property
     def stat_names(self) -> tuple[str, ...]:

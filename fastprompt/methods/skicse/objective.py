@@ -51,6 +51,13 @@ class SKICSE(SentenceObjective):
     backend: str = objective_default("backend")
 
     name = "skicse"
+    description = ("InfoNCE + contrastive terms between each sentence and the knowledge an LLM states about it "
+                   "(SKICSE)")
+    citation = """@misc{ou2024skicse,
+  title = {{SKICSE}: Sentence Knowable Information Prompted by {LLMs} Improves Contrastive Sentence Embeddings},
+  author = {Ou, Fangwei and Xu, Jinan},
+  year = {2024}
+}"""
     # loss_ski is L_ski (unsupervised) or L_ski1 (Eq. 5); loss_ski2 (Eq. 6) is left empty in unsupervised runs.
     # ski_cos: mean cos(h_i, k_i) of each sentence and its SKI.
     stat_names = ("pos_cos", "hard_neg_cos", "acc", "loss_cl", "loss_ski", "ski_cos", "loss_ski2")
