@@ -20,10 +20,6 @@ if TYPE_CHECKING:  # the definitions, for type checkers and IDEs; at run time a 
     from .pooling import Pooler as Pooler
     from .prefix import PrefixPrompt as PrefixPrompt
     from .promptbert import PROMPTBERT_TEMPLATES as PROMPTBERT_TEMPLATES
-    from .promptbert import PromptBERTConfig as PromptBERTConfig
-    from .promptbert import TemplateViews as TemplateViews
-    from .promptbert import embed_views as embed_views
-    from .promptbert import tokenize_views as tokenize_views
     from .resolve import model_reference as model_reference
     from .resolve import resolve_model_path as resolve_model_path
     from .template import DEFAULT_TEMPLATE as DEFAULT_TEMPLATE
@@ -40,14 +36,9 @@ _LAZY = {
     "model_reference": ".resolve",
     "resolve_device": ".device",
     "PROMPTBERT_TEMPLATES": ".promptbert",
-    "PromptBERTConfig": ".promptbert",
-    "TemplateViews": ".promptbert",
-    "tokenize_views": ".promptbert",
-    "embed_views": ".promptbert",
 }
 
 __all__ = ["PromptConfig", "PrefixPrompt", "PromptEncoder", "Pooler", "POOLERS", "MLP_MODES",
-           "DEFAULT_TEMPLATE", "resolve_model_path", "model_reference", "resolve_device", "PROMPTBERT_TEMPLATES",
-           "PromptBERTConfig", "TemplateViews", "tokenize_views", "embed_views"]
+           "DEFAULT_TEMPLATE", "resolve_model_path", "model_reference", "resolve_device", "PROMPTBERT_TEMPLATES"]
 
 __getattr__ = lazy_getattr(__name__, _LAZY)
