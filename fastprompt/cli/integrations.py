@@ -18,9 +18,11 @@ examples:
   fastprompt export --prompt runs/quickstart/best --to sentence-transformers --output st-model
   fastprompt export --prompt runs/quickstart/best --to peft --output peft-adapter
   fastprompt export --prompt runs/quickstart/best --to onnx --output onnx-model
+  fastprompt export --prompt runs/quickstart/best --to sentence-transformers --onnx --output st-model
 
 A sentence-transformers folder loads with SentenceTransformer("st-model", trust_remote_code=True) where fastprompt
-is installed; a PEFT folder with PeftModel.from_pretrained(AutoModel.from_pretrained(base), "peft-adapter"); an ONNX
+is installed (with --onnx also with backend="onnx": its onnx/ graph in onnxruntime);
+a PEFT folder with PeftModel.from_pretrained(AutoModel.from_pretrained(base), "peft-adapter"); an ONNX
 folder (model.onnx, tokenizer, fastprompt_onnx.json) with onnxruntime alone, no PyTorch (docs/deploy.md).
 """
 
@@ -64,10 +66,16 @@ def add_export_parser(subparsers) -> argparse.ArgumentParser:
     st.add_argument("--no-normalize", action="store_true",
                     help="no L2 normalisation (sentence-transformers: module; onnx: of sentence_embedding)")
     add_trust_remote_code_arg(st)
+    st.add_argument("--onnx", action="store_true",
+                    help="sentence-transformers: also write onnx/, the ONNX graph that SentenceTransformer(folder, "
+                         "backend='onnx', trust_remote_code=True) runs (needs pip install 'fastprompt[onnx]')")
     onnx = p.add_argument_group("onnx")
     onnx.add_argument("--max-length", type=int, metavar="TOKENS",
                       help="longest input the saved tokenizer keeps (default: the checkpoint's max_length, else what "
                            "the model takes, at most 512)")
+    onnx.add_argument("--dtype", choices=("float32", "float16"), default=None,
+                      help="the graph's weights (default float32; float16 halves the file, docs/deploy.md has its "
+                           "accuracy and speed); also for sentence-transformers --onnx")
     p.set_defaults(func=run_export)
     return p
 
@@ -76,6 +84,11 @@ def run_export(args: argparse.Namespace) -> int:
     _check_output(args.output, args.prompt, args.model)
     if args.max_length is not None and args.to != "onnx":
         raise ValueError("--max-length applies to --to onnx only")
+    if args.onnx and args.to != "sentence-transformers":
+        raise ValueError("--onnx applies to --to sentence-transformers only (--to onnx writes the graph alone)")
+    if args.dtype is not None and not (args.to == "onnx" or args.onnx):
+        raise ValueError("--dtype applies to --to onnx and to --to sentence-transformers --onnx only")
+    dtype = args.dtype or "float32"
     if args.to == "peft":
         if args.model or args.no_backbone or args.no_normalize or args.trust_remote_code:
             raise ValueError("--model, --no-backbone, --no-normalize and --trust-remote-code apply to --to "
@@ -91,13 +104,14 @@ def run_export(args: argparse.Namespace) -> int:
 
         out = export_onnx(args.prompt, args.output, base_model=args.model, normalize=not args.no_normalize,
                           max_length=args.max_length, overwrite=args.overwrite,
-                          trust_remote_code=args.trust_remote_code)
+                          trust_remote_code=args.trust_remote_code, dtype=dtype)
     else:
         from fastprompt.integrations.sentence_transformers import export_sentence_transformers
 
         out = export_sentence_transformers(args.prompt, args.output, base_model=args.model,
                                            include_backbone=not args.no_backbone, normalize=not args.no_normalize,
-                                           overwrite=args.overwrite, trust_remote_code=args.trust_remote_code)
+                                           overwrite=args.overwrite, trust_remote_code=args.trust_remote_code,
+                                           onnx=args.onnx, onnx_dtype=dtype)
     print(f"wrote {args.to} model to {out}")
     return 0
 

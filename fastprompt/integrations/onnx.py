@@ -17,7 +17,12 @@ The folder (written by :func:`export_onnx`):
 
 Inputs ``input_ids``, ``attention_mask`` (int64, (batch, sequence), both axes dynamic) and ``token_type_ids`` where
 the tokenizer returns them; outputs ``sentence_embedding`` (float32, (batch, hidden)) and ``token_embeddings`` (the
-last hidden states, (batch, sequence, hidden), for poolers outside the graph).
+last hidden states, (batch, sequence, hidden), for poolers outside the graph). :func:`graph_inputs` builds the
+inputs from sentences as :meth:`PromptEncoder.tokenize` does (from the saved tokenizer and the sidecar alone).
+
+``dtype="float16"``: the checked float32 graph converted by onnxruntime's float16 converter
+(``onnxruntime.transformers.float16``, weights and activations in half, inputs and outputs kept int64/float32),
+then checked against the encoder again within :data:`FP16_CHECK_ATOL`.
 
 How: the encoder runs its own forward (the same code as :meth:`PromptEncoder.encode`: positions, input prompts,
 pooler, head) traced by ``torch.onnx.export(dynamo=True)`` (``torch.export`` then onnxscript's translation), with
@@ -69,6 +74,13 @@ ONNX_EXTRA = "pip install 'fastprompt[onnx]'"
 #: largest |difference| between onnxruntime's and PyTorch's normalised sentence vectors accepted at export (the
 #: tests hold the graphs to 1e-5; this check is there to catch a wrong graph, which differs by ~1e-1)
 EXPORT_CHECK_ATOL = 1e-4
+#: the graph's weight types (``dtype``): float32, or the float32 graph converted to float16 after its check
+DTYPES = ("float32", "float16")
+#: largest |difference| accepted at export for a float16 graph: its weights and activations are rounded to half
+#: precision (unit roundoff 2**-11 = 4.9e-4), measured ~2e-4 on MiniLM's normalised vectors; a wrong graph is ~1e-1
+FP16_CHECK_ATOL = 1e-2
+#: operators the float16 converter keeps in float32: its own list, and IsInf/IsNaN (opset 18 has no float16 IsInf)
+FP16_KEEP_FLOAT32 = ("IsInf", "IsNaN")
 #: graphs over this many bytes of weights keep them in GRAPH_DATA_FILE (protobuf cannot hold 2 GB)
 EXTERNAL_DATA_BYTES = 1_800_000_000
 
@@ -315,13 +327,14 @@ def _versions() -> dict[str, str]:
 
 def export_onnx(prompt, output: str | os.PathLike, *, base_model: str | os.PathLike | None = None,
                 normalize: bool = True, max_length: int | None = None, overwrite: bool = False,
-                trust_remote_code: bool = False) -> Path:
+                trust_remote_code: bool = False, dtype: str = "float32") -> Path:
     """Write ``prompt`` (a checkpoint folder or a :class:`~fastprompt.model.PromptEncoder`) as an ONNX graph with
     its tokenizer and ``fastprompt_onnx.json`` in the folder ``output`` (see the module docstring).
 
     ``base_model`` overrides the base the checkpoint names; ``normalize`` L2-normalises ``sentence_embedding``
     (:meth:`PromptEncoder.encode`'s default); ``max_length`` the longest input the saved tokenizer keeps (default:
-    the encoder's, else what the model takes, at most 512). ``output`` must be new or empty unless ``overwrite``,
+    the encoder's, else what the model takes, at most 512); ``dtype`` the graph's weights (:data:`DTYPES`: "float16"
+    halves the file; docs/deploy.md has its accuracy and speed). ``output`` must be new or empty unless ``overwrite``,
     which replaces only the files the export writes. Refuses (ValueError) what it cannot export, before any
     weights load where the checkpoint tells (:func:`config_refusal`, :func:`onnx_refusal`). Returns ``output``.
     """
@@ -331,6 +344,7 @@ def export_onnx(prompt, output: str | os.PathLike, *, base_model: str | os.PathL
     from fastprompt.model.checkpoint import read_checkpoint_config
 
     require_onnx()
+    check_dtype(dtype)
     source = None if isinstance(prompt, PromptEncoder) else Path(prompt)
     check_onnx_target(output, source, overwrite)
     if source is not None:
@@ -351,7 +365,7 @@ def export_onnx(prompt, output: str | os.PathLike, *, base_model: str | os.PathL
     # written beside the target (the same file system, so the files move in with os.replace), removed on any failure
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.onnx-", dir=out.parent))
     try:
-        info = _write_graph(encoder, tmp, normalize=normalize, max_length=limit)
+        info = _write_graph(encoder, tmp, normalize=normalize, max_length=limit, dtype=dtype)
         tokenizer = copy.deepcopy(encoder.tokenizer)
         tokenizer.model_max_length = info["max_length"]
         tokenizer.save_pretrained(str(tmp))
@@ -376,9 +390,17 @@ def export_onnx(prompt, output: str | os.PathLike, *, base_model: str | os.PathL
     return out
 
 
-def _write_graph(encoder, folder: Path, *, normalize: bool, max_length: int | None) -> dict:
+def check_dtype(dtype: str) -> None:
+    """ValueError unless ``dtype`` is one of :data:`DTYPES`."""
+    if dtype not in DTYPES:
+        raise ValueError(f"the ONNX export writes a float32 or float16 graph (dtype {' or '.join(map(repr, DTYPES))}), "
+                         f"got {dtype!r}")
+
+
+def _write_graph(encoder, folder: Path, *, normalize: bool, max_length: int | None, dtype: str = "float32") -> dict:
     """Export ``encoder`` to ``folder/model.onnx``, check it in onnxruntime, and return the sidecar's contents.
-    ``max_length``: the row's tokens, or with a template the sentence's own (None: what the model leaves)."""
+    ``max_length``: the row's tokens, or with a template the sentence's own (None: what the model leaves);
+    ``dtype`` "float16": the checked float32 graph converted, then checked again (:data:`FP16_CHECK_ATOL`)."""
     import onnx
 
     graph = OnnxGraph(encoder, normalize=normalize, max_length=max_length).eval()
@@ -412,6 +434,14 @@ def _write_graph(encoder, folder: Path, *, normalize: bool, max_length: int | No
         raise RuntimeError(f"the exported graph's sentence vectors differ from PyTorch's by {diff:.3g} (more than "
                            f"{EXPORT_CHECK_ATOL:g}) on the check sentences: the graph is wrong for this model; "
                            "please report this (nothing was written)")
+    fp32_diff, atol = diff, EXPORT_CHECK_ATOL
+    if dtype == "float16":
+        _to_float16(path, external)
+        diff, atol = _check_graph(path, names, args, expected), FP16_CHECK_ATOL
+        if diff > FP16_CHECK_ATOL:
+            raise RuntimeError(f"the float16 graph's sentence vectors differ from PyTorch's by {diff:.3g} (more than "
+                               f"{FP16_CHECK_ATOL:g}) on the check sentences: half precision is too coarse for this "
+                               "model; export it in float32 (nothing was written)")
     cfg = encoder.backbone.config
     tokenizer = encoder.tokenizer
     return {
@@ -430,14 +460,106 @@ def _write_graph(encoder, folder: Path, *, normalize: bool, max_length: int | No
         "max_length": (max_length if encoder.template is None
                        else graph.sentence_room + encoder._template.overhead),
         "padding_side": getattr(tokenizer, "padding_side", "right"), "append_eos": encoder.append_eos,
+        "eos_token_id": encoder._eos_id,
         "template": None if encoder.template is None else template_recipe(encoder, graph.sentence_room),
         "prompt": {"prefix_length": encoder.prompt_length, "input_prompt_length": encoder.input_prompt_length,
                    "cls_prompt": encoder.cls_prompt is not None},
         "model_type": getattr(cfg, "model_type", None), "base_model": str(encoder.base_model),
         "opset": OPSET, "exporter": EXPORTER, "external_data": GRAPH_DATA_FILE if external else None,
-        "check": {"sentences": len(CHECK_SENTENCES), "max_abs_diff": diff, "atol": EXPORT_CHECK_ATOL},
+        "dtype": dtype,
+        "check": {"sentences": len(CHECK_SENTENCES), "max_abs_diff": diff, "atol": atol,
+                  "float32_max_abs_diff": fp32_diff},
         "versions": _versions(),
     }
+
+
+def _to_float16(path: Path, external: bool) -> None:
+    """Rewrite the graph at ``path`` in float16 (onnxruntime's converter; inputs and outputs keep their types). The
+    final L2 normalisation stays in float32 (:func:`_normalisation_nodes`), so the vectors are unit length to
+    float32's precision, not float16's (1.7e-4 off on MiniLM when converted too)."""
+    import onnx
+    from onnxruntime.transformers.float16 import DEFAULT_OP_BLOCK_LIST, convert_float_to_float16
+
+    model = onnx.load(str(path))
+    kept = _normalisation_nodes(model.graph)
+    with _quiet_exporter():
+        half = convert_float_to_float16(model, keep_io_types=True,
+                                        op_block_list=list(DEFAULT_OP_BLOCK_LIST) + list(FP16_KEEP_FLOAT32),
+                                        node_block_list=kept)
+    _drop_round_trips(half.graph, set(kept))
+    if external:
+        (path.parent / GRAPH_DATA_FILE).unlink()
+    onnx.save(half, str(path), save_as_external_data=external, location=GRAPH_DATA_FILE)
+
+
+def _normalisation_nodes(graph) -> list[str]:
+    """The nodes of the graph's L2 normalisation: each ReduceL2 (the norm) and every node computed from its output
+    (clamp, expand, the division giving ``sentence_embedding``); none without normalisation."""
+    consumers: dict[str, list] = {}
+    for node in graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    todo = [n for n in graph.node if n.op_type == "ReduceL2"]
+    seen: dict[str, None] = {}
+    while todo:
+        node = todo.pop()
+        if node.name in seen:
+            continue
+        seen[node.name] = None
+        for out in node.output:
+            todo.extend(consumers.get(out, []))
+    return list(seen)
+
+
+def _drop_round_trips(graph, kept: set[str]) -> None:
+    """The converter surrounds every node it keeps in float32 with casts, so a float32 value passed from one kept
+    node to the next (or to the graph's float32 output) is rounded to float16 and back on the way: each such
+    ``Cast(to float32)`` of a ``Cast(to float16)`` of a kept node's output becomes an Identity of that output."""
+    from onnx import TensorProto, helper
+
+    producer = {out: node for node in graph.node for out in node.output}
+
+    def cast_to(node) -> int | None:
+        return next((a.i for a in node.attribute if a.name == "to"), None) if node.op_type == "Cast" else None
+
+    for i, node in enumerate(list(graph.node)):
+        first = producer.get(node.input[0]) if cast_to(node) == TensorProto.FLOAT else None
+        source = producer.get(first.input[0]) if first is not None and cast_to(first) == TensorProto.FLOAT16 else None
+        if source is not None and source.name in kept:
+            graph.node[i].CopyFrom(helper.make_node("Identity", [first.input[0]], list(node.output), name=node.name))
+    used = {name for node in graph.node for name in node.input} | {o.name for o in graph.output}
+    dead = [n for n in graph.node if cast_to(n) == TensorProto.FLOAT16 and not set(n.output) & used]
+    for node in dead:
+        graph.node.remove(node)
+
+
+def graph_inputs(tokenizer, info: dict, sentences: list[str]) -> dict:
+    """The graph's inputs (numpy int64) for ``sentences``, built from the export's tokenizer and its sidecar
+    ``info`` (``fastprompt_onnx.json``) as :meth:`PromptEncoder.tokenize` builds them: truncated to
+    ``max_length``, with the EOS appended (``append_eos``) or inside the template (its recipe), padded on
+    ``padding_side``. What a server written in Python does; the tests check it gives ``encode()``'s vectors."""
+    import numpy as np
+
+    from fastprompt.model.template import end_with_eos
+
+    tokenizer.padding_side = info["padding_side"]
+    tpl = info.get("template")
+    if tpl is not None:
+        texts = [(" " + t.strip()) if tpl["space_before_sentence"] else t.strip() for t in sentences]
+        own = tokenizer(texts, add_special_tokens=False)["input_ids"]
+        rows = [tpl["lead"] + tpl["before"] + ids[:tpl["max_sentence_tokens"]] + tpl["after"] + tpl["trail"]
+                for ids in own]
+    elif info.get("append_eos"):
+        limit = info["max_length"]
+        eos = info.get("eos_token_id", tokenizer.eos_token_id)
+        rows = [end_with_eos(ids, eos, limit)
+                for ids in tokenizer(list(sentences), truncation=True, max_length=limit)["input_ids"]]
+    else:
+        feeds = tokenizer(list(sentences), padding=True, truncation=True, max_length=info["max_length"],
+                          return_tensors="np")
+        return {n: np.asarray(feeds[n], dtype=np.int64) for n in info["inputs"]}
+    feeds = tokenizer.pad({"input_ids": rows}, padding=True, return_tensors="np")
+    return {n: np.asarray(feeds[n], dtype=np.int64) for n in info["inputs"]}
 
 
 def _tokenizer_reloads(tokenizer, folder: Path, inputs: list[str]) -> bool:
@@ -505,5 +627,5 @@ class _Null:
         pass
 
 
-__all__ = ["export_onnx", "is_onnx_export", "onnx_refusal", "config_refusal", "require_onnx", "OnnxGraph",
-           "export_mode", "EXPORTABLE_MODEL_TYPES", "EXPORTABLE_POOLERS"]
+__all__ = ["export_onnx", "is_onnx_export", "graph_inputs", "check_dtype", "DTYPES", "onnx_refusal",
+           "config_refusal", "require_onnx", "OnnxGraph", "export_mode", "EXPORTABLE_MODEL_TYPES", "EXPORTABLE_POOLERS"]

@@ -164,6 +164,14 @@ class PromptEncoderModule(InputModule):
         config = cls.load_config(model_name_or_path, **hub)
         folder = Path(cls.load_dir_path(model_name_or_path, **hub))
         check_json(config, ModuleConfig, f"{folder / cls.config_file_name}")
+        backend = kwargs.get("backend", "torch")
+        if backend == "onnx":  # the export's onnx/ graph in onnxruntime (fastprompt.integrations.st_onnx)
+            from fastprompt.integrations.st_onnx import OnnxPromptModule
+
+            return OnnxPromptModule.from_export(folder, model_kwargs)
+        if backend != "torch":
+            raise ValueError(f"fastprompt's sentence-transformers module runs with backend 'torch' or 'onnx' (with "
+                             f"the graph of --onnx), not {backend!r}")
         dtype = (model_kwargs or {}).get("dtype", (model_kwargs or {}).get("torch_dtype"))
         if isinstance(dtype, str):
             dtype = None if dtype == "auto" else getattr(torch, dtype)
@@ -187,15 +195,19 @@ def is_sentence_transformers_export(folder: str | os.PathLike) -> bool:
 
 def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_model: str | os.PathLike | None = None,
                                  include_backbone: bool = True, normalize: bool = True,
-                                 overwrite: bool = False, trust_remote_code: bool = False) -> Path:
+                                 overwrite: bool = False, trust_remote_code: bool = False,
+                                 onnx: bool = False, onnx_dtype: str = "float32") -> Path:
     """Write ``prompt`` (a checkpoint folder or a :class:`PromptEncoder`) as a sentence-transformers model folder.
 
     ``base_model`` overrides the base the checkpoint names. ``include_backbone=False`` leaves the backbone out and
     names the base model instead (it must then be loadable where the folder is used). ``normalize`` appends
     L2 normalisation (PromptEncoder.encode's default). A checkpoint from a training run gets the run's training
     config and STS results in its model card. A fine-tuned backbone (train_backbone) is stored once, inside the
-    prompt checkpoint; it cannot be left out. ``output`` must be new, empty or an earlier export of this kind (it
-    is replaced) unless ``overwrite``. Returns ``output``.
+    prompt checkpoint; it cannot be left out. ``onnx`` adds the subfolder ``onnx/``: the ONNX export of the same
+    encoder (``onnx_dtype``: its weights, float32 or float16), which ``SentenceTransformer(folder, backend="onnx",
+    trust_remote_code=True)`` runs in onnxruntime (:mod:`fastprompt.integrations.st_onnx`); what the ONNX export
+    cannot take is refused before anything is written. ``output`` must be new, empty or an earlier export of this
+    kind (it is replaced) unless ``overwrite``. Returns ``output``.
     """
     from fastprompt.integrations._common import check_export_target
     from fastprompt.io import atomic_directory
@@ -203,8 +215,14 @@ def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_mode
     source = None if isinstance(prompt, PromptEncoder) else Path(prompt)
     check_export_target(output, "sentence-transformers", is_sentence_transformers_export, overwrite=overwrite,
                         source=source)
+    if onnx:
+        from fastprompt.integrations.st_onnx import check_onnx_possible
+
+        check_onnx_possible(source, onnx_dtype)
     encoder = (prompt if source is None
                else PromptEncoder.load(source, base_model=base_model, trust_remote_code=trust_remote_code))
+    if onnx:
+        check_onnx_possible(encoder, onnx_dtype)
     if encoder.backbone_trained and not include_backbone:
         raise ValueError("this prompt's backbone is fine-tuned (train_backbone): the base model cannot stand in for "
                          "it, so it cannot be left out (drop include_backbone=False / --no-backbone)")
@@ -218,6 +236,10 @@ def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_mode
             check_tokenizer_reloads(encoder.tokenizer, tmp)
         (tmp / "README.md").write_text(model_card(encoder, source, base_name, normalize=normalize,
                                                   name=Path(output).name), encoding="utf-8")
+        if onnx:
+            from fastprompt.integrations.st_onnx import write_onnx_subfolder
+
+            write_onnx_subfolder(encoder, tmp, normalize=normalize, dtype=onnx_dtype)
     logger.info("wrote sentence-transformers model to %s", output)
     return Path(output)
 

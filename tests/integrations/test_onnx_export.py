@@ -43,6 +43,12 @@ from tests.model.test_architectures import (  # noqa: E402
 )
 
 ATOL = 1e-5
+#: a float16 graph (weights and activations rounded to half precision, unit roundoff u = 2**-11 = 4.9e-4; what
+#: onnxruntime's CPU provider has no float16 kernel for runs in float32 between casts, so every op's output is
+#: rounded once): each component of a normalised vector (|x| <= ~0.2 on MiniLM) is off by a few u times its size
+#: per layer, LayerNorm keeping it from compounding; measured 2e-4 on MiniLM, so 2e-3 (4u) leaves a factor of 10;
+#: a wrong graph is ~1e-1 off
+ATOL_FP16 = 2e-3
 LONG = " ".join(["the big dog runs in the park and a man plays the guitar"] * 8)  # past max_length: truncated
 TEXTS = [*SENTENCES, LONG]
 
@@ -52,24 +58,15 @@ def _session(folder):
 
 
 def _run_graph(folder, session, texts):
-    """What a server does: the saved tokenizer (its model_max_length is the export's max_length), then the graph; for
-    a template, the recipe fastprompt_onnx.json spells out."""
+    """What a server does: the saved tokenizer (its model_max_length is the export's max_length) and the sidecar,
+    through :func:`graph_inputs` (for a template, the recipe fastprompt_onnx.json spells out), then the graph."""
     info = json.loads((folder / CONFIG_FILE).read_text())
-    tok = AutoTokenizer.from_pretrained(str(folder))
-    tok.padding_side = info["padding_side"]
-    tpl = info["template"]
-    if tpl is None:
-        feeds = tok(texts, padding=True, truncation=True, max_length=info["max_length"], return_tensors="np")
-    else:
-        own = tok([(" " + t.strip()) if tpl["space_before_sentence"] else t.strip() for t in texts],
-                  add_special_tokens=False)["input_ids"]
-        rows = [tpl["lead"] + tpl["before"] + ids[:tpl["max_sentence_tokens"]] + tpl["after"] + tpl["trail"]
-                for ids in own]
-        feeds = tok.pad({"input_ids": rows}, padding=True, return_tensors="np")
-    return session.run(None, {i.name: feeds[i.name].astype(np.int64) for i in session.get_inputs()})
+    feeds = fp_onnx.graph_inputs(AutoTokenizer.from_pretrained(str(folder)), info, texts)
+    assert {i.name for i in session.get_inputs()} == set(feeds)
+    return session.run(None, feeds)
 
 
-def _check_equal(encoder, folder, normalize=True):
+def _check_equal(encoder, folder, normalize=True, atol=ATOL):
     """ONNX == encode() over one batch of every text (padded: short and truncated-long rows), each text alone
     (batch size 1, no padding) and two rows."""
     session = _session(folder)
@@ -79,7 +76,7 @@ def _check_equal(encoder, folder, normalize=True):
         want = encoder.encode(texts, normalize=normalize)
         assert got.shape == want.shape and got.dtype == np.float32
         assert tokens.shape[:2] == encoder.tokenize(texts)["input_ids"].shape
-        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+        np.testing.assert_allclose(got, want, rtol=0, atol=atol)
         worst = max(worst, float(np.abs(got - want).max()))
     if normalize:
         np.testing.assert_allclose(np.linalg.norm(got, axis=1), 1.0, atol=1e-6)
@@ -212,6 +209,92 @@ def test_real_minilm_through_the_cli(minilm_dir, tmp_path, capsys):
     assert worst < ATOL
 
 
+def test_real_minilm_float16_through_the_cli(minilm_dir, tmp_path):
+    """--dtype float16: the float32 graph converted by onnxruntime's float16 converter, inputs int64 and outputs
+    float32 as before, its weights half the size; encode()'s vectors within ATOL_FP16."""
+    import onnx
+
+    torch.manual_seed(0)
+    encoder = PromptEncoder.from_pretrained(minilm_dir, prompt_config=PromptConfig(prompt_length=16, init_std=0.5),
+                                            pooler="mean", max_length=64).eval()
+    checkpoint = encoder.save(tmp_path / "best")
+    out = tmp_path / "onnx-fp16"
+    assert cli.main(["export", "--prompt", str(checkpoint), "--to", "onnx", "--dtype", "float16", "--output",
+                     str(out)]) == 0
+    info = json.loads((out / CONFIG_FILE).read_text())
+    assert info["dtype"] == "float16" and info["check"]["atol"] == fp_onnx.FP16_CHECK_ATOL
+    graph = onnx.load(str(out / GRAPH_FILE))
+    big = [t for t in graph.graph.initializer if len(t.dims) == 2 and t.dims[0] * t.dims[1] >= 384 * 384]
+    assert big and {t.data_type for t in big} == {onnx.TensorProto.FLOAT16}
+    assert (out / GRAPH_FILE).stat().st_size < 50e6  # fp32: 89 MB
+    worst = _check_equal(encoder, out, atol=ATOL_FP16)
+    assert worst > 1e-6  # it is not the float32 graph
+
+
+# ------------------------------------------------------------------ sentence-transformers with backend="onnx"
+# Tolerance: the same graph as --to onnx (1e-5, the analysis above), then sentence-transformers' Normalize module
+# divides the already normalised vector by its norm (1 within ~1e-7): < 1e-7 more.
+
+
+def test_sentence_transformers_onnx_backend_equals_encode(minilm_dir, tmp_path):
+    """fastprompt export --to sentence-transformers --onnx: SentenceTransformer(folder, backend="onnx") runs the
+    onnx/ graph in onnxruntime (no PyTorch weights loaded) and its encode() equals PromptEncoder.encode; the torch
+    backend of the same folder too, prompts (prepended text) alike."""
+    st = pytest.importorskip("sentence_transformers")
+    from fastprompt.integrations.st_onnx import OnnxPromptModule
+
+    torch.manual_seed(0)
+    encoder = PromptEncoder.from_pretrained(minilm_dir, prompt_config=PromptConfig(prompt_length=16, init_std=0.5),
+                                            pooler="mean", max_length=64).eval()
+    checkpoint = encoder.save(tmp_path / "best")
+    out = tmp_path / "st-model"
+    assert cli.main(["export", "--prompt", str(checkpoint), "--to", "sentence-transformers", "--onnx", "--output",
+                     str(out)]) == 0
+    assert json.loads((out / "onnx" / CONFIG_FILE).read_text())["dtype"] == "float32"
+    onnx_model = st.SentenceTransformer(str(out), backend="onnx", trust_remote_code=True, device="cpu")
+    assert isinstance(onnx_model[0], OnnxPromptModule)
+    assert not any(True for _ in onnx_model.parameters())  # no PyTorch weights: the graph runs
+    torch_model = st.SentenceTransformer(str(out), trust_remote_code=True, device="cpu")
+    want = encoder.encode(TEXTS)
+    for batch_size in (1, 3, 32):
+        got = onnx_model.encode(TEXTS, batch_size=batch_size)
+        np.testing.assert_allclose(got, want, rtol=0, atol=ATOL)
+    np.testing.assert_allclose(onnx_model.encode(TEXTS, prompt="query: "),
+                               torch_model.encode(TEXTS, prompt="query: "), rtol=0, atol=ATOL)
+    assert onnx_model.get_embedding_dimension() == encoder.hidden_size
+    assert onnx_model.max_seq_length == 64
+
+
+def test_sentence_transformers_onnx_backend_needs_the_graph(tiny_checkpoint, tmp_path):
+    st = pytest.importorskip("sentence_transformers")
+    from fastprompt.integrations.sentence_transformers import export_sentence_transformers
+
+    out = export_sentence_transformers(tiny_checkpoint, tmp_path / "st")
+    with pytest.raises(ValueError, match="holds no ONNX graph of fastprompt .* --onnx, or load it with "
+                                         "backend='torch'"):
+        st.SentenceTransformer(str(out), backend="onnx", trust_remote_code=True, device="cpu")
+    with pytest.raises(ValueError, match="runs with backend 'torch' or 'onnx'"):
+        st.SentenceTransformer(str(out), backend="openvino", trust_remote_code=True, device="cpu")
+
+
+def test_sentence_transformers_onnx_refuses_before_any_work(tiny_checkpoint, tmp_path, no_export):
+    """What the ONNX export cannot take is refused before the sentence-transformers export loads or writes."""
+    from fastprompt.integrations.sentence_transformers import export_sentence_transformers
+
+    config = json.loads((tiny_checkpoint / "fastprompt_config.json").read_text())
+    bad = tmp_path / "topk"
+    bad.mkdir()
+    for f in tiny_checkpoint.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    (bad / "fastprompt_config.json").write_text(json.dumps({**config, "pooler": "topk"}))
+    with pytest.raises(ValueError, match=r"cannot add the ONNX graph \(--onnx\) to the sentence-transformers export: "
+                                         "the ONNX export does not take pooler 'topk' yet"):
+        export_sentence_transformers(bad, tmp_path / "st", onnx=True)
+    with pytest.raises(ValueError, match="writes a float32 or float16 graph"):
+        export_sentence_transformers(tiny_checkpoint, tmp_path / "st", onnx=True, onnx_dtype="int8")
+    assert not (tmp_path / "st").exists()
+
+
 # ------------------------------------------------------------------ refusals, each before any work
 
 
@@ -307,7 +390,7 @@ def test_without_the_onnx_packages_says_which_extra(monkeypatch, tiny_checkpoint
 
 def test_overwrite_replaces_only_what_the_export_writes(tiny_checkpoint, tmp_path, monkeypatch):
     """The file handling, with the graph writer stood in for (the tracing is tested above)."""
-    def fake_graph(encoder, folder, *, normalize, max_length):
+    def fake_graph(encoder, folder, *, normalize, max_length, dtype="float32"):
         (folder / GRAPH_FILE).write_bytes(b"graph" * 300)
         return {"format": fp_onnx.FORMAT, "normalized": normalize, "max_length": max_length, "inputs": {},
                 "check": {"max_abs_diff": 0.0}}
@@ -337,7 +420,10 @@ def test_overwrite_replaces_only_what_the_export_writes(tiny_checkpoint, tmp_pat
 def test_cli_refuses_the_other_formats_options(tiny_checkpoint, tmp_path, capsys, no_export):
     for argv, message in ((["--to", "onnx", "--no-backbone"], "--no-backbone applies to --to sentence-transformers "
                            "only (the ONNX graph holds the backbone)"),
-                          (["--to", "peft", "--max-length", "32"], "--max-length applies to --to onnx only")):
+                          (["--to", "peft", "--max-length", "32"], "--max-length applies to --to onnx only"),
+                          (["--to", "onnx", "--onnx"], "--onnx applies to --to sentence-transformers only"),
+                          (["--to", "sentence-transformers", "--dtype", "float16"],
+                           "--dtype applies to --to onnx and to --to sentence-transformers --onnx only")):
         code = cli.main(["export", "--prompt", str(tiny_checkpoint), "--output", str(tmp_path / "o"), *argv])
         assert code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
