@@ -47,7 +47,7 @@ import torch
 import torch.nn.functional as F
 from _harness import add_ratios, machine, markdown_table, results_path, run_fresh, write_results
 
-from fastprompt.ops import prefix_attention
+from fastprompt.ops import prefix_attention, prefix_attention_varlen
 
 PROVIDERS = ("fastprompt", "fastprompt_packed", "sdpa_concat", "eager_concat")
 #: SDPA on the concatenation with one backend pinned (torch.nn.attention.sdpa_kernel): CUDA only.
@@ -111,8 +111,8 @@ def run_provider(name, q, k, v, pk, pv, mask, scale, backend, dropout_p=0.0, cau
                                 causal=causal)
     if name == "fastprompt_packed":  # padded width S: the same dropout decisions as the padded batch
         *qkv, cu = packed
-        return prefix_attention(*qkv, pk, pv, scale=scale, dropout_p=dropout_p, seed=seed, backend=backend,
-                                causal=causal, cu_seqlens=cu, max_seqlen=mask.shape[1])
+        return prefix_attention_varlen(*qkv, pk, pv, scale=scale, dropout_p=dropout_p, seed=seed, backend=backend,
+                                       causal=causal, cu_seqlens=cu, max_seqlen=mask.shape[1])
     keys, values, visible = concat_kv(k, v, pk, pv, mask, causal)
     group = q.shape[1] // k.shape[1]
     if name == "sdpa_concat":

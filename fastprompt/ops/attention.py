@@ -6,8 +6,10 @@ without the prefix ever being expanded over the batch or concatenated with the t
 always visible and padded tokens (``key_padding_mask`` False) hidden. The prefix is ``(Hkv, P, D)`` shared
 by the batch, or ``(T, Hkv, P, D)`` with ``prompt_index`` (B,) picking each example's prompt (several tasks
 in one batch on one frozen backbone). k, v may have fewer heads than q (grouped-query attention, never expanded);
-``causal`` and ``window`` restrict the token block (the prefix stays visible to every row), ``attn_bias`` adds to
-the token block's scores, and ``cu_seqlens`` runs a packed batch (real tokens only, sequences back to back).
+``causal`` and ``window`` restrict the token block (the prefix stays visible to every row), and ``attn_bias`` adds
+to the token block's scores. ``prefix_attention_varlen(q, k, v, prefix_k, prefix_v, cu_seqlens, max_seqlen)`` runs
+a packed batch (real tokens only, sequences back to back) with the same options and kernels: two public entries,
+as FlashAttention's ``flash_attn_func`` and ``flash_attn_varlen_func``, each checking its own arguments.
 
 Backends:
 
@@ -63,7 +65,7 @@ from fastprompt.host_sync import checks_stay_on_device
 from fastprompt.ops import attention_cpu
 from fastprompt.ops.reference import prefix_attention_dropout_mask, prefix_attention_reference
 
-__all__ = ["prefix_attention", "draw_seed", "SUPPORT", "MAX_TRITON_HEAD_DIM"]
+__all__ = ["prefix_attention", "prefix_attention_varlen", "draw_seed", "SUPPORT", "MAX_TRITON_HEAD_DIM"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,43 +116,102 @@ def prefix_attention(
     cu_seqlens: Optional[torch.Tensor] = None,
     max_seqlen: Optional[int] = None,
 ) -> torch.Tensor:
-    """Attention of token queries over ``[prefix ; tokens]``; returns q's shape ``(B, H, S, D)`` in q's dtype.
+    """Attention of token queries over ``[prefix ; tokens]`` for a padded batch; returns q's shape ``(B, H, S, D)``
+    in q's dtype. A packed batch (real tokens only, back to back) is :func:`prefix_attention_varlen`: the two
+    entries share every kernel (FlashAttention's ``flash_attn_func`` / ``flash_attn_varlen_func`` split).
 
     Args:
-        q: ``(B, H, S, D)`` (any strides, e.g. transformers' ``view(...).transpose(1, 2)``); packed: ``(1, H, N, D)``.
-        k, v: ``(B, Hkv, S, D)`` (packed: ``(1, Hkv, N, D)``) with ``H % Hkv == 0``: grouped-query / multi-query
-            attention, query head h reads key/value head ``h // (H // Hkv)``; never expanded over the group.
+        q: ``(B, H, S, D)`` (any strides, e.g. transformers' ``view(...).transpose(1, 2)``).
+        k, v: ``(B, Hkv, S, D)`` with ``H % Hkv == 0``: grouped-query / multi-query attention, query head h reads
+            key/value head ``h // (H // Hkv)``; never expanded over the group.
         prefix_k, prefix_v: ``(Hkv, P, D)`` shared by the batch, or ``(T, Hkv, P, D)`` with ``prompt_index``.
         key_padding_mask: ``(B, S)``, True (or 1) = real token; None = no padding. Prefix keys are always
             visible.
         scale: score scale, default ``D ** -0.5``.
         dropout_p: dropout probability on the attention probabilities (0 in eval).
         seed: dropout seed (any int, 64 bits used); None draws one from the default generator of q's device.
-        prompt_index: ``(B,)`` integer prompt id per example (per sequence when packed), required with a 4-D
-            prefix.
+        prompt_index: ``(B,)`` integer prompt id per example, required with a 4-D prefix.
         backend: "auto", "triton", "cpu" or "reference" (see the module docstring).
         causal: token j is visible to query i only when ``j <= i`` (in-sequence row indices); the prefix stays
             visible to every row.
         window: ``(left, right)``: token j is visible to query i only when ``i - left <= j <= i + right``,
             ``-1`` = unbounded on that side (FlashAttention's ``window_size``; a causal sliding window of W
             tokens is ``causal=True, window=(W - 1, 0)``); the prefix stays visible.
-        attn_bias: additive float bias on the token block's scaled scores, ``(1 or B, 1 or H, S, S)`` (packed:
-            ``(1 or B, 1 or H, L, L)`` over in-sequence positions, L = ``max_seqlen``); the prefix columns get
-            none. Differentiable when it requires grad (the gradient is summed over its broadcast dims).
-        cu_seqlens: ``(B + 1,)`` int32/int64 offsets of a packed batch: q, k, v hold the N = ``cu_seqlens[-1]``
-            real tokens of B sequences back to back (sequence b is rows ``cu_seqlens[b]:cu_seqlens[b + 1]``);
-            each attends to its own tokens and its prefix. ``key_padding_mask`` must be None.
-        max_seqlen: with ``cu_seqlens``, the padded width L the packed batch stands for (the bias's size and the
-            dropout mask's row width: a packed batch drops what the same sequences right-padded to L drop);
-            default the longest sequence, read from the offsets on the host (on CUDA a device sync, logged once;
-            refused on the Triton path under ``torch.compile`` or CUDA-graph capture): pass it.
+        attn_bias: additive float bias on the token block's scaled scores, ``(1 or B, 1 or H, S, S)``; the prefix
+            columns get none. Differentiable when it requires grad (the gradient is summed over its broadcast
+            dims).
+        cu_seqlens, max_seqlen: the packed form's arguments, for call sites written before the split: given
+            ``cu_seqlens``, the call is :func:`prefix_attention_varlen`'s (``key_padding_mask`` must be None). New
+            code calls that entry.
 
-    The Triton and C++ kernels return a transposed ``(B, S, H, D)`` buffer (packed ``(1, N, H, D)``), so
-    ``out.transpose(1, 2).reshape(B, S, H * D)`` needs no copy (the aten composite returns what SDPA returns: the
-    same layout for such q).
+    The Triton and C++ kernels return a transposed ``(B, S, H, D)`` buffer, so ``out.transpose(1, 2).reshape(B, S,
+    H * D)`` needs no copy (the aten composite returns what SDPA returns: the same layout for such q).
     """
-    window = _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p, causal, window,
-                       attn_bias, cu_seqlens, max_seqlen)
+    options = dict(scale=scale, dropout_p=dropout_p, seed=seed, prompt_index=prompt_index, backend=backend,
+                   causal=causal, window=window, attn_bias=attn_bias)
+    if cu_seqlens is not None:
+        if key_padding_mask is not None:
+            raise ValueError("a packed batch (cu_seqlens) has no padding: key_padding_mask must be None")
+        return prefix_attention_varlen(q, k, v, prefix_k, prefix_v, cu_seqlens, max_seqlen, **options)
+    if max_seqlen is not None:
+        raise ValueError("max_seqlen is only meaningful with cu_seqlens (a packed batch)")
+    B, H, S, _ = _check_tensors(q, k, v, prefix_k, prefix_v)
+    _check_prompt_ids(q, prefix_k, prompt_index, B, "example")
+    _check_padding_mask(q, key_padding_mask)
+    window = _check_options(q, dropout_p, causal, window, attn_bias, B, H, S, "S")
+    return _attend(q, k, v, prefix_k, prefix_v, key_padding_mask, None, None, **{**options, "window": window})
+
+
+def prefix_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    prefix_k: torch.Tensor,
+    prefix_v: torch.Tensor,
+    cu_seqlens: torch.Tensor,
+    max_seqlen: Optional[int] = None,
+    *,
+    scale: Optional[float] = None,
+    dropout_p: float = 0.0,
+    seed: Optional[int] = None,
+    prompt_index: Optional[torch.Tensor] = None,
+    backend: str = "auto",
+    causal: bool = False,
+    window: tuple[int, int] = (-1, -1),
+    attn_bias: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """:func:`prefix_attention` of a packed batch: the real tokens of B sequences back to back, no padding;
+    returns q's shape ``(1, H, N, D)`` in q's dtype. The same kernels, options and backends as the padded entry.
+
+    Args:
+        q: ``(1, H, N, D)``: the N = ``cu_seqlens[-1]`` tokens of every sequence (sequence b is rows
+            ``cu_seqlens[b]:cu_seqlens[b + 1]``); each attends to its own tokens and its prefix.
+        k, v: ``(1, Hkv, N, D)`` with ``H % Hkv == 0`` (grouped-query attention, as the padded entry).
+        prefix_k, prefix_v: ``(Hkv, P, D)``, or ``(T, Hkv, P, D)`` with ``prompt_index``.
+        cu_seqlens: ``(B + 1,)`` int32/int64 offsets of the sequences.
+        max_seqlen: the padded width L the packed batch stands for (the bias's size and the dropout mask's row
+            width: a packed batch drops what the same sequences right-padded to L drop); default the longest
+            sequence, read from the offsets on the host (on CUDA a device sync, logged once; refused on the Triton
+            path under ``torch.compile`` or CUDA-graph capture): pass it.
+        prompt_index: ``(B,)`` integer prompt id per sequence, required with a 4-D prefix.
+        attn_bias: ``(1 or B, 1 or H, L, L)`` over in-sequence positions.
+        scale, dropout_p, seed, backend, causal, window: as :func:`prefix_attention` (``causal`` and ``window``
+            over in-sequence positions).
+
+    The Triton and C++ kernels return a transposed ``(1, N, H, D)`` buffer, as the padded entry does.
+    """
+    _, H, _, _ = _check_tensors(q, k, v, prefix_k, prefix_v)
+    n_seq = _check_offsets(q, cu_seqlens, max_seqlen)
+    _check_prompt_ids(q, prefix_k, prompt_index, n_seq, "sequence")
+    window = _check_options(q, dropout_p, causal, window, attn_bias, n_seq, H, max_seqlen, "L (max_seqlen)")
+    return _attend(q, k, v, prefix_k, prefix_v, None, cu_seqlens, max_seqlen, scale=scale, dropout_p=dropout_p,
+                   seed=seed, prompt_index=prompt_index, backend=backend, causal=causal, window=window,
+                   attn_bias=attn_bias)
+
+
+def _attend(q, k, v, prefix_k, prefix_v, key_padding_mask, cu_seqlens, max_seqlen, *, scale, dropout_p, seed,
+            prompt_index, backend, causal, window, attn_bias) -> torch.Tensor:
+    """The kernels both entries share, on validated arguments (``cu_seqlens`` None: a padded batch)."""
     resolved = resolve_backend(SUPPORT, q, backend)  # before a seed is drawn: a bad backend consumes no RNG
     if backend == "auto" and resolved == "triton" and q.is_cuda:
         resolved = _measured_auto(q, k, prefix_k, dropout_p, attn_bias, cu_seqlens, max_seqlen)
@@ -252,10 +313,10 @@ def _sync_free(x: torch.Tensor) -> bool:
     return checks_stay_on_device(x)
 
 
-def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropout_p, causal=False,
-              window=(-1, -1), attn_bias=None, cu_seqlens=None, max_seqlen=None) -> tuple[int, int]:
-    """Everything checkable without reading tensor values (those: :func:`_check_prompt_index`,
-    :func:`_check_packed`); returns the window as a tuple of two ints."""
+def _check_tensors(q, k, v, prefix_k, prefix_v) -> tuple[int, int, int, int]:
+    """The five tensors of both entries: floating, of q's dtype and device, with agreeing shapes (grouped-query
+    heads, a prefix per key/value head). Returns q's (B, H, S, D). Checks without reading tensor values, as every
+    ``_check_*`` below but :func:`_check_prompt_index` and :func:`_check_packed`."""
     for name, x in (("q", q), ("k", k), ("v", v), ("prefix_k", prefix_k), ("prefix_v", prefix_v)):
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
@@ -281,33 +342,34 @@ def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropo
     if prefix_k.dim() not in (3, 4) or prefix_k.shape[-3] != Hkv or prefix_k.shape[-1] != D:
         raise ValueError(f"prefix_k must be (Hkv, P, D) = ({Hkv}, P, {D}) or (T, {Hkv}, P, {D}) (one prefix per "
                          f"key/value head), got {tuple(prefix_k.shape)}")
-    n_seq = B
-    if cu_seqlens is not None:
-        if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or \
-                cu_seqlens.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"cu_seqlens must be a (B + 1,) int32/int64 tensor of sequence offsets, got "
-                             f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} "
-                             f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
-        if cu_seqlens.device != q.device:
-            raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
-        if B != 1:
-            raise ValueError(f"a packed batch (cu_seqlens) is q (1, H, N, D) holding every sequence's tokens back to "
-                             f"back, got q {tuple(q.shape)}")
-        if key_padding_mask is not None:
-            raise ValueError("a packed batch (cu_seqlens) has no padding: key_padding_mask must be None")
-        n_seq = cu_seqlens.numel() - 1
-        if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int)
-                                       or max_seqlen < 1):
-            raise ValueError(f"max_seqlen must be a positive int, got {max_seqlen!r}")
-    elif max_seqlen is not None:
-        raise ValueError("max_seqlen is only meaningful with cu_seqlens (a packed batch)")
+    return B, H, S, D
+
+
+def _check_offsets(q, cu_seqlens, max_seqlen) -> int:
+    """A packed batch's offsets and width (their values: :func:`_check_packed`); returns its number of sequences."""
+    if not isinstance(cu_seqlens, torch.Tensor) or cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or \
+            cu_seqlens.dtype not in (torch.int64, torch.int32):
+        raise ValueError(f"cu_seqlens must be a (B + 1,) int32/int64 tensor of sequence offsets, got "
+                         f"{getattr(cu_seqlens, 'dtype', type(cu_seqlens))} "
+                         f"{tuple(getattr(cu_seqlens, 'shape', ()))}")
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but q is on {q.device}")
+    if q.shape[0] != 1:
+        raise ValueError(f"a packed batch (cu_seqlens) is q (1, H, N, D) holding every sequence's tokens back to "
+                         f"back, got q {tuple(q.shape)}")
+    if max_seqlen is not None and (isinstance(max_seqlen, bool) or not isinstance(max_seqlen, int) or max_seqlen < 1):
+        raise ValueError(f"max_seqlen must be a positive int, got {max_seqlen!r}")
+    return cu_seqlens.numel() - 1
+
+
+def _check_prompt_ids(q, prefix_k, prompt_index, n_seq: int, per: str) -> None:
+    """A 4-D prefix needs one prompt id ``per`` example (padded) or sequence (packed); a 3-D one takes none."""
     if prefix_k.dim() == 4:
         if prompt_index is None:
             raise ValueError("a (T, Hkv, P, D) prefix needs prompt_index (B,) choosing each example's prompt")
         if not isinstance(prompt_index, torch.Tensor) or prompt_index.shape != (n_seq,) or \
                 prompt_index.dtype not in (torch.int64, torch.int32):
-            raise ValueError(f"prompt_index must be an int64/int32 tensor of shape ({n_seq},) (one per "
-                             f"{'sequence' if cu_seqlens is not None else 'example'}), got "
+            raise ValueError(f"prompt_index must be an int64/int32 tensor of shape ({n_seq},) (one per {per}), got "
                              f"{getattr(prompt_index, 'dtype', type(prompt_index))} "
                              f"{tuple(getattr(prompt_index, 'shape', ()))}")
         if prompt_index.device != q.device:
@@ -316,15 +378,26 @@ def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropo
             raise ValueError("a (T, Hkv, P, D) prefix needs T >= 1 prompts")
     elif prompt_index is not None:
         raise ValueError("prompt_index is only meaningful with a (T, Hkv, P, D) prefix; got an (Hkv, P, D) prefix")
-    if key_padding_mask is not None:
-        if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.shape != (B, S):
-            raise ValueError(f"key_padding_mask must be a (B, S) = ({B}, {S}) tensor, got "
-                             f"{tuple(getattr(key_padding_mask, 'shape', ()))}")
-        if key_padding_mask.is_floating_point() or key_padding_mask.is_complex():
-            raise ValueError(f"key_padding_mask must be bool (True = real token) or 0/1 integers, "
-                             f"got {key_padding_mask.dtype}")
-        if key_padding_mask.device != q.device:
-            raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}")
+
+
+def _check_padding_mask(q, key_padding_mask) -> None:
+    if key_padding_mask is None:
+        return
+    B, _, S, _ = q.shape
+    if not isinstance(key_padding_mask, torch.Tensor) or key_padding_mask.shape != (B, S):
+        raise ValueError(f"key_padding_mask must be a (B, S) = ({B}, {S}) tensor, got "
+                         f"{tuple(getattr(key_padding_mask, 'shape', ()))}")
+    if key_padding_mask.is_floating_point() or key_padding_mask.is_complex():
+        raise ValueError(f"key_padding_mask must be bool (True = real token) or 0/1 integers, "
+                         f"got {key_padding_mask.dtype}")
+    if key_padding_mask.device != q.device:
+        raise ValueError(f"key_padding_mask is on {key_padding_mask.device} but q is on {q.device}")
+
+
+def _check_options(q, dropout_p, causal, window, attn_bias, n_seq: int, H: int, L: Optional[int],
+                   width: str) -> tuple[int, int]:
+    """Dropout, the masks and the bias (``(1 or n_seq, 1 or H, L, L)``, L named ``width`` in messages; None:
+    not known yet, a packed batch without max_seqlen). Returns the window as a tuple of two ints."""
     if not 0.0 <= float(dropout_p) < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")
     if not isinstance(causal, bool):
@@ -340,8 +413,6 @@ def _validate(q, k, v, prefix_k, prefix_v, key_padding_mask, prompt_index, dropo
                              f"{getattr(attn_bias, 'dtype', type(attn_bias))}")
         if attn_bias.device != q.device:
             raise ValueError(f"attn_bias is on {attn_bias.device} but q is on {q.device}")
-        L = S if cu_seqlens is None else max_seqlen
-        width = "S" if cu_seqlens is None else "L (max_seqlen)"
         if attn_bias.dim() != 4 or attn_bias.shape[0] not in (1, n_seq) or attn_bias.shape[1] not in (1, H) or \
                 attn_bias.shape[2] != attn_bias.shape[3] or (L is not None and attn_bias.shape[2] != L):
             raise ValueError(f"attn_bias must be (1 or B, 1 or H, {width}, {width}) = (1 or {n_seq}, 1 or {H}, "

@@ -23,7 +23,7 @@ import pytest
 import torch
 
 from fastprompt.backends import resolve_backend
-from fastprompt.ops import contrastive_loss, prefix_attention
+from fastprompt.ops import contrastive_loss, prefix_attention, prefix_attention_varlen
 from fastprompt.ops.attention import _kernel_attention
 from fastprompt.ops.reference import prefix_attention_reference
 
@@ -200,8 +200,8 @@ def test_prefix_attention_captures_into_a_cuda_graph():
     dout = torch.randn(q.shape, device="cuda", dtype=q.dtype)
 
     def step(p):
-        out = prefix_attention(q, k, v, pk, pv, dropout_p=p, prompt_index=pidx, causal=True, cu_seqlens=cu,
-                               max_seqlen=L, backend="triton")
+        out = prefix_attention_varlen(q, k, v, pk, pv, dropout_p=p, prompt_index=pidx, causal=True, cu_seqlens=cu,
+                                      max_seqlen=L, backend="triton")
         return (out, *torch.autograd.grad(out, leaves, dout))
 
     for p in (0.0, 0.2):

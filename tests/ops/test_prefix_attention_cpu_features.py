@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from fastprompt.backends import TRITON_INSTALLED
-from fastprompt.ops import _cpp, attention_cpu, prefix_attention
+from fastprompt.ops import _cpp, attention_cpu, prefix_attention, prefix_attention_varlen
 from fastprompt.ops.reference import prefix_attention_reference
 
 pytestmark = pytest.mark.skipif(not _cpp.available(), reason=str(_cpp.missing_reason()))
@@ -244,12 +244,15 @@ def unpad(x, lengths):
 
 @pytest.mark.parametrize("p", [0.0, 0.3])
 def test_packed_equals_padded_bit_for_bit(p, isa):
-    """The same sequences packed and right-padded to max_seqlen: the same output rows, dropout decisions and
-    gradients (the padded rows' output gradient 0), bit for bit."""
+    """The same sequences packed (prefix_attention_varlen) and right-padded to max_seqlen (prefix_attention): the
+    same output rows, dropout decisions and gradients (the padded rows' output gradient 0), bit for bit. The
+    packed form's keywords given to prefix_attention (the spelling before the split) run the varlen entry."""
     lengths, L, H, Hkv, P, D = [3, 1, 9, 20, 5, 2, 6, 1, 11], 24, 4, 2, 3, 16
     (q, k, v, pk, pv, bias), kw, _ = packed_case(lengths, H, Hkv, P, D, 2, L, True, (7, -1), "1H", p)
     leaves = [q, k, v, pk, pv, bias]
-    out = prefix_attention(q, k, v, pk, pv, dropout_p=p, seed=99, backend="cpu", **kw)
+    out = prefix_attention_varlen(q, k, v, pk, pv, dropout_p=p, seed=99, backend="cpu", **kw)
+    with torch.no_grad():
+        assert torch.equal(out, prefix_attention(q, k, v, pk, pv, dropout_p=p, seed=99, backend="cpu", **kw))
     dout = torch.randn(out.shape, generator=torch.Generator().manual_seed(3))
     packed_grads = grads(out, leaves, dout)
 
@@ -274,8 +277,8 @@ def test_packed_dropout_mask_is_the_padded_mask():
     eye = torch.eye(n)
     v = torch.cat([eye[P:P + m] for m in lengths])[None, None].expand(1, H, N, n).contiguous()
     pv = eye[:P].expand(H, P, n).contiguous()
-    out = prefix_attention(zeros, zeros, v, torch.zeros(H, P, n), pv, cu_seqlens=offsets(lengths), max_seqlen=L,
-                           dropout_p=p, seed=seed, backend="cpu")
+    out = prefix_attention_varlen(zeros, zeros, v, torch.zeros(H, P, n), pv, offsets(lengths), L, dropout_p=p,
+                                  seed=seed, backend="cpu")
     keep = attention_cpu.keep_mask(B, H, L, P, p, seed)
     start = 0
     for b, m in enumerate(lengths):

@@ -30,7 +30,7 @@ from fastprompt.kernels import prefix_attention as kernels  # noqa: E402
 from fastprompt.kernels._common import LaunchConfig  # noqa: E402
 
 from fastprompt.host_sync import HostReads, TritonLaunches, sync_free  # noqa: E402
-from fastprompt.ops import attention, prefix_attention  # noqa: E402
+from fastprompt.ops import attention, prefix_attention, prefix_attention_varlen  # noqa: E402
 from fastprompt.ops.attention import _kernel_attention  # noqa: E402
 from fastprompt.ops.reference import prefix_attention_reference  # noqa: E402
 
@@ -234,7 +234,7 @@ def test_packed_through_the_backend_function_reads_max_seqlen():
     """prefix_attention's "triton" backend without max_seqlen reads it from cu_seqlens (once, in its check)."""
     inputs, cu, L, _ = packed_inputs([2, 6, 3], 2, 2, 1, 16)
     q, k, v, pk, pv = inputs[:5]
-    out = prefix_attention(q, k, v, pk, pv, scale=0.25, causal=True, cu_seqlens=cu, backend="triton")
+    out = prefix_attention_varlen(q, k, v, pk, pv, scale=0.25, causal=True, cu_seqlens=cu, backend="triton")
     want = prefix_attention_reference(q, k, v, pk, pv, scale=0.25, causal=True, cu_seqlens=cu)
     torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
 
@@ -246,8 +246,8 @@ def test_packed_offsets_are_checked(offsets, max_seqlen, n):
     q = torch.zeros(1, 2, n, 16)
     pk = torch.zeros(2, 1, 16)
     with pytest.raises(ValueError, match="cu_seqlens must|more than max_seqlen"):
-        prefix_attention(q, q, q, pk, pk, scale=1.0, cu_seqlens=torch.tensor(offsets), max_seqlen=max_seqlen,
-                         backend="triton")
+        prefix_attention_varlen(q, q, q, pk, pk, scale=1.0, cu_seqlens=torch.tensor(offsets), max_seqlen=max_seqlen,
+                                backend="triton")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -284,8 +284,8 @@ def test_launches_and_host_reads_of_a_training_call():
     leaves = (q, k, v, pk, pv, bias)
 
     def call():
-        return prefix_attention(q, k, v, pk, pv, dropout_p=0.1, prompt_index=pidx, attn_bias=bias, causal=True,
-                                cu_seqlens=cu, max_seqlen=L, backend="triton")
+        return prefix_attention_varlen(q, k, v, pk, pv, dropout_p=0.1, prompt_index=pidx, attn_bias=bias, causal=True,
+                                       cu_seqlens=cu, max_seqlen=L, backend="triton")
 
     with HostReads() as reads, TritonLaunches() as forward:
         out = call()
@@ -347,8 +347,8 @@ def test_device_side_checks_run_once_per_tensor_until_it_changes():
     q = torch.zeros(1, 1, 5, 16)
     pk = torch.zeros(1, 2, 16)
     cu = torch.tensor([0, 2, 5])
-    call = lambda: prefix_attention(q, q, q, pk, pk, scale=1.0, cu_seqlens=cu, max_seqlen=3,  # noqa: E731
-                                    backend="triton")
+    call = lambda: prefix_attention_varlen(q, q, q, pk, pk, scale=1.0, cu_seqlens=cu, max_seqlen=3,  # noqa: E731
+                                           backend="triton")
     with sync_free():
         with _DeviceOps() as first:
             call()
