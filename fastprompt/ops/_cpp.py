@@ -1,4 +1,5 @@
-"""Loader of the optional C++ extension ``fastprompt._C`` (built from ``csrc/`` by setup.py or CMake).
+"""Loader of the optional C++ extension ``fastprompt._C`` (built from ``csrc/`` by setup.py or CMake), and what its
+kernels share on the Python side (:func:`signed_seed`: how a dropout seed reaches their Philox generator).
 
 Importing ``fastprompt._C`` registers the CPU kernels as ``torch.ops.fastprompt.*``. When the extension
 was not built (no compiler, ``FASTPROMPT_NO_EXT=1``) the ops fall back to their PyTorch references
@@ -43,3 +44,10 @@ def missing_reason() -> str | None:
         return None
     return (f"fastprompt._C (the C++ CPU kernels) is not built ({_state['error']}); build it with "
             "`pip install --no-build-isolation --no-deps -e .` (needs a C++ compiler)")
+
+
+def signed_seed(seed: int) -> int:
+    """A seed's 64 bits as a signed int64 (what a tensor or an op schema's int holds): the seed of the C++ kernels'
+    Philox dropout (prefix attention's and the fused dropout + add + LayerNorm's)."""
+    seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
+    return seed - (1 << 64) if seed >= 1 << 63 else seed

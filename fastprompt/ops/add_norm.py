@@ -16,6 +16,15 @@ drawn from torch's default CPU generator, so restoring ``torch.get_rng_state()``
 
 float32 CPU tensors only (:func:`applies`): the model adapter (:mod:`fastprompt.model.add_norm`) runs the
 module's own forward everywhere else.
+
+Why this op has no ``backend`` argument and no :class:`~fastprompt.backends.OpSupport` (the other two ops have
+both): there is nothing to choose among. It is one kernel, the C++ CPU one, with no Triton counterpart; where it
+does not apply (CUDA, half precision, the extension not built) the module's own forward is not a slower fallback
+to warn about but aten's own fused path, the one every model runs without fastprompt. So the choice is the model
+adapter's, per module and input (:func:`applies`, the op's declared limits), and the backend rule with its
+"falls back to the reference" warning would only add noise. It shares with the other ops what they share: the
+extension's loader and its Philox seed (:mod:`fastprompt.ops._cpp`), a ``torch.library`` op with a fake
+implementation and a registered backward, the reference in :mod:`fastprompt.ops.reference`; it imports no other op.
 """
 from __future__ import annotations
 
@@ -24,7 +33,7 @@ from typing import Optional
 import torch
 
 from fastprompt.ops import _cpp
-from fastprompt.ops.attention_cpu import signed_seed
+from fastprompt.ops._cpp import signed_seed
 
 
 def _draw_seed_tensor() -> torch.Tensor:

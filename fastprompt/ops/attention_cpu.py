@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from fastprompt.ops import _cpp
+from fastprompt.ops._cpp import signed_seed  # noqa: F401  (fastprompt.ops.attention_cpu.signed_seed, as before)
 
 
 def available(q: torch.Tensor) -> bool:
@@ -53,12 +54,6 @@ def isa_levels() -> list[str]:
     """The levels this build has and this CPU supports, best first (``baseline`` always; one on a non-x86 build)."""
     _require()
     return list(torch.ops.fastprompt.prefix_attention_cpu_isa_levels())
-
-
-def signed_seed(seed: int) -> int:
-    """A seed's 64 bits as a signed int64 (what a tensor or an op schema's int holds)."""
-    seed = int(seed) & 0xFFFF_FFFF_FFFF_FFFF
-    return seed - (1 << 64) if seed >= 1 << 63 else seed
 
 
 def _built() -> bool:
