@@ -45,8 +45,8 @@ import warnings
 import torch
 
 from fastprompt.choices import BACKENDS, check_choice
+from fastprompt.model.arch.positions import offset_position_ids, padding_offset
 from fastprompt.model.attention import PrefixState, register_attention
-from fastprompt.model.backbone import offset_position_ids, padding_offset
 
 from .peft_support import check_peft_runs
 

@@ -1,22 +1,22 @@
-"""Where PEFT's prefix tuning runs: the one list that export, import and ``accelerate_peft`` consult (its own module,
-so that :mod:`.peft` and :mod:`.peft_attention` both read it without importing each other)."""
+"""Where PEFT's prefix tuning runs: the check that export, import and ``accelerate_peft`` share (its own module, so
+that :mod:`.peft` and :mod:`.peft_attention` both read it without importing each other). The reasons are the model
+families' (:attr:`fastprompt.model.arch.Family.peft`)."""
 from __future__ import annotations
 
-#: model_type -> why PEFT's prefix tuning does not run it (peft 0.21.2, transformers 5.24; each tested): export
-#: refuses to write an adapter PEFT cannot apply, and accelerate_peft has no PEFT behaviour to reproduce
-PEFT_FAILS = {
-    "distilbert": "PEFT cannot size its prefix (DistilBertConfig has no hidden_size: 'Please specify token_dim') "
-                  "and DistilBERT takes no key/value cache",
-    "modernbert": "ModernBERT does not take PEFT's key/value cache (its mask keeps the token length: a size "
-                  "mismatch at the first forward)",
-    "mpnet": "MPNet computes attention in its own modules and its position bias does not cover PEFT's cache (a size "
-             "mismatch at the first forward)",
-}
+
+def peft_refusal(model_type: str | None) -> str | None:
+    """Why PEFT's prefix tuning does not run on ``model_type`` (peft 0.21.2, transformers 5.24; each tested), None
+    when it does (or fastprompt does not know the family)."""
+    from fastprompt.model.arch import FAMILIES
+
+    family = FAMILIES.get(model_type)
+    return None if family is None else family.peft
 
 
 def check_peft_runs(model_type: str | None, consequence: str) -> None:
-    """ValueError when PEFT's prefix tuning does not run on ``model_type`` (:data:`PEFT_FAILS`), giving the reason
+    """ValueError when PEFT's prefix tuning does not run on ``model_type`` (:func:`peft_refusal`), giving the reason
     and then ``consequence`` (what that means for the caller)."""
-    if model_type in PEFT_FAILS:
-        raise ValueError(f"PEFT's prefix tuning does not run on {model_type!r} models ({PEFT_FAILS[model_type]}), "
+    reason = peft_refusal(model_type)
+    if reason is not None:
+        raise ValueError(f"PEFT's prefix tuning does not run on {model_type!r} models ({reason}), "
                          f"so {consequence}")

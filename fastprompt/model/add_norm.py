@@ -6,11 +6,12 @@ and their copies in RoBERTa, XLM-RoBERTa, ELECTRA, MPNet's feed-forward, ...):
     hidden_states = self.dropout(hidden_states)
     hidden_states = self.LayerNorm(hidden_states + input_tensor)
 
-A module is adapted only when its class's ``forward`` is that code, instruction for instruction (its bytecode
-and names equal :func:`_block`'s), and its ``dropout`` and ``LayerNorm`` are a plain ``nn.Dropout`` and an
-``nn.LayerNorm`` over the last dimension; any other module runs as it is. :func:`install` replaces the ``forward``
-of each such module instance (not the class: other models in the process are untouched) by
-:func:`_fused_forward`: while its dropout is active (training, 0 < p < 1) on float32 CPU activations with the C++
+Which classes compute exactly that is the family spec's (:attr:`fastprompt.model.arch.Family.add_norm`, each an
+``Upstream`` pinning the forward's signature and source, which tests/model/test_families.py compares with the
+installed transformers). :func:`install` adapts the instances of those classes whose ``dropout`` and ``LayerNorm``
+are a plain ``nn.Dropout`` and an ``nn.LayerNorm`` over the last dimension; any other module runs as it is. It
+replaces the ``forward`` of each such module instance (not the class: other models in the process are untouched)
+by :func:`_fused_forward`: while its dropout is active (training, 0 < p < 1) on float32 CPU activations with the C++
 extension built, the dropout, the add and the LayerNorm run as the one fused op; otherwise (evaluation, another
 device or dtype) the module's own three steps run, so evaluation is bit for bit the model's.
 
@@ -27,27 +28,17 @@ import torch
 from fastprompt.ops import add_norm
 
 
-def _block(self, hidden_states, input_tensor):  # the forward install() recognises (compared as bytecode)
-    hidden_states = self.dense(hidden_states)
-    hidden_states = self.dropout(hidden_states)
-    hidden_states = self.LayerNorm(hidden_states + input_tensor)
-    return hidden_states
-
-
-def _is_block(module: torch.nn.Module) -> bool:
-    forward = getattr(type(module), "forward", None)
-    code, ref = getattr(forward, "__code__", None), _block.__code__
-    if code is None or (code.co_code, code.co_names, code.co_argcount) != (ref.co_code, ref.co_names, ref.co_argcount):
-        return False
+def _fits(module: torch.nn.Module) -> bool:
     ln = getattr(module, "LayerNorm", None)
     return (type(getattr(module, "dropout", None)) is torch.nn.Dropout and type(ln) is torch.nn.LayerNorm
             and len(ln.normalized_shape) == 1 and isinstance(getattr(module, "dense", None), torch.nn.Module))
 
 
-def install(backbone: torch.nn.Module) -> int:
-    """Give every dense -> dropout -> LayerNorm(h + input) module of ``backbone`` the fused op (see the module
-    docstring); returns how many were adapted."""
-    modules = [m for m in backbone.modules() if _is_block(m) and not isinstance(m.forward, functools.partial)]
+def install(backbone: torch.nn.Module, classes: tuple[type, ...]) -> int:
+    """Give every module of ``backbone`` whose class is one of ``classes`` (exactly: a subclass may compute
+    otherwise) the fused op (see the module docstring); returns how many were adapted."""
+    modules = [m for m in backbone.modules() if type(m) in classes and _fits(m)
+               and not isinstance(m.forward, functools.partial)]
     for m in modules:
         m.forward = functools.partial(_fused_forward, m)
     return len(modules)

@@ -9,8 +9,9 @@ DistilBERT, by the map :func:`attention_layer_map` builds once). The prefix is n
 Every call records the layer it served in ``PrefixState.served``; the encoder compares that with the layers that
 hold a prefix after each forward (:func:`check_prefix_consumed`), so a model whose attention does not go
 through the registered function (DeBERTa-v2 computes attention in its own modules) can never run with its prompt
-silently ignored. MPNet, which does the same, gets the prefix through an adapter of its attention modules
-(:class:`OwnAttention`).
+silently ignored. MPNet, which does the same, gets the prefix through adapters of its attention modules
+(:class:`OwnAttention`, :mod:`fastprompt.model.arch.mpnet`). Which family takes which path is its spec's
+(:mod:`fastprompt.model.arch`).
 
 Decoders (Llama, Mistral, Qwen2/3, Gemma): key/value heads may be fewer than query heads (grouped-query and
 multi-query attention): the prefix then has one key/value per key/value head, shared by the query heads of
@@ -23,14 +24,12 @@ exactly what PEFT's prefix cache holds.
 Packed batches (:meth:`fastprompt.model.backbone.Architecture.forward_packed`): the real tokens of every sequence back
 to back in one row, each with its own position ids; the state then carries the offsets (``cu_seqlens``) and every
 layer's attention runs through the variable-length op (a layer without a prefix with an empty one), so no sequence
-sees another's tokens and no (N, N) mask is ever built (:func:`packed_forward` turns transformers' mask off).
+sees another's tokens and no (N, N) mask is ever built (:func:`packed_mask`). The offsets reach the layers one way
+only: the ``fastprompt_state`` keyword (which gradient checkpointing replays with each layer's recomputation).
 """
 from __future__ import annotations
 
-import contextlib
-import functools
 import inspect
-import threading
 from dataclasses import dataclass, field
 
 import torch
@@ -42,18 +41,6 @@ from fastprompt.host_sync import checks_stay_on_device
 
 ATTN_IMPLEMENTATION = "fastprompt"
 _CACHE_KEYWORDS: dict[type, str] = {}
-
-
-class _PackedBatch(threading.local):
-    """The offsets of the packed batch running now in this thread (``offsets``), else None: transformers' mask
-    builders then build nothing (see :func:`packed_forward`). A thread-local attribute, which torch.compile traces
-    (a ContextVar's ``get`` broke the compiled graph in every layer)."""
-
-    def __init__(self):  # run in each thread; an attribute set from the start, as the compiled guards expect
-        self.offsets: torch.Tensor | None = None
-
-
-_PACKED = _PackedBatch()
 
 
 @dataclass
@@ -146,79 +133,13 @@ class OwnAttention:
     """The prefix for models whose attention modules compute attention themselves instead of calling
     transformers' attention functions, and whose forward does not pass extra keywords down (MPNet).
 
-    :func:`adapt_own_attention` replaces the ``forward`` of each such module instance (not the class: other
-    models in the process are untouched) by an adapter that reads the current :class:`PrefixState` from
-    :attr:`state`, which the encoder sets for the duration of each forward (MPNet supports no gradient checkpointing,
-    so no recomputation in the backward runs outside it)."""
+    The family's spec (:class:`fastprompt.model.arch.Family`, ``adapters``) replaces the ``forward`` of each such
+    module instance (not the class: other models in the process are untouched) by an adapter that reads the
+    current :class:`PrefixState` from :attr:`state`, which the encoder sets for the duration of each forward
+    (MPNet supports no gradient checkpointing, so no recomputation in the backward runs outside it)."""
 
     def __init__(self):
         self.state: PrefixState | None = None
-
-
-def _mpnet_self_attention(module, slot: OwnAttention, hidden_states, attention_mask=None, position_bias=None,
-                          output_attentions=False, **kwargs):
-    """MPNetSelfAttention.forward with the prefix: MPNet's relative position bias is the additive ``attn_bias`` of
-    the token block; the prefix columns get none (the prefix has no position, so no relative distance to bucket,
-    as in P-tuning v2 where the prefix only enters attention). ``attention_mask`` (eager's additive mask) is
-    replaced by the state's (B, S) padding mask. In a packed batch every layer runs the variable-length op (an
-    empty prefix where it has none), with the (1, H, L, L) bias of :func:`_mpnet_position_bias`, which the op
-    indexes by each sequence's own positions."""
-    state = slot.state
-    layer = layer_index(module, state)
-    entry = None
-    if state is not None and layer is not None:
-        state.served.add(layer)
-        if state.capture is not None:
-            shape = (*hidden_states.shape[:-1], -1, module.attention_head_size)
-            k, v = (lin(hidden_states[:1]).view(1, *shape[1:]).transpose(1, 2)[0] for lin in (module.k, module.v))
-            state.capture[layer] = (k.detach(), v.detach())
-        # the (H, 0, D) shape prefix_entry reads from the keys: MPNet has as many key heads as query heads
-        entry = prefix_entry(state, layer, hidden_states.new_empty(1, module.num_attention_heads, 0,
-                                                                    module.attention_head_size))
-    if entry is None or output_attentions:
-        if entry is not None:
-            raise ValueError("output_attentions is not available with a prefix (the fused op keeps no probabilities)")
-        return type(module).forward(module, hidden_states, attention_mask, position_bias, output_attentions, **kwargs)
-    from fastprompt.ops import prefix_attention
-
-    B, S = hidden_states.shape[:2]
-    q, k, v = (lin(hidden_states).view(B, S, -1, module.attention_head_size).transpose(1, 2)
-               for lin in (module.q, module.k, module.v))
-    pk, pv = (t.to(q.dtype) for t in entry)
-    out = prefix_attention(q, k, v, pk, pv, state.key_padding_mask, scale=module.attention_head_size ** -0.5,
-                           dropout_p=module.dropout.p if module.training else 0.0, prompt_index=state.prompt_index,
-                           backend=state.backend, attn_bias=position_bias, cu_seqlens=state.cu_seqlens,
-                           max_seqlen=state.max_seqlen)
-    return (module.o(out.transpose(1, 2).reshape(B, S, -1)),)
-
-
-def _mpnet_position_bias(module, slot: OwnAttention, x, position_ids=None, num_buckets=32):
-    """MPNetEncoder.compute_position_bias; in a packed batch ((1, N) activations) the bias of one padded row of
-    ``max_seqlen`` tokens, (1, H, L, L), instead of an (N, N) matrix over the packed row. The bias depends on the
-    distance between two tokens only, so the op's indexing by each sequence's own positions gives every sequence
-    the bias it has in the padded batch (left or right padded alike)."""
-    state = slot.state
-    if state is not None and state.cu_seqlens is not None and position_ids is None:
-        x = x.new_empty(1, state.max_seqlen, 0)
-    return type(module).compute_position_bias(module, x, position_ids, num_buckets)
-
-
-#: module class name -> (the method fastprompt replaces, the adapter that computes it with the prefix)
-OWN_ATTENTION = {"MPNetSelfAttention": ("forward", _mpnet_self_attention),
-                 "MPNetEncoder": ("compute_position_bias", _mpnet_position_bias)}
-
-
-def adapt_own_attention(backbone) -> OwnAttention | None:
-    """Give the modules of ``backbone`` listed in :data:`OWN_ATTENTION` the prefix (see :class:`OwnAttention`);
-    None when it has none."""
-    modules = [m for m in backbone.modules() if type(m).__name__ in OWN_ATTENTION]
-    if not modules:
-        return None
-    slot = OwnAttention()
-    for m in modules:
-        method, adapter = OWN_ATTENTION[type(m).__name__]
-        setattr(m, method, functools.partial(adapter, m, slot))
-    return slot
 
 
 def layer_list(backbone, num_layers: int) -> torch.nn.ModuleList | None:
@@ -235,31 +156,20 @@ def attention_layer_map(layers: torch.nn.ModuleList | None) -> dict[int, int]:
     return {} if layers is None else {id(m): i for i, block in enumerate(layers) for m in block.modules()}
 
 
-@contextlib.contextmanager
-def packed_forward(cu_seqlens: torch.Tensor):
-    """While a packed batch (offsets ``cu_seqlens``) runs through a backbone: transformers' mask builders return no
-    mask. The attention function gets the offsets instead (every layer, with an empty prefix where it has none);
-    the mask transformers would build for one row of N tokens is (N, N) and could not keep the sequences apart
-    anyway. Code that hooks a backbone's modules finds the layout with :func:`packed_offsets`."""
-    previous, _PACKED.offsets = _PACKED.offsets, cu_seqlens
-    try:
-        yield
-    finally:
-        _PACKED.offsets = previous
-
-
-def packed_offsets() -> torch.Tensor | None:
-    """The (B + 1,) offsets of the packed batch running now (its activations are (1, N, ...), sequence b at rows
-    ``offsets[b]:offsets[b + 1]``), None in a padded forward ((B, S, ...) activations)."""
-    return _PACKED.offsets
+def packed_mask(device) -> torch.Tensor:
+    """The ``attention_mask`` a packed batch hands the backbone: an empty, already prepared 4D mask, which
+    transformers' mask builders (``create_bidirectional_mask``, ``create_causal_mask``, ...) return as it is instead
+    of building the (N, N) mask of one row of N tokens, which could not keep the sequences apart anyway. The
+    attention function ignores it: a packed :class:`PrefixState` (the ``fastprompt_state`` keyword, the one channel
+    of the offsets) runs every layer through the variable-length op."""
+    return torch.zeros(1, 1, 0, 0, dtype=torch.bool, device=device)
 
 
 def _mask(*args, **kwargs):
-    """The registered mask builder: eager attention's additive float mask, none for a packed batch. On the CUDA
-    path it never skips the mask of a batch without padding: finding that out reads the mask on the host
-    (transformers' ``padding_mask.all()``), a wait for the GPU in every forward (docs/gpu.md, "The host path")."""
-    if _PACKED.offsets is not None:
-        return None
+    """The registered mask builder: eager attention's additive float mask (a packed batch builds none:
+    :func:`packed_mask`). On the CUDA path it never skips the mask of a batch without padding: finding that out
+    reads the mask on the host (transformers' ``padding_mask.all()``), a wait for the GPU in every forward
+    (docs/gpu.md, "The host path")."""
     mask = kwargs.get("attention_mask")
     if kwargs.get("allow_is_bidirectional_skip") and mask is not None and checks_stay_on_device(mask):
         kwargs["allow_is_bidirectional_skip"] = False
@@ -321,3 +231,22 @@ def cache_keyword(backbone) -> str:
             params = {}
         _CACHE_KEYWORDS[cls] = "cache" if "cache" in params else "past_key_values"
     return _CACHE_KEYWORDS[cls]
+
+
+def check_cache_path(model, name: str, length: int) -> None:
+    """The DynamicCache reference path needs a model that takes a cache, and differs from the attention path
+    where a sliding window is shorter than prefix + tokens: the cache holds the prefix at positions 0..P-1, so
+    the window hides it from distant tokens (PEFT's semantics), while the attention path keeps it visible.
+    ``model``: the backbone, ``name`` how messages call it, ``length``: prefix + token positions."""
+    if "past_key_values" not in inspect.signature(type(model).forward).parameters and \
+            cache_keyword(model) != "cache":
+        raise ValueError(f"prefix_mode='cache' passes the prefix as a key/value cache, which {name} "
+                         "does not take; use prefix_mode='attention'")
+    cfg = model.config
+    window = getattr(cfg, "sliding_window", None)
+    sliding = getattr(cfg, "use_sliding_window", True) and "sliding_attention" in (
+        getattr(cfg, "layer_types", None) or ["sliding_attention"])
+    if isinstance(window, int) and sliding and length > window:
+        raise ValueError(f"prefix_mode='cache' would hide the prefix from tokens more than the sliding window "
+                         f"({window}) past it (PEFT's semantics), here {length} prefix + token positions; "
+                         "prefix_mode='attention' keeps it visible to every token")

@@ -2,19 +2,17 @@
 that do not fit the config, or a hub model that cannot be reached are clear errors, never silently random layers),
 and :class:`Architecture`, how a prompt enters it.
 
-:class:`Architecture` is the one place that knows a backbone's rules for prompts: the prefix's shape (layers,
-key/value heads, head size), whether the token block is causal, the position ids of tokens and soft input tokens
-(RoBERTa's padding offset, a "shifted" prefix), and the forward that hands every layer its prefix, through the
-attention functions of :mod:`fastprompt.model.attention` (or the DynamicCache reference path). Supporting another
-architecture means teaching these two modules its rules.
+:class:`Architecture` applies a backbone's rules for prompts: the prefix's shape (layers, key/value heads, head
+size), whether the token block is causal, the position ids of tokens and soft input tokens
+(:mod:`fastprompt.model.arch.positions`), and the forward that hands every layer its prefix, padded or packed,
+through the attention functions of :mod:`fastprompt.model.attention` (or the DynamicCache reference path). What
+differs between model families is their spec (:mod:`fastprompt.model.arch`, applied when the backbone is wrapped):
+supporting another architecture means registering one (docs/architectures.md, "Adding an architecture").
 """
 from __future__ import annotations
 
 import contextlib
-import inspect
-import logging
 import os
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -23,20 +21,19 @@ import torch
 from fastprompt.io import read_json
 from fastprompt.remote_code import refusing_remote_code
 
-from . import add_norm, pooled_rows
+from .arch import apply, family_of, packable_model_types
+from .arch.positions import check_position_offset, position_ids
 from .attention import (
     PrefixState,
-    adapt_own_attention,
     attention_layer_map,
     build_prefix_cache,
     cache_keyword,
+    check_cache_path,
     check_prefix_consumed,
     layer_list,
-    packed_forward,
+    packed_mask,
 )
 from .resolve import check_hub_model, resolve_model
-
-logger = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
 #: The weights fastprompt loads: safetensors only (a pickle can run code when it is loaded).
@@ -175,93 +172,6 @@ def load_backbone(name_or_path: str | os.PathLike, *, attn_implementation: str, 
     return tokenizer, model
 
 
-def padding_offset(model) -> int | None:
-    """The padding index of a model whose position ids start after it (``padding_idx + 1``: the RoBERTa family,
-    MPNet), None for one whose positions start at 0. Such embeddings number positions with
-    ``create_position_ids_from_input_ids``, a method (RoBERTa) or a function of their module (MPNet)."""
-    emb = getattr(model, "embeddings", None)
-    pad = getattr(emb, "padding_idx", None)
-    if not isinstance(pad, int):
-        return None
-    module = sys.modules.get(type(emb).__module__)
-    numbered = hasattr(emb, "create_position_ids_from_input_ids") or \
-        hasattr(module, "create_position_ids_from_input_ids")
-    return pad if numbered else None
-
-
-def offset_position_ids(input_ids: torch.Tensor, pad: int, shift: int = 0) -> torch.Tensor:
-    """Position ids of a :func:`padding_offset` model: ``pad + 1 + shift`` onwards at the tokens, ``pad`` at the
-    padding (transformers' ``create_position_ids_from_input_ids`` with ``past_key_values_length=shift``)."""
-    mask = input_ids.ne(pad).long()
-    return (mask.cumsum(1) + shift) * mask + pad
-
-
-def check_position_offset(model, where: str) -> None:
-    """Refuse BERT weights under a RoBERTa-family ``model_type`` (positions silently shifted by one or two).
-
-    Models whose position ids start after the padding index (RoBERTa, XLM-R, MPNet: ``padding_idx + 1``) keep
-    the position-embedding row of ``padding_idx`` at zero: it is an ``nn.Embedding`` padding row, which
-    transformers initialises to zero and which never gets a gradient. Weights trained with positions from 0
-    (BERT) use that row for a real position, so it is not zero. The key names cannot tell: BertModel and
-    RobertaModel save the same ones."""
-    table = getattr(getattr(model, "embeddings", None), "position_embeddings", None)
-    pad = padding_offset(model)
-    if pad is None or table is None or not 0 <= pad < table.weight.shape[0]:
-        return
-    if bool(table.weight[pad].detach().ne(0).any()):  # host read: once, when the model loads
-        model_type = getattr(model.config, "model_type", "?")
-        raise ValueError(f"the config.json of {where} says model_type {model_type!r}, whose position ids start "
-                         f"after the padding index {pad}, but the weights use position row {pad} (a {model_type} "
-                         "model never trains it): they come from a model whose positions start at 0, such as BERT; "
-                         "set model_type (and the architecture) in config.json to the model the weights belong to")
-
-
-def max_input_length(model, shifted_by: int = 0) -> int | None:
-    """The most tokens one input may have: the learned position embeddings minus the positions they start at
-    (RoBERTa's start after the padding index) and minus ``shifted_by`` (a prompt that moves token positions).
-    None when the model has no such table."""
-    n = getattr(model.config, "max_position_embeddings", None)
-    if not isinstance(n, int):
-        return None
-    pad = padding_offset(model)
-    start = 0 if pad is None else pad + 1
-    return n - start - shifted_by
-
-
-def check_max_length(max_length: int | None, limit: int | None, model: str | None, *, shifted: int = 0,
-                     soft_tokens: int = 0) -> None:
-    """ValueError when inputs of ``max_length`` tokens would not fit ``limit`` (:func:`max_input_length`, of a
-    backbone whose positions a "shifted" prefix moves by ``shifted`` and ``soft_tokens`` input tokens take)."""
-    if max_length is None:
-        return
-    if isinstance(max_length, bool) or not isinstance(max_length, int) or max_length < 1:
-        raise ValueError(f"max_length must be a positive integer, got {max_length!r}")
-    if limit is not None and max_length > limit:
-        why = ""
-        if shifted:
-            why += f" minus the {shifted} prompt positions of position_mode='shifted'"
-        if soft_tokens:
-            why += f" minus the {soft_tokens} soft input tokens"
-        raise ValueError(f"max_length {max_length} is more tokens than {model!r} can take: at most "
-                         f"{limit} (its position embeddings{why})")
-
-
-def ensure_pad_token(tokenizer) -> None:
-    """Decoder tokenizers (Llama, Mistral) often have no padding token; the padded positions are masked, so any id
-    serves: EOS, as sentence-transformers and transformers' examples do."""
-    if getattr(tokenizer, "pad_token_id", 0) is None and getattr(tokenizer, "eos_token", None) is not None:
-        logger.info("the tokenizer has no padding token: padding with its EOS token %r", tokenizer.eos_token)
-        tokenizer.pad_token = tokenizer.eos_token
-
-
-#: Model types whose packed forward (:meth:`Architecture.forward_packed`) is the padded forward's maths: every layer
-#: is row-wise but for its attention, which goes through the prefix attention function (MPNet: its adapters, with its
-#: relative position bias given per sequence), and positions come from ``position_ids``. Each is checked against the
-#: padded forward by tests/model/test_packed.py.
-PACKABLE_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "electra", "distilbert", "mpnet", "llama", "mistral",
-                        "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "modernbert")
-
-
 class Architecture:
     """How a prompt enters one loaded backbone (see the module docstring); the encoder holds one per backbone."""
 
@@ -290,11 +200,14 @@ class Architecture:
         self.causal = any(getattr(m, "is_causal", False) is True for m in backbone.modules())
         layers = layer_list(backbone, self.num_layers)
         self.layer_of = attention_layer_map(layers)
-        self.own_attention = adapt_own_attention(backbone)  # MPNet: attention computed in its own modules
+        #: the model family's spec (:mod:`fastprompt.model.arch`), applied to this backbone's modules
+        self.family = family_of(getattr(cfg, "model_type", None))
+        applied = apply(self.family, backbone, layers)
+        self.own_attention = applied.own_attention  # MPNet: attention computed in its own modules
         #: output modules running dropout + residual add + LayerNorm as one fused op in training (:mod:`.add_norm`)
-        self.fused_add_norm = add_norm.install(backbone)
+        self.fused_add_norm = applied.fused_add_norm
         #: the last layer can compute the pooled rows only (:mod:`fastprompt.model.pooled_rows`), in packed batches
-        self.pooled_rows_only = pooled_rows.install(layers)
+        self.pooled_rows_only = applied.pooled_rows_only
 
     @property
     def name(self) -> str:
@@ -303,28 +216,10 @@ class Architecture:
     def position_ids(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,
                      positions: torch.Tensor | None = None, *, shift: int = 0, soft=None,
                      explicit: bool = False) -> torch.Tensor | None:
-        """Explicit position ids where transformers' defaults would be wrong for us, else None.
-
-        ``positions``: (B, S) positions of the tokens counted from the first (0 for [CLS]); the backbone's own
-        offset (RoBERTa's ``padding_idx + 1``) and ``shift`` (a "shifted" prefix) are added here. ``soft``: the
-        :class:`~fastprompt.model.soft_prompt.InputPrompt` whose tokens the sequence gains; ``explicit``: ids
-        are needed even without these (a [CLS] prompt or the cache path feeds the backbone other inputs).
-        """
-        if not (shift > 0 or explicit or positions is not None or soft is not None):
-            return None
-        pad = padding_offset(self.model)
-        if positions is None and soft is None:
-            if pad is not None:  # RoBERTa family, MPNet: offsets by padding_idx
-                return offset_position_ids(input_ids, pad, shift)
-            S = input_ids.shape[1]
-            return (torch.arange(S, device=input_ids.device) + shift).unsqueeze(0).expand(input_ids.shape[0], -1)
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand(input_ids.shape[0], -1)
-        if soft is not None:
-            positions, attention_mask = soft.insert_positions(positions), soft.insert_mask(attention_mask)
-        if pad is not None:
-            return torch.where(attention_mask.bool(), positions + pad + 1 + shift, pad)
-        return positions + shift
+        """Explicit position ids where transformers' defaults would be wrong for us, else None
+        (:func:`fastprompt.model.arch.positions.position_ids`)."""
+        return position_ids(self.model, input_ids, attention_mask, positions, shift=shift, soft=soft,
+                            explicit=explicit)
 
     def forward(self, attention_mask: torch.Tensor, layers: list, *, prefix_mode: str, backend: str,
                 capture: dict | None = None, **inputs) -> torch.Tensor:
@@ -339,7 +234,7 @@ class Architecture:
             out = self.model(attention_mask=attention_mask, **inputs)
         else:
             B, P = attention_mask.shape[0], layers[0][0].shape[-2]
-            self._check_cache_path(P + attention_mask.shape[1])
+            check_cache_path(self.model, self.name, P + attention_mask.shape[1])
             cache = build_prefix_cache(layers, B)
             mask = torch.cat([attention_mask.new_ones(B, P), attention_mask], dim=1)
             inputs[cache_keyword(self.model)] = cache
@@ -348,21 +243,21 @@ class Architecture:
 
     def _run_with(self, state: PrefixState, **inputs):
         """The backbone's forward with ``state`` reaching its attention: as the ``fastprompt_state`` keyword
-        transformers threads down, or through the adapters' slot for attention computed in its own modules (MPNet)."""
+        transformers threads down (hooks on the backbone read it there too), and through the adapters' slot for
+        attention computed in its own modules, whose forward drops the keyword (MPNet)."""
         if self.own_attention is None:
             return self.model(fastprompt_state=state, **inputs)
         self.own_attention.state = state
         try:
-            return self.model(**inputs)
+            return self.model(fastprompt_state=state, **inputs)
         finally:  # the backbone called on its own runs without the prefix
             self.own_attention.state = None
 
     def packing_refusal(self) -> str | None:
         """Why this backbone cannot run packed batches (:meth:`forward_packed`), or None when it can."""
-        model_type = getattr(self.model.config, "model_type", None)
-        if model_type not in PACKABLE_MODEL_TYPES:
+        if not self.family.packs:
             return (f"{self.name} is not among the architectures whose packed forward is tested to equal the padded "
-                    f"one ({', '.join(PACKABLE_MODEL_TYPES)})")
+                    f"one ({', '.join(packable_model_types())})")
         return None
 
     def forward_packed(self, attention_mask: torch.Tensor, layers: list, *, backend: str, position_ids: torch.Tensor,
@@ -402,30 +297,12 @@ class Architecture:
             if not self.pooled_rows_only:
                 raise ValueError(f"{self.name}'s last layer cannot compute pooled rows only")
             state.pooled_rows = padded_index[torch.arange(B, device=keep.device), pooled]
-        with packed_forward(cu_seqlens):
-            out = self._run_with(state, **packed)
+        out = self._run_with(state, attention_mask=packed_mask(keep.device), **packed)
         # every layer, not only those with a prefix: a layer outside the function would attend across sequences
         check_prefix_consumed(range(self.num_layers), state.served, self.name)
         hidden = out.last_hidden_state[0]
         filled = rows if pooled is None else torch.arange(B, device=keep.device) * S + pooled
         return hidden.new_zeros(B * S, hidden.shape[-1]).index_copy(0, filled, hidden).view(B, S, -1)
-
-    def _check_cache_path(self, length: int) -> None:
-        """The DynamicCache reference path needs a model that takes a cache, and differs from the attention path
-        where a sliding window is shorter than prefix + tokens: the cache holds the prefix at positions 0..P-1, so
-        the window hides it from distant tokens (PEFT's semantics), while the attention path keeps it visible."""
-        if "past_key_values" not in inspect.signature(type(self.model).forward).parameters and \
-                cache_keyword(self.model) != "cache":
-            raise ValueError(f"prefix_mode='cache' passes the prefix as a key/value cache, which {self.name} "
-                             "does not take; use prefix_mode='attention'")
-        cfg = self.model.config
-        window = getattr(cfg, "sliding_window", None)
-        sliding = getattr(cfg, "use_sliding_window", True) and "sliding_attention" in (
-            getattr(cfg, "layer_types", None) or ["sliding_attention"])
-        if isinstance(window, int) and sliding and length > window:
-            raise ValueError(f"prefix_mode='cache' would hide the prefix from tokens more than the sliding window "
-                             f"({window}) past it (PEFT's semantics), here {length} prefix + token positions; "
-                             "prefix_mode='attention' keeps it visible to every token")
 
     def gradient_checkpointing(self, enable: bool) -> None:
         """Recompute each layer in backward instead of storing its activations.

@@ -37,9 +37,9 @@ from transformers import AutoModel  # noqa: E402
 from fastprompt import cli  # noqa: E402
 from fastprompt.integrations.peft import export_peft, import_peft  # noqa: E402
 from fastprompt.integrations.peft_attention import accelerate_peft  # noqa: E402
-from fastprompt.integrations.peft_support import PEFT_FAILS  # noqa: E402
 from fastprompt.integrations.sentence_transformers import export_sentence_transformers  # noqa: E402
 from fastprompt.model import PromptConfig, PromptEncoder  # noqa: E402
+from fastprompt.model.arch import FAMILIES  # noqa: E402
 from tests.integrations.test_peft_attention import _run  # noqa: E402
 from tests.model.test_architectures import (  # noqa: E402
     BYPASSING,
@@ -57,6 +57,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 ARCHS = {**ENCODERS, "mpnet": BYPASSING["mpnet"], **DECODERS}
 #: PEFT's prefix tuning runs these (PEFT_FAILS: not the others), equal to fastprompt's with position_mode "shifted"
 #: where no sliding window hides PEFT's prefix: the sliding-window configs get a window longer than prefix + tokens
+PEFT_FAILS = {t: f.peft for t, f in FAMILIES.items() if f.peft is not None}
 PEFT_RUNS = [m for m in ARCHS if m not in PEFT_FAILS]
 WIDE_WINDOW = 64
 #: the test configs that attend within a sliding window, where PEFT's prefix tuning differs (export warns)

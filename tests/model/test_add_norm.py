@@ -112,8 +112,8 @@ def test_a_module_with_another_forward_or_dropout_is_left_alone():
     plain, scaled, swapped = BertOutput(config), Scaled(config), BertOutput(config)
     swapped.dropout = torch.nn.Identity()
     root = torch.nn.ModuleList([plain, scaled, swapped])
-    assert model_add_norm.install(root) == 1
+    assert model_add_norm.install(root, (BertOutput,)) == 1  # a subclass is not the class the spec names
     assert isinstance(plain.forward, functools.partial)
     assert not isinstance(scaled.forward, functools.partial)
     assert not isinstance(swapped.forward, functools.partial)
-    assert model_add_norm.install(root) == 0  # installing twice adapts nothing more
+    assert model_add_norm.install(root, (BertOutput,)) == 0  # installing twice adapts nothing more

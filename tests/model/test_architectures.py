@@ -359,7 +359,7 @@ def test_position_ids_are_numbered_as_the_model_numbers_them(model_type):
     theirs, on both. The models that count from 0 have no offset."""
     import sys
 
-    from fastprompt.model.backbone import max_input_length, offset_position_ids, padding_offset
+    from fastprompt.model.arch.positions import max_input_length, offset_position_ids, padding_offset
 
     encoder = _encoder(model_type, {**ENCODERS, **BYPASSING}[model_type])
     model = encoder.backbone
@@ -447,6 +447,10 @@ def test_docs_table_lists_what_the_tests_cover():
     documented = [line for line in table.splitlines() if line.startswith("| ") and "model_type" not in line]
     expected = _table_rows()
     assert documented == expected, "docs/architectures.md's table should read:\n" + "\n".join(expected)
+    # ... and the families' specs (fastprompt/model/arch/) say the same, in the same order
+    from fastprompt.model.arch import FAMILIES
+
+    assert [f.docs_row() for f in FAMILIES.values()] == expected
 
 
 def test_cache_reference_path_refuses_what_it_cannot_compute():

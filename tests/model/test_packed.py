@@ -201,9 +201,9 @@ def test_other_last_layers_run_whole_in_a_packed_batch(model_type):
 
 
 def test_the_library_packs_exactly_the_architectures_tested_here():
-    from fastprompt.model.backbone import PACKABLE_MODEL_TYPES
+    from fastprompt.model.arch import packable_model_types
 
-    assert sorted(PACKABLE_MODEL_TYPES) == sorted(PACKABLE)
+    assert sorted(packable_model_types()) == sorted(PACKABLE)
 
 
 @pytest.mark.parametrize("model_type", ["bert", "llama"])

@@ -175,3 +175,19 @@ def test_replacement_file_is_seeded_resumable_and_joins_onto_batches(tiny_bert_d
     other = Collator(enc.tokenize, 32)([("an unseen sentence",)])
     with pytest.raises(ValueError, match="make-replacements"):
         table.corrupt(other.input_ids, other.attention_mask)
+
+
+def test_the_conditional_input_lands_on_each_sequence_s_first_token_in_a_packed_batch(tiny_bert_dir):
+    """Packed, the rows are one sequence back to back: the conditional input goes to each sequence's first token, at
+    the offsets of the forward's prefix state (the ``fastprompt_state`` keyword). The term equals the padded one
+    (float32, the same maths in another order: a few ulps of a sum of ~40 cross-entropies)."""
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(3, init_std=0.5)).eval()
+    term = CRTDTerm(enc.hidden_size, RandomGenerator(enc.tokenizer, 0.3))
+    b = _batch(enc)
+    assert not b.attention_mask.bool().all()  # padding, so that the packed forward packs
+    ex = term.make_extras(b, torch.Generator().manual_seed(5))
+    h = torch.randn(b.rows, enc.hidden_size, generator=torch.Generator().manual_seed(6))
+    padded = term(enc, b.model_inputs(), ex, h)
+    packed = term(enc.pack_sequences(), b.model_inputs(), ex, h)
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(term(enc, b.model_inputs(), ex, 2 * h), packed)

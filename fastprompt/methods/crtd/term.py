@@ -31,7 +31,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from fastprompt.choices import RTD_AVERAGES, RTD_CONDITIONS, RTD_DISCRIMINATORS, check_choice
-from fastprompt.model.attention import packed_offsets
 from fastprompt.objectives.base import AFTER_HEAD, TokenTerm, WeightSchedule
 
 
@@ -47,17 +46,24 @@ def conditional_input(backbone: nn.Module, h: torch.Tensor | None):
         raise ValueError(f"{type(backbone).__name__} has no 'embeddings' module: the conditional input needs a "
                          "BERT-style backbone")
 
+    state = {}
+
+    def forward_state(module, args, kwargs):  # the prompted forward's state (its packed layout's offsets)
+        state["now"] = kwargs.get("fastprompt_state")
+
     def hook(module, args, out):
-        offsets = packed_offsets()
+        offsets = getattr(state.get("now"), "cu_seqlens", None)
         if offsets is None:
             return torch.cat([h.to(out.dtype).unsqueeze(1), out[:, 1:]], dim=1)
         return out[0].index_copy(0, offsets[:-1], h.to(out.dtype)).unsqueeze(0)
 
-    handle = embeddings.register_forward_hook(hook)
+    handles = [backbone.register_forward_pre_hook(forward_state, with_kwargs=True),
+               embeddings.register_forward_hook(hook)]
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 class CRTDTerm(TokenTerm):
