@@ -37,8 +37,9 @@ MLP_MODES = ("none", "train", "always")
 POOLER_HEADS = ("new", "mlm_transform")
 #: How the prefix reaches attention: the fused op, or the DynamicCache reference path.
 PREFIX_MODES = ("attention", "cache")
-#: Kinds of trainable prompt: per-layer prefix key/values, soft input tokens, or both.
-PROMPT_TYPES = ("prefix", "input", "both")
+#: Kinds of trainable prompt: per-layer prefix key/values, soft input tokens, both, or none (LoRA or full
+#: fine-tuning alone: ``lora`` or ``train_backbone`` must then train something).
+PROMPT_TYPES = ("prefix", "input", "both", "none")
 #: Initialisation of a new prompt.
 INIT_MODES = ("normal", "uniform", "vocab")
 #: Token position ids: standard (0..S-1) or shifted by the prompt length (the papers' transformers 4.2.1 code).

@@ -30,6 +30,7 @@ from fastprompt.messages import shown
 from fastprompt.schema import check_json
 
 from .config import PromptConfig
+from .lora import load_adapter_weights, read_adapter_config, save_adapter
 from .tokenizers import check_tokenizer
 
 CONFIG_NAME = "fastprompt_config.json"
@@ -67,6 +68,7 @@ class CheckpointFile:
     topk: int | None = field(default=None, metadata={"ge": 1})
     append_eos: bool = False
     backbone_weights: bool = False
+    lora: bool = False
     files: list[str] = field(default_factory=list)
 
 
@@ -157,17 +159,34 @@ def save_checkpoint(encoder, checkpoint_dir: str | os.PathLike, overwrite: bool 
         "topk": encoder.topk,
         "append_eos": encoder.append_eos,
         "backbone_weights": bool(encoder.backbone_trained),
+        "lora": encoder.lora is not None,
     }
     tensors = {k: v.detach().contiguous().cpu() for k, v in encoder.prompt_state_dict().items()}
     with atomic_directory(checkpoint_dir) as tmp:
         if encoder.backbone_trained:
             encoder.backbone.save_pretrained(tmp, safe_serialization=True)
             encoder.tokenizer.save_pretrained(tmp)
+        if encoder.lora is not None:  # PEFT's layout: PeftModel.from_pretrained(base, folder) loads it
+            save_adapter(encoder.backbone, encoder.lora, tmp, encoder.base_model)
         save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": FORMAT})
         # what this save wrote: a later save may replace exactly these, and refuses a folder with anything else
         config["files"] = sorted([p.name for p in tmp.iterdir()] + [CONFIG_NAME])
         write_json_atomic(tmp / CONFIG_NAME, config)
     return Path(checkpoint_dir)
+
+
+def holds_lora(config: dict) -> bool:
+    """Whether a checkpoint (its ``fastprompt_config.json``) holds LoRA adapters of the backbone."""
+    return bool(config.get("lora", False))
+
+
+def add_saved_lora(encoder, checkpoint_dir: str | os.PathLike) -> None:
+    """Inject the LoRA adapters a checkpoint describes (its ``adapter_config.json``) into ``encoder`` and load their
+    weights."""
+    config = read_adapter_config(checkpoint_dir)
+    encoder.add_lora(rank=config.r, alpha=config.lora_alpha, dropout=config.lora_dropout,
+                     targets=sorted(config.target_modules))
+    load_adapter_weights(encoder.backbone, checkpoint_dir)
 
 
 def holds_backbone_weights(config: dict) -> bool:
@@ -243,6 +262,11 @@ def load_checkpoint_weights(encoder, checkpoint_dir: str | os.PathLike, config: 
                          "the run that wrote them diverged; use an earlier checkpoint")
     if backbone and holds_backbone_weights(config):
         _load_backbone(encoder, path)
+    if backbone and holds_lora(config):
+        if encoder.lora is None:
+            raise ValueError(f"checkpoint {path} holds LoRA adapters and this encoder has none: load the checkpoint "
+                             "itself (PromptEncoder.load), which adds them")
+        load_adapter_weights(encoder.backbone, path)
     encoder.load_state_dict(tensors, strict=False)
 
 
@@ -331,6 +355,8 @@ class CheckpointMixin:
         if saved is not None:
             load_checkpoint_weights(encoder, prompt, saved, backbone=False)  # the backbone is loaded above
             encoder.backbone_trained = holds_backbone
+            if holds_lora(saved):
+                add_saved_lora(encoder, prompt)
         return encoder
 
     @classmethod
@@ -378,6 +404,9 @@ class CheckpointMixin:
         current = {k: v.detach().clone() for k, v in self.prompt_state_dict().items()}
         if self.backbone_trained or holds_backbone_weights(saved):
             current.update({f"backbone.{k}": v.detach().clone() for k, v in self.backbone.state_dict().items()})
+        elif self.lora is not None or holds_lora(saved):
+            current.update({f"backbone.{k}": v.detach().clone() for k, v in self.backbone.state_dict().items()
+                            if ".lora_" in k})
         was_training = self.training
         try:
             load_checkpoint_weights(self, checkpoint_dir, saved)  # inside: a load that fails half-way is undone

@@ -30,7 +30,8 @@ class PromptConfig(Section):
     prompt_length: int = option(16, "prefix positions P per layer (P-tuning v2's pre_seq_len)", ge=1, identity=True)
     prompt_type: str = option("prefix", "deep prompts: trainable keys/values in every attention layer (prefix), "
                               "soft tokens in the input sequence that pass through every layer (input: prompt "
-                              "tuning, the papers' shallow-prompt ablation), or both", choices=PROMPT_TYPES,
+                              "tuning, the papers' shallow-prompt ablation), both, or none (LoRA or full "
+                              "fine-tuning alone: needs lora or train_backbone)", choices=PROMPT_TYPES,
                               identity=True)
     input_prompt_length: int = option(16, "soft input tokens inserted right after [CLS] (prompt_type input/both)",
                                       ge=0, identity=True)

@@ -59,6 +59,8 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, EncodingMixin, nn.Module):
         self.architecture = arch = Architecture(backbone)
         self.backbone = backbone.requires_grad_(False)
         self.backbone_trained = False  # full fine-tuning: checkpoints then hold the backbone (train_backbone)
+        #: the ``LoraConfig`` of the LoRA adapters in the backbone (:meth:`add_lora`), None without them
+        self.lora = None
         ensure_pad_token(tokenizer)
         self.tokenizer = tokenizer
         self._mask_token_id = tokenizer.mask_token_id  # an int for the forward: the tokenizer's lookup breaks a graph
@@ -158,8 +160,39 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, EncodingMixin, nn.Module):
         """Full fine-tuning: make the backbone's weights trainable (the MLM head of ``topk`` and the backbone's own
         pooler stay frozen: :meth:`~fastprompt.model.backbone.Architecture.set_trainable`). From then on
         :meth:`save` writes the backbone too, in the Hugging Face layout (``AutoModel.from_pretrained`` loads it)."""
+        if enable and self.lora is not None:
+            raise ValueError("this encoder's backbone holds LoRA adapters: training its weights too would train a "
+                             "second copy of the same weights; use one of them")
         self.architecture.set_trainable(enable)
         self.backbone_trained = self.backbone_trained or enable
+        return self
+
+    def add_lora(self, *, rank: int, alpha: float, dropout: float = 0.0,
+                 targets: list[str] | None = None) -> "PromptEncoder":
+        """LoRA: inject PEFT's low-rank adapters into the backbone's linear layers (``targets``: module names; None:
+        the architecture family's, :data:`fastprompt.model.lora.DEFAULT_TARGETS`); only they train in the
+        backbone. From then on :meth:`save` writes them in PEFT's layout (:mod:`fastprompt.model.lora`)."""
+        from .attention import layer_list
+        from .lora import add_lora
+
+        if self.lora is not None:
+            raise ValueError("this encoder's backbone already holds LoRA adapters")
+        if self.backbone_trained:
+            raise ValueError("this encoder's backbone is fully fine-tuned (train_backbone): LoRA adapters on it "
+                             "would train a second copy of the same weights; use one of them")
+        self.lora = add_lora(self.backbone, layer_list(self.backbone, self.num_layers), rank=rank, alpha=alpha,
+                             dropout=dropout, targets=targets, base_model=self.base_model)
+        return self
+
+    def merge_lora(self) -> "PromptEncoder":
+        """Fold the LoRA adapters into the backbone's weights (same outputs, plain linear layers): the encoder then
+        is a fine-tuned backbone (``backbone_trained``), saved in the Hugging Face layout. No-op without LoRA."""
+        from .lora import merge_lora
+
+        if self.lora is not None:
+            merge_lora(self.backbone)
+            self.lora = None
+            self.backbone_trained = True
         return self
 
     @property
@@ -169,7 +202,7 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, EncodingMixin, nn.Module):
     @property
     def prompt_length(self) -> int:
         """Prefix positions per layer (0 without a prefix)."""
-        has_prefix = self.prompt_config is not None and self.prompt_config.prompt_type != "input"
+        has_prefix = self.prompt_config is not None and self.prompt_config.prompt_type in ("prefix", "both")
         return self.prompt_config.prompt_length if has_prefix else 0
 
     @property
