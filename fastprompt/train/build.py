@@ -157,14 +157,16 @@ def build_encoder(cfg: TrainConfig, resume_dir: Path | None):
 
 
 def prepare_encoder(cfg: TrainConfig, encoder, device: torch.device, total_steps: int):
-    """The encoder on ``device`` in training mode, with what the config turns on: a trainable backbone,
-    gradient checkpointing, packed batches, ``torch.compile`` (in place: parameter names, checkpoints and the module
-    stay).
+    """The encoder on ``device`` in training mode, with what the config turns on: a trainable backbone or LoRA
+    adapters, gradient checkpointing, packed batches, ``torch.compile`` (in place: parameter names, checkpoints and
+    the module stay).
 
     ``compile: null`` (auto) is decided on the run's ``total_steps``, not the steps left, so a resumed run
     compiles exactly when the uninterrupted one did (a compiled step draws other dropout masks than an eager one)."""
+    from fastprompt.train.backbone import add_lora
     from fastprompt.train.compile import compile_encoder, resolve_compile
 
+    add_lora(cfg, encoder)
     encoder.to(device).train()
     if cfg.backbone.train_backbone:
         encoder.train_backbone()

@@ -47,7 +47,7 @@ from fastprompt.methods.promptbert.config import uses_template
 from fastprompt.model.config import PromptConfig
 from fastprompt.model.device import parse_device
 from fastprompt.objectives.config import ObjectiveConfig
-from fastprompt.train.model_sections import BackboneConfig
+from fastprompt.train.model_sections import BackboneConfig, LoraSection, check_tuning
 from fastprompt.train.recipe_yaml import MAX_RECIPE_BYTES, MAX_SCALAR_CHARS, load_yaml
 
 BASE_KEY = "base"
@@ -282,7 +282,8 @@ _CORE_SECTIONS: dict[str, tuple[type, str]] = {
     "evaluation": (EvalConfig, "evaluation"),
 }
 #: ... and after them.
-_LAST_SECTIONS: dict[str, tuple[type, str]] = {"backbone": (BackboneConfig, "backbone (full fine-tuning)")}
+_LAST_SECTIONS: dict[str, tuple[type, str]] = {"backbone": (BackboneConfig, "backbone (full fine-tuning)"),
+                                                "adapter": (LoraSection, "LoRA (low-rank adapters on the backbone)")}
 
 
 @functools.lru_cache(maxsize=8)
@@ -372,6 +373,7 @@ class TrainConfig:
     run: RunConfig
     evaluation: EvalConfig
     backbone: BackboneConfig
+    adapter: LoraSection
 
     def __init__(self, **keys: Any):
         given = {name: keys.pop(name) for name in SECTIONS if name in keys}
@@ -438,6 +440,7 @@ class TrainConfig:
             if self.run.compile is False:
                 raise ValueError("cuda_graphs: true replays the graphs torch.compile builds (mode reduce-overhead): "
                                  "compile: false contradicts it; leave compile null or set it true")
+        check_tuning(self)
         for method in METHODS.values():
             if method.check is not None:
                 method.check(self)

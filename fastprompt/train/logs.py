@@ -20,7 +20,8 @@ logger = logging.getLogger(__name__)
 #: Columns of every run; a method's statistics (``Method.log_columns()``) go between the two groups.
 LEADING_COLUMNS = ("step", "epoch", "loss", "lr", "grad_norm")
 TRAILING_COLUMNS = ("skipped", "tokens_per_s", "stsb_dev", "elapsed_s")
-#: With ``train_backbone``: the backbone's learning rate (its own AdamW group), after ``lr`` (the prompt's).
+#: With ``train_backbone`` or ``lora``: the backbone's (or its adapters') learning rate (their own AdamW group), after
+#: ``lr`` (the prompt's and the pooler head's; the backbone's when nothing else trains).
 BACKBONE_LR = "backbone_lr"
 
 

@@ -48,7 +48,7 @@ class ModelShape:
         """The shape of ``encoder`` as it will train: call it after the trainable parameters are chosen
         (``train_backbone``)."""
         c = encoder.backbone.config
-        prefix = int(getattr(getattr(encoder, "prompt_config", None), "prompt_length", 0) or 0)
+        prefix = int(getattr(encoder, "prompt_length", 0) or 0)
         trained = sum(p.numel() * p.element_size() for p in encoder.parameters() if p.requires_grad)
         return cls(int(c.num_hidden_layers), int(c.hidden_size), int(c.num_attention_heads), prefix, trained)
 

@@ -269,7 +269,7 @@ class Trainer:
             self.metrics = MetricsLog(self.output_dir, resume_step=self.state.global_step if resume_dir else None,
                                       tensorboard=cfg.run.tensorboard,
                                       columns=csv_columns(self.method.log_columns() + self._dataset_columns(),
-                                                          backbone_lr=cfg.backbone.train_backbone))
+                                                          backbone_lr=cfg.backbone.train_backbone or cfg.adapter.lora))
         else:
             self.metrics = NullLog()
 
@@ -281,7 +281,8 @@ class Trainer:
         self.method = build.build_method(self.config, self.encoder, self.terms).to(self.device).train()
         self.params = self.encoder.trainable_parameters() + [p for p in self.method.parameters() if p.requires_grad]
         if not self.params:
-            raise ValueError("the encoder has no trainable parameters (no prompt and no pooler head)")
+            raise ValueError("the encoder has no trainable parameters (no prompt, no pooler head, no trained "
+                             "backbone or LoRA adapters)")
         total = sum(p.numel() for p in self.encoder.parameters())
         trained = sum(p.numel() for p in self.params)
         logger.info("trainable parameters: %d (%.3f%% of %d)", trained, 100.0 * trained / total, total)
@@ -469,7 +470,8 @@ class Trainer:
     def _log_window(self, window: list[StepOutput]) -> None:
         st = self.state
         row = window_row(window, step=st.global_step, epoch=st.epoch, lrs=self.scheduler.get_last_lr(),
-                         backbone_lr=self.config.backbone.train_backbone, elapsed_s=st.train_seconds)
+                         backbone_lr=self.config.backbone.train_backbone or self.config.adapter.lora,
+                         elapsed_s=st.train_seconds)
         row[SPREAD_STAT] = self.evaluator.probe_spread()
         self._collapsed = self._collapsed or self.dist.agree(self.collapse.update(st.global_step, row[SPREAD_STAT]))
         self.metrics.write(row)
