@@ -104,8 +104,6 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
         raise NotImplementedError(f"{type(module).__name__} caps its attention scores (attn_logit_softcapping = "
                                   f"{softcap}), which prefix attention does not compute; set "
                                   "attn_logit_softcapping to None in the model config to train a prefix on it")
-    from fastprompt.ops import prefix_attention  # local import: ops must not be needed to build a model
-
     pk, pv = (t.to(query.dtype) for t in entry)
     causal = getattr(module, "is_causal", False) is True
     window = (-1, -1)
@@ -113,10 +111,20 @@ def prefix_attention_forward(module, query, key, value, attention_mask, scaling=
         W = int(sliding_window)
         window = (W - 1, 0) if causal else (W - 1, W - 1)
     prompt_index = state.prompt_index if pk.dim() == 4 else None
-    out = prefix_attention(query, key, value, pk, pv, state.key_padding_mask, scale=scaling, dropout_p=dropout,
-                           prompt_index=prompt_index, backend=state.backend, causal=causal, window=window,
-                           cu_seqlens=state.cu_seqlens, max_seqlen=state.max_seqlen)
+    out = run_prefix_attention(state, query, key, value, pk, pv, scale=scaling, dropout_p=dropout,
+                               prompt_index=prompt_index, causal=causal, window=window)
     return out.transpose(1, 2), None
+
+
+def run_prefix_attention(state: PrefixState, q, k, v, prefix_k, prefix_v, **options) -> torch.Tensor:
+    """The fused op for the layout of ``state``'s forward: ``prefix_attention`` over a padded batch (the state's
+    padding mask), ``prefix_attention_varlen`` over a packed one (its offsets), on the state's backend."""
+    from fastprompt.ops import prefix_attention, prefix_attention_varlen  # ops are not needed to build a model
+
+    if state.cu_seqlens is not None:
+        return prefix_attention_varlen(q, k, v, prefix_k, prefix_v, state.cu_seqlens, state.max_seqlen,
+                                       backend=state.backend, **options)
+    return prefix_attention(q, k, v, prefix_k, prefix_v, state.key_padding_mask, backend=state.backend, **options)
 
 
 def prefix_entry(state: PrefixState, layer: int, key: torch.Tensor):

@@ -7,7 +7,7 @@ position) and, for packed batches, of ``MPNetEncoder.compute_position_bias``. It
 """
 from __future__ import annotations
 
-from ..attention import OwnAttention, layer_index, prefix_entry
+from ..attention import OwnAttention, layer_index, prefix_entry, run_prefix_attention
 from .family import Adapter, Family, Upstream, register_family
 
 MODULE = "transformers.models.mpnet.modeling_mpnet"
@@ -43,16 +43,13 @@ def self_attention(module, slot: OwnAttention, hidden_states, attention_mask=Non
         if entry is not None:
             raise ValueError("output_attentions is not available with a prefix (the fused op keeps no probabilities)")
         return type(module).forward(module, hidden_states, attention_mask, position_bias, output_attentions, **kwargs)
-    from fastprompt.ops import prefix_attention
-
     B, S = hidden_states.shape[:2]
     q, k, v = (lin(hidden_states).view(B, S, -1, module.attention_head_size).transpose(1, 2)
                for lin in (module.q, module.k, module.v))
     pk, pv = (t.to(q.dtype) for t in entry)
-    out = prefix_attention(q, k, v, pk, pv, state.key_padding_mask, scale=module.attention_head_size ** -0.5,
-                           dropout_p=module.dropout.p if module.training else 0.0, prompt_index=state.prompt_index,
-                           backend=state.backend, attn_bias=position_bias, cu_seqlens=state.cu_seqlens,
-                           max_seqlen=state.max_seqlen)
+    out = run_prefix_attention(state, q, k, v, pk, pv, scale=module.attention_head_size ** -0.5,
+                               dropout_p=module.dropout.p if module.training else 0.0,
+                               prompt_index=state.prompt_index, attn_bias=position_bias)
     return (module.o(out.transpose(1, 2).reshape(B, S, -1)),)
 
 
