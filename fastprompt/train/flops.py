@@ -27,10 +27,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-#: Backbones whose feed-forward is gated (three H x F products: gate, up, down; ModernBERT's Wi is H x 2F).
-GATED_FFN = frozenset({"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3", "gemma3_text",
-                       "modernbert"})
-
 
 @dataclass(frozen=True)
 class StepFlops:
@@ -57,7 +53,9 @@ def _shapes(config) -> tuple[int, int, int, int, int, int, int]:
         raise ValueError(f"{type(config).__name__} names no feed-forward width (intermediate_size or hidden_dim)")
     nkv = getattr(config, "num_key_value_heads", None) or nh
     d = getattr(config, "head_dim", None) or H // nh
-    matrices = 3 if getattr(config, "model_type", None) in GATED_FFN else 2
+    from fastprompt.model.arch import family_of  # the family says whether its feed-forward is gated
+
+    matrices = family_of(getattr(config, "model_type", None)).ffn_matrices
     return L, H, F, nh, nkv, d, matrices
 
 

@@ -4,7 +4,8 @@ key/value head (grouped-query attention), the token block causal and the prefix 
 keys used as keys already rotated by RoPE, sliding windows on the token block only. They pool ``last`` or ``mean``
 (a causal model's first token sees no other). PEFT's prefix tuning runs on all; where a sliding window hides its
 prefix from distant tokens (Mistral, Gemma 2/3) it is not compared. Gemma 2 caps its attention scores, which the
-fused op does not compute: a prefix on such a layer is refused (prefix_attention_forward says so).
+fused op does not compute: a prefix on such a layer is refused (prefix_attention_forward says so). Their
+feed-forward is gated (gate, up, down: three matrices).
 """
 from __future__ import annotations
 
@@ -12,8 +13,8 @@ from .family import Family, register_family, replace
 
 POOLING = "last, mean"
 WITH_PEFT = ("explicit concatenation", "AutoModel", "PEFT")
-LLAMA = Family("llama", "Llama-like decoders", packs=True, pooling=POOLING, compared=WITH_PEFT)
-GEMMA = Family("gemma", "Gemma", packs=True, pooling=POOLING, compared=WITH_PEFT)
+LLAMA = Family("llama", "Llama-like decoders", packs=True, pooling=POOLING, compared=WITH_PEFT, ffn_matrices=3)
+GEMMA = Family("gemma", "Gemma", packs=True, pooling=POOLING, compared=WITH_PEFT, ffn_matrices=3)
 
 register_family(LLAMA)
 register_family(replace(LLAMA, model_type="mistral", compared=("explicit concatenation", "AutoModel")))

@@ -12,6 +12,6 @@ register_family(Family(
     peft="PEFT cannot size its prefix (DistilBertConfig has no hidden_size: 'Please specify token_dim') and "
          "DistilBERT takes no key/value cache"))
 register_family(Family(
-    "modernbert", "ModernBERT", packs=True,
+    "modernbert", "ModernBERT", packs=True, ffn_matrices=3,  # its gated Wi is H x 2F
     peft="ModernBERT does not take PEFT's key/value cache (its mask keeps the token length: a size mismatch at the "
          "first forward)"))

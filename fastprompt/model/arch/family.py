@@ -118,6 +118,9 @@ class Family:
     #: why PEFT's prefix tuning does not run it (peft 0.21.2, transformers 5.24; each tested), None when it does:
     #: export refuses to write an adapter PEFT cannot apply, and accelerate_peft has no PEFT behaviour to reproduce
     peft: str | None = None
+    #: weight matrices of its feed-forward (2: up and down; 3: a gated one's gate, up and down, or ModernBERT's
+    #: double-width Wi and Wo), for the step's FLOPs (:mod:`fastprompt.train.flops`)
+    ffn_matrices: int = 2
     #: docs/architectures.md's table: the "prefix prompts", "pooling" and "compared with" columns
     prefix: str = "supported"
     pooling: str = "cls, mean, mask, ..."
