@@ -170,7 +170,7 @@ class PromptEncoder(CheckpointMixin, TemplateMixin, EncodingMixin, nn.Module):
     def add_lora(self, *, rank: int, alpha: float, dropout: float = 0.0,
                  targets: list[str] | None = None) -> "PromptEncoder":
         """LoRA: inject PEFT's low-rank adapters into the backbone's linear layers (``targets``: module names; None:
-        the architecture family's, :data:`fastprompt.model.lora.DEFAULT_TARGETS`); only they train in the
+        the architecture family's, :attr:`fastprompt.model.arch.Family.lora_targets`); only they train in the
         backbone. From then on :meth:`save` writes them in PEFT's layout (:mod:`fastprompt.model.lora`)."""
         from .attention import layer_list
         from .lora import add_lora

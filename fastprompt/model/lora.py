@@ -8,7 +8,8 @@ projections as modules, and a LoRA layer is a module computing ``W x + (alpha / 
 adapters' ``lora_A``/``lora_B`` require grad. The targets are the short names PEFT matches by suffix (``query``
 matches ``encoder.layer.3.attention.self.query``); only linear layers inside the backbone's list of layers are
 adapted (BERT's unused ``pooler.dense`` is left out: it never takes part in a forward, so it would get no
-gradient). :data:`DEFAULT_TARGETS` holds each architecture family's attention and feed-forward projections.
+gradient). Each model family's spec holds its default targets (``Family.lora_targets``: the attention projections
+and, for the BERT layout, the feed-forward's).
 
 Checkpoint layout (:func:`save_adapter`): ``adapter_config.json`` (``LoraConfig.save_pretrained``) and
 ``adapter_model.safetensors`` with PEFT's key names (``base_model.model.<module>.lora_A.weight``), what
@@ -31,29 +32,18 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."
 ADAPTER_NAME = "default"
 
-_BERT = ("query", "key", "value", "dense")
-_DECODER = ("q_proj", "k_proj", "v_proj", "o_proj")
-#: model_type -> the module names LoRA adapts by default: every attention projection (query, key, value, output)
-#: and, for the BERT layout, the feed-forward's too (``dense`` is BERT's attention output, intermediate and output
-#: projection alike). Other architectures: set ``lora_target_modules``.
-DEFAULT_TARGETS: dict[str, tuple[str, ...]] = {
-    "bert": _BERT, "roberta": _BERT, "xlm-roberta": _BERT, "electra": _BERT,
-    "distilbert": ("q_lin", "k_lin", "v_lin", "out_lin"),
-    "mpnet": ("q", "k", "v", "o"),
-    "modernbert": ("Wqkv", "Wo"),
-    "llama": _DECODER, "mistral": _DECODER, "qwen2": _DECODER, "qwen3": _DECODER,
-    "gemma": _DECODER, "gemma2": _DECODER, "gemma3_text": _DECODER,
-}
-
-
 def default_targets(backbone) -> list[str]:
-    """:data:`DEFAULT_TARGETS` of ``backbone``'s model_type; ValueError for a family without defaults."""
+    """The default target modules of ``backbone``'s model family (:attr:`fastprompt.model.arch.Family.lora_targets`);
+    ValueError for a family without defaults."""
+    from .arch import FAMILIES, family_of
+
     model_type = getattr(backbone.config, "model_type", None)
-    if model_type not in DEFAULT_TARGETS:
+    targets = family_of(model_type).lora_targets
+    if not targets:
         raise ValueError(f"LoRA has no default target modules for model_type {model_type!r} (it has them for "
-                         f"{', '.join(DEFAULT_TARGETS)}); set lora_target_modules to the names of its linear "
-                         "layers (e.g. [q_proj, v_proj])")
-    return list(DEFAULT_TARGETS[model_type])
+                         f"{', '.join(t for t, f in FAMILIES.items() if f.lora_targets)}); set lora_target_modules "
+                         "to the names of its linear layers (e.g. [q_proj, v_proj])")
+    return list(targets)
 
 
 def _matches(name: str, target: str) -> bool:

@@ -65,6 +65,7 @@ def bert_like(model_type: str, package: str, prefix: str, self_attention_sha: st
                    reproduces=(Upstream(module, f"{prefix}SelfAttention", SELF_ATTENTION_SIGNATURE,
                                         self_attention_sha),))
     return Family(model_type, "BERT-like encoders", pooled_rows=rows, packs=True,
+                  lora_targets=("query", "key", "value", "dense"),  # dense: attention output, intermediate, output
                   add_norm=tuple(Upstream(module, f"{prefix}{name}", OUTPUT_SIGNATURE, OUTPUT_SHA)
                                  for name in ("SelfOutput", "Output")))
 

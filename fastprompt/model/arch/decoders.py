@@ -13,8 +13,10 @@ from .family import Family, register_family, replace
 
 POOLING = "last, mean"
 WITH_PEFT = ("explicit concatenation", "AutoModel", "PEFT")
-LLAMA = Family("llama", "Llama-like decoders", packs=True, pooling=POOLING, compared=WITH_PEFT, ffn_matrices=3)
-GEMMA = Family("gemma", "Gemma", packs=True, pooling=POOLING, compared=WITH_PEFT, ffn_matrices=3)
+LORA = ("q_proj", "k_proj", "v_proj", "o_proj")
+LLAMA = Family("llama", "Llama-like decoders", packs=True, pooling=POOLING, compared=WITH_PEFT, ffn_matrices=3,
+               lora_targets=LORA)
+GEMMA = Family("gemma", "Gemma", packs=True, pooling=POOLING, compared=WITH_PEFT, ffn_matrices=3, lora_targets=LORA)
 
 register_family(LLAMA)
 register_family(replace(LLAMA, model_type="mistral", compared=("explicit concatenation", "AutoModel")))

@@ -118,6 +118,9 @@ class Family:
     #: why PEFT's prefix tuning does not run it (peft 0.21.2, transformers 5.24; each tested), None when it does:
     #: export refuses to write an adapter PEFT cannot apply, and accelerate_peft has no PEFT behaviour to reproduce
     peft: str | None = None
+    #: the module names LoRA adapts by default (PEFT's suffix match): every attention projection and, where one
+    #: name covers them, the feed-forward's too; empty: ``lora_target_modules`` must name them
+    lora_targets: tuple[str, ...] = ()
     #: weight matrices of its feed-forward (2: up and down; 3: a gated one's gate, up and down, or ModernBERT's
     #: double-width Wi and Wo), for the step's FLOPs (:mod:`fastprompt.train.flops`)
     ffn_matrices: int = 2
