@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
+        if getattr(args, "training_inputs", False):  # a method's command over a training config
+            from fastprompt.cli.options import TrainingInputs
+
+            return int(args.func(args, TrainingInputs(args)) or 0)
         return int(args.func(args) or 0)
     except (OSError, ValueError, ImportError) as exc:  # ImportError: a missing optional package
         print(f"fastprompt {args.command}: error: {exc}", file=sys.stderr)

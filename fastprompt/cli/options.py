@@ -1,6 +1,7 @@
-"""What several subcommands share: argument types and flags (:func:`positive_int`, ``--trust-remote-code``), the
-model options (eval, encode, mine-negatives) and the training config options (train, make-replacements), with the
-functions that turn them into an encoder or a config.
+"""What several subcommands share: the model options (eval, encode, mine-negatives) and the functions that turn the
+options into an encoder or a training config (train, and a method's command over a config: :class:`TrainingInputs`).
+The argument types and flags (:func:`positive_int`, ``--trust-remote-code``, ``--config``/``--set``) are
+:mod:`fastprompt.arguments`'s, shared with the methods' own commands, and importable from here too.
 
 Standard library only at import time (``fastprompt -h`` stays light); torch and the config modules load inside the
 ``load_*`` functions.
@@ -9,26 +10,8 @@ from __future__ import annotations
 
 import argparse
 
+from fastprompt.arguments import add_config_args, add_trust_remote_code_arg, positive_int  # noqa: F401
 from fastprompt.choices import BACKENDS, DTYPES, POOLERS
-
-
-# ------------------------------------------------------------------------------ argument types and flags
-def add_trust_remote_code_arg(p: argparse.ArgumentParser, prefix: str = "") -> None:
-    """--trust-remote-code: the only way a model folder's own Python code runs (fastprompt.remote_code)."""
-    p.add_argument("--trust-remote-code", action="store_true",
-                   help=prefix + "let a model whose folder names its own Python code (auto_map in config.json) run "
-                        "it; without it such a model is refused and no code of it runs. Read the code first")
-
-
-def positive_int(text: str) -> int:
-    """argparse ``type=`` of an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
 
 
 # ------------------------------------------------------------------------------ model options
@@ -100,16 +83,6 @@ def show_progress(args: argparse.Namespace) -> bool | None:
 
 
 # ------------------------------------------------------------------------------ config options
-def add_config_args(p: argparse.ArgumentParser, *, required: bool = False) -> None:
-    """--config/-c (a YAML recipe) and --set KEY=VALUE (repeatable), read by :func:`load_config_args`."""
-    p.add_argument("--config", "-c", required=required,
-                   help="YAML recipe (keys: fastprompt train --help-config)" + ("" if required else
-                                                                                 "; defaults if omitted"))
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable; the value is parsed as YAML: 1e-3, true, null)")
-    add_trust_remote_code_arg(p, "shorthand for --set trust_remote_code=true: ")
-
-
 def load_config_args(args: argparse.Namespace, **keys):
     """The :class:`~fastprompt.train.TrainConfig` of ``--config`` with the ``--set`` overrides, then ``keys`` on top
     (standard library + PyYAML only: a bad config fails before torch is imported)."""
@@ -118,3 +91,32 @@ def load_config_args(args: argparse.Namespace, **keys):
     if getattr(args, "trust_remote_code", False):
         keys = {"trust_remote_code": True, **keys}
     return load_config(args.config, {**parse_overrides(args.overrides), **keys})
+
+
+class TrainingInputs:
+    """What a method's command over a training config gets from the command line: the config of ``--config`` and
+    ``--set`` (:func:`load_config_args`), and its training examples and new encoder as training builds them
+    (:mod:`fastprompt.train.build`), each built on first use. A method's parser asks for it with
+    ``set_defaults(func=run, training_inputs=True)``; the command line then calls ``run(args, inputs)``. So a
+    method's command needs nothing above the methods (``make-replacements``: :mod:`fastprompt.methods.crtd.commands`).
+    """
+
+    def __init__(self, args: argparse.Namespace):
+        self.args = args
+        self._config = None
+
+    @property
+    def config(self):
+        if self._config is None:
+            self._config = load_config_args(self.args)
+        return self._config
+
+    def examples(self):
+        from fastprompt.train import build
+
+        return build.load_examples(self.config)
+
+    def encoder(self):
+        from fastprompt.train import build
+
+        return build.build_encoder(self.config, None)

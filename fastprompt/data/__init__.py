@@ -10,7 +10,7 @@
   generation, ``fastprompt generate-ski``, is the method's: :mod:`fastprompt.methods.skicse.generation`)
 
 Imported lazily, so that ``import fastprompt.data`` loads no torch; ``fastprompt generate-ski`` and ``join-ski`` are
-:mod:`fastprompt.cli.ski`.
+:mod:`fastprompt.methods.skicse.commands`.
 """
 from typing import TYPE_CHECKING
 

@@ -38,8 +38,12 @@ class MethodSpec:
     collator: ``(config, encoder, columns, views, text_ids) -> Collator | None``, and
     embed: ``(config, encoder, views) -> callable | None``: the method's own batches and training forward when
     the config asks for them (None: the default ones).
-    commands: ``{subcommand: "module:add_parser"}``: command-line tools the method brings (data preparation), each
-    a function adding its subparser to the ``fastprompt`` parser's subparsers.
+    commands: ``{subcommand: add_parser}`` (a callable or its ``"module:attr"``): command-line tools the method
+    brings (data preparation), each a function adding its subparser to the ``fastprompt`` parser's subparsers, kept
+    in the method's folder (``commands.py``): the command line reaches them through this registration only. A
+    command over a training config sets ``training_inputs=True`` in its parser's defaults and is run as
+    ``func(args, inputs)`` (:class:`fastprompt.cli.options.TrainingInputs`: the config, its examples and encoder),
+    so it imports nothing above the methods.
     """
 
     name: str
@@ -52,7 +56,7 @@ class MethodSpec:
     check: Callable | None = None
     collator: Target | None = None
     embed: Target | None = None
-    commands: dict[str, str] = field(default_factory=dict)
+    commands: dict[str, Target] = field(default_factory=dict)
 
 
 #: name -> spec, in registration order (the order of the config sections and of the ``objective`` choices).
@@ -121,9 +125,9 @@ def objective_sections(config) -> dict[str, object]:
             if spec.objective is not None and spec.section is not None}
 
 
-def commands() -> dict[str, str]:
-    """Every registered method's subcommands: ``{subcommand: "module:add_parser"}`` (for the command line)."""
-    out: dict[str, str] = {}
+def commands() -> dict[str, Target]:
+    """Every registered method's subcommands: ``{subcommand: add_parser}`` (for the command line)."""
+    out: dict[str, Target] = {}
     for spec in METHODS.values():
         for name, target in spec.commands.items():
             if name in out:

@@ -56,3 +56,15 @@ def test_the_cli_has_every_subcommand_a_method_brings():
     sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
     assert set(commands()) == {"generate-ski", "join-ski", "make-replacements"} <= set(sub.choices)
 
+
+
+def test_a_methods_commands_live_in_its_own_folder():
+    """The command line reaches a method's commands through its registration only: the built-ins' parsers are in
+    their method's folder (fastprompt/methods/<name>/commands.py), and no method names a command-line module."""
+    for spec in SPECS:
+        for command, target in spec.commands.items():
+            module = target.partition(":")[0] if isinstance(target, str) else target.__module__
+            assert module.startswith(f"fastprompt.methods.{spec.name}."), (spec.name, command, module)
+    for path in (ROOT / "fastprompt" / "methods").rglob("*.py"):
+        text = path.read_text(encoding="utf-8")
+        assert '"fastprompt.cli' not in text and "from fastprompt.cli" not in text, path

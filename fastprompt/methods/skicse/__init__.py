@@ -6,10 +6,10 @@ ski_weight, ski1_weight, ski2_weight, ski2_denominator, run identity), checked b
 :mod:`fastprompt.data.ski`). Docs: ``docs/ski.md``."""
 from fastprompt.methods.registry import MethodSpec, register_method
 from fastprompt.methods.skicse.checks import check_skicse, check_skicse_section
+from fastprompt.methods.skicse.commands import add_generate_ski_parser, add_join_ski_parser
 from fastprompt.methods.skicse.config import SKICSEConfig
 
 register_method(MethodSpec("skicse", doc="docs/ski.md", section=("ski", SKICSEConfig, "SKICSE's SKI terms"),
                            objective="fastprompt.methods.skicse.objective:SKICSE",
                            objective_check=check_skicse_section, check=check_skicse,
-                           commands={"generate-ski": "fastprompt.cli.ski:add_generate_ski_parser",
-                                     "join-ski": "fastprompt.cli.ski:add_join_ski_parser"}))
+                           commands={"generate-ski": add_generate_ski_parser, "join-ski": add_join_ski_parser}))

@@ -1,9 +1,12 @@
-"""``fastprompt make-replacements``: D2CSE's generator run ahead of training, into a replacement file."""
+"""``fastprompt make-replacements``: D2CSE's generator run ahead of training, into a replacement file; a command
+the method's registration brings to the command line (``commands=`` of its :class:`~fastprompt.methods.MethodSpec`).
+It runs over a training config: the command line hands it the config, its examples and its encoder
+(:class:`fastprompt.cli.options.TrainingInputs`), so nothing here imports the layers above the methods."""
 from __future__ import annotations
 
 import argparse
 
-from fastprompt.cli.options import add_config_args, load_config_args
+from fastprompt.arguments import add_config_args
 
 EPILOG = """\
 examples:
@@ -31,22 +34,22 @@ def add_make_replacements_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu",
                    help="where a masked-LM generator runs: cpu (default), cuda, cuda:1, or auto (cuda when "
                         "available); the file does not depend on it but for float rounding (docs/crtd.md)")
-    p.set_defaults(func=run_make_replacements)
+    p.set_defaults(func=run_make_replacements, training_inputs=True)
     return p
 
 
-def run_make_replacements(args: argparse.Namespace) -> int:
+def run_make_replacements(args: argparse.Namespace, inputs) -> int:
+    """``inputs``: the config's :class:`~fastprompt.cli.options.TrainingInputs`."""
     if args.batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {args.batch_size}")
-    cfg = load_config_args(args)
+    cfg = inputs.config
     from fastprompt.data.replacements import build_generator, replacement_settings, write_replacement_file
     from fastprompt.model import resolve_device
-    from fastprompt.train import build
 
     device = resolve_device(args.device)  # a device this machine lacks fails at once
 
-    examples = build.load_examples(cfg)
-    encoder = build.build_encoder(cfg, None)
+    examples = inputs.examples()
+    encoder = inputs.encoder()
     texts = list(dict.fromkeys(s for row in examples.rows for s in row))
     sentences = []
     for start in range(0, len(texts), args.batch_size):

@@ -1,13 +1,14 @@
 """``fastprompt generate-ski`` (:func:`~fastprompt.methods.skicse.generation.generate_ski`) and ``fastprompt join-ski``
-(:func:`~fastprompt.data.ski.join_ski`): SKICSE's training data."""
+(:func:`~fastprompt.data.ski.join_ski`): SKICSE's training data, commands its registration brings to the command
+line (``commands=`` of its :class:`~fastprompt.methods.MethodSpec`). Standard library only at import time."""
 from __future__ import annotations
 
 import argparse
 import signal
 import sys
 
+from fastprompt.arguments import add_trust_remote_code_arg, positive_int
 from fastprompt.choices import DTYPES, LLM_BACKENDS, SERVER_APIS
-from fastprompt.cli.options import add_trust_remote_code_arg, positive_int
 
 # ---------------------------------------------------------------------------------------- generate-ski
 GENERATE_EPILOG = """\
