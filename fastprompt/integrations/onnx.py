@@ -148,6 +148,9 @@ def onnx_refusal(encoder) -> str | None:
         return _OPTIPROMPT_REFUSAL
     if encoder.template is not None and encoder.append_eos:
         return _TEMPLATE_EOS_REFUSAL
+    if encoder.lora is not None:
+        return ("the ONNX export takes LoRA adapters merged into the weights: export the saved checkpoint folder "
+                "(which merges them), or call encoder.merge_lora() first")
     if encoder.prefix_mode != "attention":
         return ("the ONNX export traces the prefix attention path: load the encoder with prefix_mode='attention' "
                 "(the default), not 'cache'")
@@ -351,7 +354,8 @@ def export_onnx(prompt, output: str | os.PathLike, *, base_model: str | os.PathL
         refusal = config_refusal(read_checkpoint_config(source))
         if refusal is not None:
             raise ValueError(f"cannot export {source} to ONNX: {refusal}")
-        encoder = PromptEncoder.load(source, base_model=base_model, trust_remote_code=trust_remote_code)
+        # LoRA adapters folded into the weights: the graph then is a fine-tuned backbone's (the same outputs)
+        encoder = PromptEncoder.load(source, base_model=base_model, trust_remote_code=trust_remote_code).merge_lora()
     else:
         encoder = prompt
     refusal = onnx_refusal(encoder)

@@ -160,6 +160,11 @@ def _base_model_name(prompt, path: Path, config: dict) -> str:
     return str(path.resolve())
 
 
+_LORA_REFUSAL = ("this checkpoint holds LoRA adapters, which it already stores in PEFT's own layout "
+                 "(adapter_model.safetensors + adapter_config.json in the checkpoint folder): load that folder with "
+                 "PeftModel.from_pretrained(base_model, folder); export peft writes prefix-tuning adapters")
+
+
 def export_peft(prompt, output: str | os.PathLike, *, overwrite: bool = False) -> Path:
     """Write ``prompt`` (a checkpoint folder or a :class:`~fastprompt.model.PromptEncoder`) as a PEFT prefix-tuning
     adapter folder that ``PeftModel.from_pretrained(base_model, output)`` loads. Returns ``output``.
@@ -176,8 +181,13 @@ def export_peft(prompt, output: str | os.PathLike, *, overwrite: bool = False) -
                         source=None if isinstance(prompt, PromptEncoder) else prompt)
     with checkpoint_dir(prompt) as path:
         config, tensors = read_prompt_checkpoint(path)
+        if config.get("lora"):
+            raise ValueError(_LORA_REFUSAL)
         base_name = _base_model_name(prompt, path, config)
     prompt_config = config["prompt_config"] or {}
+    if prompt_config.get("prompt_type") == "none":
+        raise ValueError("this checkpoint has no prompt (prompt_type: none; a fully fine-tuned backbone): there is no "
+                         "prefix to write as a PEFT adapter; export it to sentence-transformers instead")
     check_peft_runs(config["backbone"].get("model_type"), "a PEFT adapter of this prompt could not be used; keep "
                     "the fastprompt checkpoint, or export it to sentence-transformers")
     # what PEFT will run: the base model the adapter names (checkpoints do not record its sliding window)

@@ -10,7 +10,9 @@ The folder (written by :func:`export_sentence_transformers`):
                                                        include_backbone=False: the module then names the base model)
     prompt/                                            the fastprompt prompt checkpoint; for a fine-tuned backbone
                                                        (train_backbone) it holds that backbone too, and the root
-                                                       does not, so the backbone is stored once
+                                                       does not, so the backbone is stored once; LoRA adapters
+                                                       (lora) are merged into the backbone's weights and stored so,
+                                                       or, with include_backbone=False, kept in PEFT's layout there
     1_Normalize/                                       L2 normalisation, as PromptEncoder.encode does by default
 
 The first module, :class:`PromptEncoderModule`, wraps a :class:`~fastprompt.model.PromptEncoder` (sentence-transformers'
@@ -21,6 +23,7 @@ for local folders too; no code is downloaded or stored in the folder: the class 
 """
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
@@ -223,6 +226,11 @@ def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_mode
                else PromptEncoder.load(source, base_model=base_model, trust_remote_code=trust_remote_code))
     if onnx:
         check_onnx_possible(encoder, onnx_dtype)
+    if encoder.lora is not None and include_backbone:
+        # sentence-transformers gets plain weights: the adapters folded into the backbone (the same outputs, up to
+        # fp32 rounding), stored like a fine-tuned backbone, inside prompt/; without the backbone they stay adapters
+        encoder = copy.deepcopy(encoder) if source is None else encoder
+        encoder.merge_lora()
     if encoder.backbone_trained and not include_backbone:
         raise ValueError("this prompt's backbone is fine-tuned (train_backbone): the base model cannot stand in for "
                          "it, so it cannot be left out (drop include_backbone=False / --no-backbone)")
