@@ -69,6 +69,11 @@ def check_tuning(config) -> None:
     if not prompt and config.prompt.cls_prompt:
         raise ValueError("prompt_type: none with cls_prompt: true: the [CLS] prompt is a prompt; set prompt_type "
                          "(input) or cls_prompt: false")
+    rtd = getattr(config, "rtd", None)  # D2CSE's replaced-token detection (fastprompt.methods.crtd)
+    if rtd is not None and rtd.enabled and rtd.discriminator == "plain" and (lora or not prompt):
+        raise ValueError("rtd_discriminator: plain runs the frozen backbone without the prompts (D2CSE's design a); "
+                         "with lora: true or prompt_type: none there is no such frozen backbone (the adapters live "
+                         "in the backbone, or there is no prompt to leave out); use rtd_discriminator: prompted")
     if not prompt and config.encoder.prefix_mode == "cache":
         raise ValueError("prefix_mode: cache hands a prefix to the backbone as a key/value cache, and prompt_type: "
                          "none has no prefix; leave prefix_mode at attention")

@@ -145,6 +145,7 @@ def test_using_weights_swaps_the_adapters_back(base_config):
     (dict(prompt_type="none", lora=True, cls_prompt=True), r"prompt_type: none with cls_prompt: true"),
     (dict(prompt_type="none", lora=True, prefix_mode="cache"), r"prefix_mode: cache hands a prefix to the backbone"),
     (dict(lora=True, lora_target_modules=[]), r"lora_target_modules must list one or more module names"),
+    (dict(lora=True, rtd_weight=0.05, rtd_discriminator="plain"), r"rtd_discriminator: plain runs the frozen"),
 ])
 def test_meaningless_combinations_are_refused_before_work(keys, message):
     with pytest.raises(ValueError, match=message):
