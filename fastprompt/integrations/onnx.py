@@ -34,7 +34,8 @@ deprecated in torch 2.9+. After writing, the graph is run once in onnxruntime on
 the encoder; a difference above :data:`EXPORT_CHECK_ATOL` fails the export.
 
 What is exported is what the tests check against :meth:`PromptEncoder.encode` (tests/integrations/
-test_onnx_export.py): the model types of :data:`EXPORTABLE_MODEL_TYPES` and the poolers of
+test_onnx_export.py): the model types whose family says so (``Family.onnx``, :func:`exportable_model_types`) and the
+poolers of
 :data:`EXPORTABLE_POOLERS`; anything else is refused, naming what, before any weights load where the checkpoint's
 config tells (:func:`config_refusal`, then :func:`onnx_refusal` once the model is loaded).
 
@@ -84,9 +85,15 @@ FP16_KEEP_FLOAT32 = ("IsInf", "IsNaN")
 #: graphs over this many bytes of weights keep them in GRAPH_DATA_FILE (protobuf cannot hold 2 GB)
 EXTERNAL_DATA_BYTES = 1_800_000_000
 
-#: model types whose export the tests compare with PromptEncoder.encode (tiny configs, and real all-MiniLM-L6-v2)
-EXPORTABLE_MODEL_TYPES = ("bert", "roberta", "xlm-roberta", "electra", "distilbert", "mpnet", "modernbert", "llama",
-                          "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text")
+
+def exportable_model_types() -> list[str]:
+    """Model types whose export the tests compare with PromptEncoder.encode (tiny configs, and real
+    all-MiniLM-L6-v2): their family's ``onnx`` (:mod:`fastprompt.model.arch`)."""
+    from fastprompt.model.arch import onnx_model_types
+
+    return onnx_model_types()
+
+
 #: poolers exported: those computed from the last hidden states and the attention mask, and "mask" (a template's
 #: [MASK] state, with template denoising: its bias is a constant table, one row per sentence length)
 EXPORTABLE_POOLERS = ("cls", "cls_before_pooler", "mean", "bn_mlp", "last", "mask")
@@ -138,10 +145,9 @@ def _pooler_refusal(pooler: str) -> str:
 
 def onnx_refusal(encoder) -> str | None:
     """Why ``encoder`` cannot be exported to ONNX, None when it can."""
-    model_type = getattr(encoder.backbone.config, "model_type", None)
-    if model_type not in EXPORTABLE_MODEL_TYPES:
+    if not encoder.architecture.family.onnx:
         return (f"the ONNX export of {encoder.architecture.name} is not implemented: it is tested on "
-                f"{', '.join(EXPORTABLE_MODEL_TYPES)}")
+                f"{', '.join(exportable_model_types())}")
     if encoder.pooler.pooler not in EXPORTABLE_POOLERS:
         return _pooler_refusal(encoder.pooler.pooler)
     if encoder.template_words is not None:
@@ -632,4 +638,5 @@ class _Null:
 
 
 __all__ = ["export_onnx", "is_onnx_export", "graph_inputs", "check_dtype", "DTYPES", "onnx_refusal",
-           "config_refusal", "require_onnx", "OnnxGraph", "export_mode", "EXPORTABLE_MODEL_TYPES", "EXPORTABLE_POOLERS"]
+           "config_refusal", "require_onnx", "OnnxGraph", "export_mode", "exportable_model_types",
+           "EXPORTABLE_POOLERS"]

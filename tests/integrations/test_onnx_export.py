@@ -160,7 +160,7 @@ def test_onnx_equals_encode_slow(case, tmp_path):
 
 def test_every_exportable_model_type_is_tested():
     tested = {c[0] for c in {**CASES, **SLOW_CASES}.values()}
-    assert set(fp_onnx.EXPORTABLE_MODEL_TYPES) == tested
+    assert set(fp_onnx.exportable_model_types()) == tested
     assert {c[2]["pooler"] for c in {**CASES, **SLOW_CASES}.values()} == set(fp_onnx.EXPORTABLE_POOLERS)
 
 

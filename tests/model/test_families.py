@@ -31,7 +31,8 @@ def test_the_families_adapt_what_the_code_supports_today():
                        "xlm-roberta": ("interface", 0, 2, True), "electra": ("interface", 0, 2, True),
                        "mpnet": ("adapters", 2, 1, False), "deberta-v2": ("bypassed", 0, 2, False)}
     assert [t for t, f in FAMILIES.items() if f.refused] == ["deberta-v2"]
-    # LoRA's default targets and the gated feed-forward (FLOPs) are the families' too
+    # LoRA's default targets, the gated feed-forward (FLOPs) and the tested ONNX export are the families' too
+    assert [t for t, f in FAMILIES.items() if not f.onnx] == ["deberta-v2"]
     assert [t for t, f in FAMILIES.items() if not f.lora_targets] == ["deberta-v2"]
     assert [t for t, f in FAMILIES.items() if f.ffn_matrices == 3] == [
         "modernbert", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text"]

@@ -10,6 +10,7 @@ from .family import (
     Upstream,
     apply,
     family_of,
+    onnx_model_types,
     packable_model_types,
     register_family,
     unregister_family,
@@ -18,5 +19,5 @@ from .family import (
 # the built-in families, in the order of docs/architectures.md's table (importing a module registers it)
 from . import bert, encoders, mpnet, decoders, deberta  # noqa: E402,F401,I001  isort: skip
 
-__all__ = ["FAMILIES", "Adapter", "Applied", "Family", "Upstream", "apply", "family_of", "packable_model_types",
-           "register_family", "unregister_family"]
+__all__ = ["FAMILIES", "Adapter", "Applied", "Family", "Upstream", "apply", "family_of", "onnx_model_types",
+           "packable_model_types", "register_family", "unregister_family"]

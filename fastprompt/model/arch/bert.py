@@ -64,7 +64,7 @@ def bert_like(model_type: str, package: str, prefix: str, self_attention_sha: st
     rows = Adapter(Upstream(module, f"{prefix}Layer", LAYER_SIGNATURE, LAYER_SHA), layer_rows,
                    reproduces=(Upstream(module, f"{prefix}SelfAttention", SELF_ATTENTION_SIGNATURE,
                                         self_attention_sha),))
-    return Family(model_type, "BERT-like encoders", pooled_rows=rows, packs=True,
+    return Family(model_type, "BERT-like encoders", pooled_rows=rows, packs=True, onnx=True,
                   lora_targets=("query", "key", "value", "dense"),  # dense: attention output, intermediate, output
                   add_norm=tuple(Upstream(module, f"{prefix}{name}", OUTPUT_SIGNATURE, OUTPUT_SHA)
                                  for name in ("SelfOutput", "Output")))

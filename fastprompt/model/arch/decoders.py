@@ -15,8 +15,9 @@ POOLING = "last, mean"
 WITH_PEFT = ("explicit concatenation", "AutoModel", "PEFT")
 LORA = ("q_proj", "k_proj", "v_proj", "o_proj")
 LLAMA = Family("llama", "Llama-like decoders", packs=True, pooling=POOLING, compared=WITH_PEFT, ffn_matrices=3,
-               lora_targets=LORA)
-GEMMA = Family("gemma", "Gemma", packs=True, pooling=POOLING, compared=WITH_PEFT, ffn_matrices=3, lora_targets=LORA)
+               lora_targets=LORA, onnx=True)
+GEMMA = Family("gemma", "Gemma", packs=True, pooling=POOLING, compared=WITH_PEFT, ffn_matrices=3, lora_targets=LORA,
+               onnx=True)
 
 register_family(LLAMA)
 register_family(replace(LLAMA, model_type="mistral", compared=("explicit concatenation", "AutoModel")))

@@ -8,11 +8,11 @@ from __future__ import annotations
 from .family import Family, register_family
 
 register_family(Family(
-    "distilbert", "DistilBERT", packs=True, lora_targets=("q_lin", "k_lin", "v_lin", "out_lin"),
+    "distilbert", "DistilBERT", packs=True, onnx=True, lora_targets=("q_lin", "k_lin", "v_lin", "out_lin"),
     peft="PEFT cannot size its prefix (DistilBertConfig has no hidden_size: 'Please specify token_dim') and "
          "DistilBERT takes no key/value cache"))
 register_family(Family(
-    "modernbert", "ModernBERT", packs=True, lora_targets=("Wqkv", "Wo"),
+    "modernbert", "ModernBERT", packs=True, onnx=True, lora_targets=("Wqkv", "Wo"),
     ffn_matrices=3,  # its gated Wi is H x 2F
     peft="ModernBERT does not take PEFT's key/value cache (its mask keeps the token length: a size mismatch at the "
          "first forward)"))

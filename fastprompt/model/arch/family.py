@@ -118,6 +118,8 @@ class Family:
     #: why PEFT's prefix tuning does not run it (peft 0.21.2, transformers 5.24; each tested), None when it does:
     #: export refuses to write an adapter PEFT cannot apply, and accelerate_peft has no PEFT behaviour to reproduce
     peft: str | None = None
+    #: its ONNX export (fastprompt.integrations.onnx) is tested equal to encode (tests/integrations/test_onnx_export.py)
+    onnx: bool = False
     #: the module names LoRA adapts by default (PEFT's suffix match): every attention projection and, where one
     #: name covers them, the feed-forward's too; empty: ``lora_target_modules`` must name them
     lora_targets: tuple[str, ...] = ()
@@ -171,6 +173,11 @@ def family_of(model_type: str | None) -> Family:
     """The spec of ``model_type``; for a model type no family registers, a spec that adapts nothing (its attention
     goes through the attention functions, or the guard stops it) and packs nothing."""
     return FAMILIES.get(model_type) or Family(str(model_type), "not covered", prefix="untested", packs=False)
+
+
+def onnx_model_types() -> list[str]:
+    """The model types whose ONNX export is tested equal to encode, in registration order."""
+    return [t for t, f in FAMILIES.items() if f.onnx]
 
 
 def packable_model_types() -> list[str]:

@@ -67,7 +67,7 @@ def position_bias(module, slot: OwnAttention, x, position_ids=None, num_buckets=
 register_family(Family(
     "mpnet", "MPNet", attention="adapters", adapters=(Adapter(SELF_ATTENTION, self_attention),
                                                        Adapter(POSITION_BIAS, position_bias)),
-    add_norm=(OUTPUT,), packs=True, lora_targets=("q", "k", "v", "o"),
+    add_norm=(OUTPUT,), packs=True, onnx=True, lora_targets=("q", "k", "v", "o"),
     peft="MPNet computes attention in its own modules and its position bias does not cover PEFT's cache (a size "
          "mismatch at the first forward)",
     compared=("explicit concatenation", "AutoModel", "sentence-transformers (real weights)")))
