@@ -19,6 +19,14 @@ over cosine similarities / 0.05), backward into the prefix, one AdamW step.
   forward and backward replay as CUDA graphs.
 - ``peft``: ``peft.get_peft_model(AutoModel, PrefixTuningConfig(task_type="FEATURE_EXTRACTION"))``, the loss in
   plain PyTorch (what a PEFT user writes), AdamW on PEFT's prefix embedding. The baseline of the ratios.
+- ``fastprompt_lora`` and ``fastprompt_full``: the other tuning modes of the trainer (docs/tuning-modes.md) on the
+  same step (packed, the fused loss), without a prompt: LoRA (``lora: true``, rank 8, alpha 16, dropout
+  ``--dropout``, on the family's default targets: configs/minilm-lora.yaml's adapters) and full fine-tuning
+  (``train_backbone: true``). Their ``loss_nodrop`` is the frozen model's without a prefix (the adapters start at
+  zero), so no ``loss_nodrop_diff`` is given for them; their floor counts no prefix and, for full fine-tuning, the
+  weight gradients. The memory processes record each side's ``trainable_params``: with ``--providers
+  fastprompt,fastprompt_lora,fastprompt_full`` one run gives the three modes' step time, peak memory and trainable
+  parameters on the same shapes.
 
 The decoder point (``--model random-llama``): a Llama-shaped model with MiniLM's size (:data:`LLAMA_SHAPE`: 6
 layers, hidden 384, feed-forward 1536; RoPE, RMSNorm, a gated SiLU feed-forward and grouped-query attention with 2
@@ -92,7 +100,12 @@ from _harness import (
 )
 
 DEFAULT_CORPUS = ROOT.parent / "shared" / "data" / "corpus" / "wiki-sentences.txt"
-PROVIDERS = ("fastprompt", "fastprompt_padded", "fastprompt_compiled", "fastprompt_graphs", "peft")
+PROVIDERS = ("fastprompt", "fastprompt_padded", "fastprompt_compiled", "fastprompt_graphs", "peft", "fastprompt_lora",
+             "fastprompt_full")
+#: the providers of the other tuning modes (no prompt): provider -> mode
+TUNING = {"fastprompt_lora": "lora", "fastprompt_full": "full"}
+#: the LoRA provider's adapters (configs/minilm-lora.yaml's)
+LORA_RANK, LORA_ALPHA = 8, 16.0
 #: providers that run on a CUDA device only (left out of the default list elsewhere)
 CUDA_ONLY = ("fastprompt_graphs",)
 MATMULS = ("matmul_ffn", "matmul_attn")  # the rate pseudo-providers of the timing process
@@ -176,8 +189,10 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
     torch.manual_seed(seed)
     path = resolve_model_path(model)
     causal = AutoConfig.from_pretrained(path, trust_remote_code=False).model_type in DECODER_TYPES
-    enc = PromptEncoder.from_pretrained(path, prompt_config=PromptConfig(prompt_length, position_mode="shifted"),
-                                        pooler="last" if causal else "cls_before_pooler", mlp="none")
+    prompt = (PromptConfig(prompt_type="none") if provider in TUNING
+              else PromptConfig(prompt_length, position_mode="shifted"))
+    enc = PromptEncoder.from_pretrained(path, prompt_config=prompt, pooler="last" if causal else "cls_before_pooler",
+                                        mlp="none")
     # both sides train with the same dropout in the encoder, and none on the prefix (PEFT's prefix tuning has no
     # prefix dropout; fastprompt's prompt_dropout defaults to 0 and is left there). A decoder's only dropout is
     # its attention modules' attention_dropout (read from the config when they are built)
@@ -232,6 +247,10 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
 
         module = model_
     else:
+        if TUNING.get(provider) == "lora":
+            enc.add_lora(rank=LORA_RANK, alpha=LORA_ALPHA, dropout=dropout)
+        elif TUNING.get(provider) == "full":
+            enc.train_backbone()
         enc.to(device)
         method = Method(SimCSE(temperature=TEMPERATURE), []).train()
         side = LossSide(method, enc, DistributedContext(device=torch.device(device)), autocast=autocast)
@@ -240,7 +259,7 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
         optimizer = torch.optim.AdamW(params, lr=lr, fused=True)  # the trainer's optimizer
         # the trainer's choice (encoder.packed: null): packed batches where the architecture allows it, except
         # when compiled; fastprompt_padded runs the same step on the padded batch
-        enc.pack_sequences(provider == "fastprompt" and enc.packing_refusal() is None)
+        enc.pack_sequences(provider in ("fastprompt", *TUNING) and enc.packing_refusal() is None)
         if provider == "fastprompt_compiled":
             enc.compile()
         if graphs:  # the trainer's cuda_graphs: true
@@ -272,7 +291,7 @@ def setup(provider, model, corpus, pairs, seq, prompt_length, dropout, device, l
         return {"loss": train_step()}
 
     def check():
-        out = {}
+        out = {"trainable_params": sum(p.numel() for p in params)}
         with torch.no_grad():
             for p, p0 in zip(params, initial):
                 p.copy_(p0)
@@ -478,6 +497,10 @@ def run(args, providers, out, model_path: str) -> None:
         width = padded_length(lengths, seq, args.padding)
         flops = step_flops(cfg, width, args.prompt_length, rows=2 * pairs)
         real = step_flops(cfg, 2 * lengths, args.prompt_length)
+        # the other tuning modes: no prefix; full fine-tuning also computes every weight's gradient
+        tuning_flops = {p: (step_flops(cfg, width, 0, rows=2 * pairs, train_backbone=TUNING[p] == "full"),
+                            step_flops(cfg, 2 * lengths, 0, train_backbone=TUNING[p] == "full"))
+                        for p in providers if p in TUNING}
         profiled = args.profile == "all" or (args.profile == "first" and i == 0)
         timings = run_fresh(__file__, "setup", dict(config, profile=profiled), mode="time",
                             providers=[*providers, *MATMULS], device=args.device, warmup=args.warmup,
@@ -493,6 +516,8 @@ def run(args, providers, out, model_path: str) -> None:
         point = []
         for provider in providers:
             t = timings[provider]
+            p_flops, p_real = tuning_flops.get(provider, (flops, real))
+            floor_ms, real_floor_ms = floor_of(p_flops, rate), floor_of(p_real, rate)
             point.append(dict(bench="train_step", device=args.device, provider=provider, model=args.model,
                               precision=args.precision, pairs=pairs, seq=seq, padding=args.padding, padded_to=width,
                               real_token_share=round(sum(lengths) / (pairs * width), 3),
@@ -500,7 +525,7 @@ def run(args, providers, out, model_path: str) -> None:
                               floor_ms=round(floor_ms, 3), floor_fraction=round(floor_ms / t.median_ms, 3),
                               real_floor_ms=round(real_floor_ms, 3),
                               real_floor_fraction=round(real_floor_ms / t.median_ms, 3),
-                              gflop=round(flops.total / 1e9, 2), gflop_real=round(real.total / 1e9, 2),
+                              gflop=round(p_flops.total / 1e9, 2), gflop_real=round(p_real.total / 1e9, 2),
                               matmul_gflops=_sig(rate["matmul_ffn"] / 1e9),
                               attn_matmul_gflops=_sig(rate["matmul_attn"] / 1e9)))
         rows += point
@@ -509,15 +534,17 @@ def run(args, providers, out, model_path: str) -> None:
         for row in [] if args.no_memory else point:
             mem = run_fresh(__file__, "setup", config, mode="memory", providers=[row["provider"]],
                             device=args.device, timeout=args.timeout)
-            row.update(measured(memory=mem), loss_nodrop=mem["extra"]["loss_nodrop"])
+            row.update(measured(memory=mem), loss_nodrop=mem["extra"]["loss_nodrop"],
+                       trainable_params=mem["extra"]["trainable_params"])
             base = next((r.get("loss_nodrop") for r in point if r["provider"] == BASELINE), None)
-            for r in point:
-                if base is not None and r.get("loss_nodrop") is not None:
+            for r in point:  # the same maths as the baseline's: the prompt providers only
+                if base is not None and r.get("loss_nodrop") is not None and r["provider"] not in TUNING:
                     r["loss_nodrop_diff"] = abs(r["loss_nodrop"] - base)
             add_ratios(rows, BASELINE, CONFIG_KEYS)
             write_results(rows, out, CONFIG_KEYS, info, summary={"profile_ms": profiles})  # after every process
     columns = ["provider", "pairs", "seq", "padded_to", "median_ms", "time_vs_baseline", "peak_mb", "mem_vs_baseline",
-               "gflop", "gflop_real", "matmul_gflops", "floor_fraction", "real_floor_fraction", "loss_nodrop"]
+               "trainable_params", "gflop", "gflop_real", "matmul_gflops", "floor_fraction", "real_floor_fraction",
+               "loss_nodrop"]
     print(markdown_table(rows, columns))
     for name, ms in profiles.items():
         print(f"\nms of one step by op category, {name}: " + json.dumps(ms))

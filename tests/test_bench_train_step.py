@@ -165,3 +165,27 @@ def test_the_cuda_graphs_provider_needs_a_gpu(bench):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "fastprompt_graphs replays CUDA graphs: it needs --device cuda" in proc.stderr
     assert "fastprompt_graphs" in bench.PROVIDERS and bench.CUDA_ONLY == ("fastprompt_graphs",)
+
+
+@pytest.mark.parametrize("provider,mode", [("fastprompt_lora", "lora"), ("fastprompt_full", "full")])
+def test_the_other_tuning_modes_train_the_same_step(bench, tiny_bert_dir, provider, mode):
+    """The LoRA and full fine-tuning sides: no prompt, packed like the trainer's, their own trainable parameters;
+    at their starting parameters both are the frozen model without a prefix (LoRA's adapters start at zero), so
+    their dropout-free losses agree (same tolerance as above: LoRA's zero update adds exact zeros)."""
+    step = bench.setup(provider, **_config(tiny_bert_dir))
+    losses = [step()["loss"] for _ in range(2)]
+    check = step.check()
+    assert all(math.isfinite(x) for x in losses)
+    # tiny BERT: 2 layers of hidden 32, feed-forward 64; LoRA r=8 on query/key/value/dense (the BERT default)
+    per_layer = 4 * 8 * (32 + 32) + 2 * 8 * (32 + 64)
+    if mode == "lora":
+        assert check["trainable_params"] == 2 * per_layer
+    else:
+        from transformers import AutoModel
+
+        model = AutoModel.from_pretrained(tiny_bert_dir)
+        assert check["trainable_params"] == sum(p.numel() for n, p in model.named_parameters()
+                                                if not n.startswith("pooler."))
+    other = bench.setup("fastprompt_full" if mode == "lora" else "fastprompt_lora", **_config(tiny_bert_dir))
+    assert check["loss_nodrop"] == pytest.approx(other.check()["loss_nodrop"], abs=1e-4, rel=1e-4)
+    assert check["loss_nodrop"] > 0.1
