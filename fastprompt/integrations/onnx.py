@@ -94,9 +94,11 @@ def exportable_model_types() -> list[str]:
     return onnx_model_types()
 
 
-#: poolers exported: those computed from the last hidden states and the attention mask, and "mask" (a template's
-#: [MASK] state, with template denoising: its bias is a constant table, one row per sentence length)
-EXPORTABLE_POOLERS = ("cls", "cls_before_pooler", "mean", "bn_mlp", "last", "mask")
+#: poolers exported: those computed from the last hidden states and the attention mask, "mask" (a template's
+#: [MASK] state, with template denoising: its bias is a constant table, one row per sentence length) and "topk"
+#: (PromptBERT's top-k of the MLM head's vocabulary distribution at that state: the MLM head, the word embeddings and
+#: a TopK operator in the graph); every pooler fastprompt has
+EXPORTABLE_POOLERS = ("cls", "cls_before_pooler", "mean", "bn_mlp", "last", "mask", "topk")
 #: the sentences the export is checked on: padded (several lengths), punctuation, digits
 CHECK_SENTENCES = ["A man is playing a guitar.", "Two dogs run in the park, 3 times, and then they sleep in the shade "
                    "of a big old tree near the river.", "ok"]
@@ -121,26 +123,18 @@ def config_refusal(config: dict) -> str | None:
     pooler = config.get("pooler")
     if pooler is not None and pooler not in EXPORTABLE_POOLERS:
         return _pooler_refusal(pooler)
-    if config.get("pooler_head") == "mlm_transform":
-        return _MLM_TRANSFORM_REFUSAL
-    if (config.get("prompt_config") or {}).get("optiprompt"):
-        return _OPTIPROMPT_REFUSAL
     if config.get("template") and config.get("append_eos"):
         return _TEMPLATE_EOS_REFUSAL
     return None
 
 
-_MLM_TRANSFORM_REFUSAL = ("the ONNX export does not take the mlm_transform pooler head yet (PromptBERT's supervised "
-                          "BERT head); export a prompt trained with pooler_head 'new'")
-_OPTIPROMPT_REFUSAL = ("the ONNX export does not take OptiPrompt's trainable template words yet; export a prompt "
-                       "trained without optiprompt")
 _TEMPLATE_EOS_REFUSAL = ("the ONNX export does not take a template together with append_eos yet (the template's "
                          "recipe in fastprompt_onnx.json has no EOS rule); export a prompt trained without one of them")
 
 
 def _pooler_refusal(pooler: str) -> str:
-    return (f"the ONNX export does not take pooler {pooler!r} yet (it exports {', '.join(EXPORTABLE_POOLERS)}; "
-            "'topk' needs the MLM head's top-k over the vocabulary); export a prompt trained with one of those")
+    return (f"the ONNX export does not take pooler {pooler!r} (it exports {', '.join(EXPORTABLE_POOLERS)}); export a "
+            "prompt trained with one of those")
 
 
 def onnx_refusal(encoder) -> str | None:
@@ -150,8 +144,6 @@ def onnx_refusal(encoder) -> str | None:
                 f"{', '.join(exportable_model_types())}")
     if encoder.pooler.pooler not in EXPORTABLE_POOLERS:
         return _pooler_refusal(encoder.pooler.pooler)
-    if encoder.template_words is not None:
-        return _OPTIPROMPT_REFUSAL
     if encoder.template is not None and encoder.append_eos:
         return _TEMPLATE_EOS_REFUSAL
     if encoder.lora is not None:
@@ -160,8 +152,6 @@ def onnx_refusal(encoder) -> str | None:
     if encoder.prefix_mode != "attention":
         return ("the ONNX export traces the prefix attention path: load the encoder with prefix_mode='attention' "
                 "(the default), not 'cache'")
-    if encoder.pooler.head_kind != "new":
-        return _MLM_TRANSFORM_REFUSAL
     dtypes = {p.dtype for p in encoder.parameters()}
     if dtypes != {torch.float32}:
         shown = ", ".join(sorted(str(d).removeprefix("torch.") for d in dtypes))
@@ -241,12 +231,31 @@ def export_mode(graph: OnnxGraph):
     # instance attributes: the class's methods are untouched
     enc._layer_prefixes = graph.layer_prefixes
     enc.template_bias, enc.sentence_lengths = graph.template_bias, graph.sentence_lengths
+    words = enc.template_words
+    if words is not None:
+        words.apply = _template_words_apply(words)
     try:
         yield graph
     finally:
         del enc._layer_prefixes, enc.template_bias, enc.sentence_lengths
+        if words is not None:
+            del words.apply
         enc.train(saved[0])
         enc.attn_backend, enc.packed = saved[1:]
+
+
+def _template_words_apply(words):
+    """OptiPrompt's :meth:`~fastprompt.model.promptbert.TemplateWords.apply` without its host-side check that the rows
+    are the template's (a data-dependent branch torch.export cannot trace; the rows are built by the recipe, and
+    the export's check compares the graph with the encoder): the trained vectors put at the template words'
+    positions."""
+    def apply(embeds: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        pos = words.positions(attention_mask)
+        rows = torch.arange(embeds.shape[0], device=embeds.device).unsqueeze(1).expand_as(pos)
+        values = words.embedding.to(embeds.dtype).unsqueeze(0).expand(embeds.shape[0], -1, -1)
+        return embeds.index_put((rows, pos), values)
+
+    return apply
 
 
 def template_room(encoder, max_length: int | None) -> int:
@@ -463,8 +472,10 @@ def _write_graph(encoder, folder: Path, *, normalize: bool, max_length: int | No
         "normalized": normalize, "dimension": encoder.hidden_size, "similarity": "cosine",
         "pooler": encoder.pooler.pooler,
         # the pooler's trained head, in the graph when the checkpoint applies it at inference (mlp: always)
-        "head": (("bn_mlp" if encoder.pooler.pooler == "bn_mlp" else "linear_tanh")
-                 if encoder.pooler.head is not None and encoder.pooler.mlp == "always" else None),
+        "head": (None if encoder.pooler.head is None or encoder.pooler.mlp != "always"
+                 else "mlm_transform" if encoder.pooler.head_kind == "mlm_transform"
+                 else "bn_mlp" if encoder.pooler.pooler == "bn_mlp" else "linear_tanh"),
+        "template_words": encoder.template_words is not None,
         # the longest row (special tokens included); with a template the sentence's tokens are bounded by the
         # recipe's max_sentence_tokens and the row is the template's overhead longer
         "max_length": (max_length if encoder.template is None

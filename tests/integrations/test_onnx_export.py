@@ -158,10 +158,53 @@ def test_onnx_equals_encode_slow(case, tmp_path):
     _export_and_check(SLOW_CASES[case], tmp_path)
 
 
+#: PromptBERT's parts that need the MLM head's weights (a tiny BertForMaskedLM): prompt config, encoder keywords
+MLM_CASES = {
+    "topk-denoise": (dict(prompt_length=3, init_std=0.5), dict(pooler="topk", topk=20, denoise=True)),
+    "mlm-transform-head": (dict(prompt_length=3, init_std=0.5),
+                           dict(pooler="mask", pooler_head="mlm_transform", mlp="always")),
+    "optiprompt": (dict(prompt_length=3, init_std=0.5, optiprompt=True), dict(pooler="mask")),
+}
+
+
+@pytest.fixture(scope="module")
+def tiny_mlm_dir(tmp_path_factory, tiny_bert_dir):
+    """tiny_bert_dir's tokenizer with a tiny random BertForMaskedLM (the MLM head topk and mlm_transform read)."""
+    from transformers import BertConfig, BertForMaskedLM
+
+    path = tmp_path_factory.mktemp("tiny-mlm")
+    tok = AutoTokenizer.from_pretrained(str(tiny_bert_dir))
+    tok.save_pretrained(path)
+    torch.manual_seed(3)
+    BertForMaskedLM(BertConfig(vocab_size=len(tok), hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=64, max_position_embeddings=128)).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("case", list(MLM_CASES))
+def test_onnx_equals_encode_promptbert_parts(case, tiny_mlm_dir, tmp_path):
+    """topk (its TopK over the vocabulary in the graph), the mlm_transform head, OptiPrompt's trained template words
+    (put at the template's word positions, which the recipe fixes), each through a saved checkpoint."""
+    prompt, kwargs = MLM_CASES[case]
+    encoder = PromptEncoder.from_pretrained(tiny_mlm_dir, prompt_config=PromptConfig(**prompt), **kwargs).eval()
+    if encoder.template_words is not None:  # trained-looking: not the static embeddings they start from
+        torch.manual_seed(4)
+        with torch.no_grad():
+            encoder.template_words.embedding.add_(torch.randn_like(encoder.template_words.embedding))
+    checkpoint = encoder.save(tmp_path / "best")
+    out = export_onnx(checkpoint, tmp_path / "onnx")
+    _check_equal(encoder, out)
+    info = json.loads((out / CONFIG_FILE).read_text())
+    assert info["pooler"] == kwargs["pooler"] and info["template"] is not None
+    assert info["head"] == ("mlm_transform" if "pooler_head" in kwargs else None)
+    assert info["template_words"] is (encoder.template_words is not None)
+
+
 def test_every_exportable_model_type_is_tested():
     tested = {c[0] for c in {**CASES, **SLOW_CASES}.values()}
     assert set(fp_onnx.exportable_model_types()) == tested
-    assert {c[2]["pooler"] for c in {**CASES, **SLOW_CASES}.values()} == set(fp_onnx.EXPORTABLE_POOLERS)
+    poolers = {c[2]["pooler"] for c in {**CASES, **SLOW_CASES}.values()} | {c[1]["pooler"] for c in MLM_CASES.values()}
+    assert poolers == set(fp_onnx.EXPORTABLE_POOLERS)
 
 
 def _check_prefix_and_padding(encoder, out):
@@ -313,13 +356,14 @@ def test_sentence_transformers_onnx_refuses_before_any_work(tiny_checkpoint, tmp
     from fastprompt.integrations.sentence_transformers import export_sentence_transformers
 
     config = json.loads((tiny_checkpoint / "fastprompt_config.json").read_text())
-    bad = tmp_path / "topk"
+    bad = tmp_path / "template-eos"
     bad.mkdir()
     for f in tiny_checkpoint.iterdir():
         (bad / f.name).write_bytes(f.read_bytes())
-    (bad / "fastprompt_config.json").write_text(json.dumps({**config, "pooler": "topk"}))
+    (bad / "fastprompt_config.json").write_text(json.dumps({**config, "template": 'This sentence : "[X]" means '
+                                                            '[MASK] .', "append_eos": True}))
     with pytest.raises(ValueError, match=r"cannot add the ONNX graph \(--onnx\) to the sentence-transformers export: "
-                                         "the ONNX export does not take pooler 'topk' yet"):
+                                         "the ONNX export does not take a template together with append_eos yet"):
         export_sentence_transformers(bad, tmp_path / "st", onnx=True)
     with pytest.raises(ValueError, match="writes a float32 or float16 graph"):
         export_sentence_transformers(tiny_checkpoint, tmp_path / "st", onnx=True, onnx_dtype="int8")
@@ -368,14 +412,9 @@ def test_refuses_an_output_inside_or_around_its_input(tiny_checkpoint, where, no
 
 def test_refuses_what_it_cannot_export_before_loading(tiny_checkpoint, tmp_path, no_export):
     config = json.loads((tiny_checkpoint / "fastprompt_config.json").read_text())
-    prompt = {**config["prompt_config"], "optiprompt": True}
     for key, change, message in (
-            ("topk", {"pooler": "topk"}, "does not take pooler 'topk' yet"),
-            ("mlm-transform", {"pooler": "mask", "pooler_head": "mlm_transform"},
-             "does not take the mlm_transform pooler head yet"),
-            ("optiprompt", {"pooler": "mask", "prompt_config": prompt}, "does not take OptiPrompt's trainable"),
             ("template-eos", {"template": 'This sentence : "[X]" means [MASK] .', "append_eos": True},
-             "does not take a template together with append_eos yet")):
+             "does not take a template together with append_eos yet"),):
         bad = tmp_path / key
         bad.mkdir()
         for f in tiny_checkpoint.iterdir():
