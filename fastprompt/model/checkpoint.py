@@ -8,7 +8,10 @@ shape, so loading onto a different backbone fails with a message instead of a sh
 A fully fine-tuned encoder (:meth:`PromptEncoder.train_backbone`) also writes its backbone and tokenizer in the
 Hugging Face layout into the same folder (``config.json``, ``model.safetensors``, tokenizer files), so
 ``transformers.AutoModel.from_pretrained(checkpoint_dir)`` loads the backbone; ``backbone_weights: true`` in the
-config says so. The whole folder is written atomically.
+config says so. An encoder with LoRA adapters (:meth:`PromptEncoder.add_lora`) writes them in PEFT's layout
+(``adapter_config.json``, ``adapter_model.safetensors``: :mod:`fastprompt.model.lora`), so the folder is also a PEFT
+adapter of the base model; ``lora: true`` in the config says so, and loading adds them back. The whole folder is
+written atomically.
 """
 from __future__ import annotations
 
