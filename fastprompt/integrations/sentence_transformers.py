@@ -226,7 +226,8 @@ def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_mode
                else PromptEncoder.load(source, base_model=base_model, trust_remote_code=trust_remote_code))
     if onnx:
         check_onnx_possible(encoder, onnx_dtype)
-    if encoder.lora is not None and include_backbone:
+    lora_merged = encoder.lora is not None and include_backbone
+    if lora_merged:
         # sentence-transformers gets plain weights: the adapters folded into the backbone (the same outputs, up to
         # fp32 rounding), stored like a fine-tuned backbone, inside prompt/; without the backbone they stay adapters
         encoder = copy.deepcopy(encoder) if source is None else encoder
@@ -243,7 +244,7 @@ def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_mode
         if module.base_model is None and not encoder.backbone_trained:
             check_tokenizer_reloads(encoder.tokenizer, tmp)
         (tmp / "README.md").write_text(model_card(encoder, source, base_name, normalize=normalize,
-                                                  name=Path(output).name), encoding="utf-8")
+                                                  name=Path(output).name, lora_merged=lora_merged), encoding="utf-8")
         if onnx:
             from fastprompt.integrations.st_onnx import write_onnx_subfolder
 
@@ -278,8 +279,9 @@ def _run_info(checkpoint: Path | None) -> tuple[dict | None, dict | None]:
 
 
 def model_card(encoder: PromptEncoder, checkpoint: Path | None, base_model: str, *, normalize: bool,
-               name: str) -> str:
-    """The README.md of an exported model: front matter, usage, the model, its training and STS results."""
+               name: str, lora_merged: bool = False) -> str:
+    """The README.md of an exported model: front matter, usage, the model, its training and STS results.
+    ``lora_merged``: the backbone's weights hold LoRA adapters merged into them."""
     import yaml
 
     from fastprompt.eval.sts import TASK_TITLES
@@ -293,13 +295,19 @@ def model_card(encoder: PromptEncoder, checkpoint: Path | None, base_model: str,
     if not Path(base_model).exists():  # a hub id or package name; a local path means nothing to readers
         front["base_model"] = base_model
     n_prompt = sum(p.numel() for p in encoder.trainable_parameters())
-    backbone = "fine-tuned with the prompt" if encoder.backbone_trained else "frozen"
+    has_prompt = cfg is not None and cfg.prompt_type != "none"  # prompt_type none: LoRA or full fine-tuning alone
+    if lora_merged or encoder.lora is not None:
+        backbone = "with LoRA adapters" + (" merged into its weights" if lora_merged else "")
+    elif encoder.backbone_trained:
+        backbone = "fine-tuned with the prompt" if has_prompt else "fully fine-tuned"
+    else:
+        backbone = "frozen"
     rows = [("base model", f"`{base_model}` ({backbone})")]
     citation = ""
     if train_config:
         method, citation = _objective_card(train_config.get("objective"))
         rows.append(("method", method))
-    if cfg is not None:
+    if has_prompt:
         prompt = f"{cfg.prompt_length} prefix tokens per layer x {encoder.num_layers} layers"
         if cfg.shared_across_layers:
             prompt = f"{cfg.prompt_length} prefix tokens shared by all {encoder.num_layers} layers"
@@ -320,8 +328,10 @@ def model_card(encoder: PromptEncoder, checkpoint: Path | None, base_model: str,
               + "; cosine similarity"),
              ("max length", str(encoder.max_length or min(encoder.tokenizer.model_max_length, 512)) + " tokens")]
     lines = ["---", yaml.safe_dump(front, sort_keys=False).rstrip(), "---", "", f"# {name}", "",
-             f"Deep continuous prompts (prefix tuning / P-tuning v2) trained with "
-             f"[fastprompt](https://pypi.org/project/fastprompt/) on top of the {backbone} `{base_model}`.", "",
+             (f"Deep continuous prompts (prefix tuning / P-tuning v2) trained with "
+              f"[fastprompt](https://pypi.org/project/fastprompt/) on top of the {backbone} `{base_model}`."
+              if has_prompt else f"`{base_model}` {backbone}, trained as a sentence encoder with "
+              "[fastprompt](https://pypi.org/project/fastprompt/) (no prompt)."), "",
              "## Usage", "", "```python",
              "from sentence_transformers import SentenceTransformer  # pip install fastprompt sentence-transformers",
              "",

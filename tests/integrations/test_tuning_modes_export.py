@@ -56,6 +56,8 @@ def test_sentence_transformers_export_merges_lora(tiny_bert_dir, tmp_path):
     names = sorted(p.relative_to(out).as_posix() for p in out.rglob("*.safetensors"))
     assert names == ["prompt/model.safetensors", "prompt/prompt.safetensors"]  # merged: plain weights, stored once
     np.testing.assert_allclose(_st(out).encode(SENTENCES), expected, atol=ATOL, rtol=0)
+    card = (out / "README.md").read_text(encoding="utf-8")
+    assert "with LoRA adapters merged into its weights" in card and "prefix tokens" not in card
     # without the backbone the adapters stay adapters, in PEFT's layout, added onto the named base model
     slim = export_sentence_transformers(ckpt, tmp_path / "slim", include_backbone=False)
     assert (slim / "prompt" / "adapter_model.safetensors").is_file() and not list(slim.rglob("model.safetensors"))
@@ -72,6 +74,9 @@ def test_sentence_transformers_export_of_full_fine_tuning_without_prompt(tiny_be
     enc = _full_encoder(tiny_bert_dir)
     out = export_sentence_transformers(enc.save(tmp_path / "ckpt"), tmp_path / "st")
     np.testing.assert_allclose(_st(out).encode(SENTENCES), enc.encode(SENTENCES), atol=ATOL, rtol=0)
+    card = (out / "README.md").read_text(encoding="utf-8")
+    assert "(fully fine-tuned)" in card and "fully fine-tuned, trained as a sentence encoder" in card
+    assert "prefix tokens" not in card
 
 
 def test_merge_keeps_the_outputs(tiny_bert_dir):
