@@ -80,9 +80,12 @@ _KILLED_RUN = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("mode,cache", [("lora", False), ("lora", True), ("full", True)])
-def test_resumes_bit_for_bit_after_sigkill(base_config, tmp_path, mode, cache):
+@pytest.mark.parametrize("mode,cache,prompt", [("lora", False, "none"), ("lora", True, "none"), ("full", True, "none"),
+                                               ("lora", False, "prefix")])
+def test_resumes_bit_for_bit_after_sigkill(base_config, tmp_path, mode, cache, prompt):
+    """Both modes without a prompt (packed, the fused loss; the gradient cache too), and LoRA with a prefix."""
     extra = dict(micro_batch_size=3) if cache else {}
+    extra.update(prompt_type=prompt, prompt_dropout=0.1 if prompt != "none" else 0.0)
     ref = _config(base_config, mode, output_dir=str(tmp_path / "ref"), **extra)
     Trainer(ref).train()
     cfg = dict(ref, output_dir=str(tmp_path / "run"))
