@@ -29,7 +29,8 @@ class MTEBEncoder:
 
     ``model``: a PromptEncoder, a prompt checkpoint folder, or a base model name/path (the frozen model without a
     prompt). ``name``: MTEB's ``organization/model`` name for the results (default ``fastprompt/<folder or base>``);
-    the revision is a digest of the prompt weights, so results of different prompts never share a cache entry.
+    the revision is a digest of the trained weights (the prompt, and a fine-tuned backbone or LoRA adapters), so
+    results of different models never share a cache entry.
     ``device`` and ``kwargs`` (e.g. ``pooler``, ``max_length``) go to the loader when ``model`` is a path.
     """
 
@@ -52,8 +53,13 @@ class MTEBEncoder:
         self._meta = None
 
     def _weights_digest(self) -> str:
+        enc = self.encoder
+        state = dict(enc.prompt_state_dict())
+        if enc.backbone_trained or enc.lora is not None:  # a fine-tuned backbone or LoRA adapters are trained weights
+            state.update({f"backbone.{k}": v for k, v in enc.backbone.state_dict().items()
+                          if enc.backbone_trained or ".lora_" in k})
         digest = hashlib.sha256()
-        for key, value in sorted(self.encoder.prompt_state_dict().items()):
+        for key, value in sorted(state.items()):
             digest.update(key.encode())
             digest.update(value.detach().float().cpu().contiguous().numpy().tobytes())
         return digest.hexdigest()[:12]

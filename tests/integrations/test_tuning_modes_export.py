@@ -113,3 +113,20 @@ def test_peft_prefix_export_refuses_lora_and_no_prompt(tiny_bert_dir, tmp_path):
         export_peft(_lora_encoder(tiny_bert_dir).save(tmp_path / "lora"), tmp_path / "a")
     with pytest.raises(ValueError, match=r"this checkpoint has no prompt \(prompt_type: none"):
         export_peft(_full_encoder(tiny_bert_dir).save(tmp_path / "full"), tmp_path / "b")
+
+
+def test_mteb_revision_tells_lora_and_fine_tuned_models_apart(tiny_bert_dir):
+    """MTEB caches results by revision, the digest of the trained weights: models without a prompt differ only in
+    their adapters or backbone, which the digest must include (else two runs would share one cache entry)."""
+    from fastprompt.integrations.mteb import MTEBEncoder
+
+    a, b = _lora_encoder(tiny_bert_dir), _lora_encoder(tiny_bert_dir)
+    assert MTEBEncoder(a).revision == MTEBEncoder(b).revision
+    with torch.no_grad():
+        next(p for n, p in b.backbone.named_parameters() if "lora_B" in n).add_(0.1)
+    assert MTEBEncoder(a).revision != MTEBEncoder(b).revision
+    full = _full_encoder(tiny_bert_dir)
+    before = MTEBEncoder(full).revision
+    with torch.no_grad():
+        full.backbone.embeddings.word_embeddings.weight.add_(0.1)
+    assert MTEBEncoder(full).revision != before
