@@ -224,8 +224,6 @@ def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_mode
         check_onnx_possible(source, onnx_dtype)
     encoder = (prompt if source is None
                else PromptEncoder.load(source, base_model=base_model, trust_remote_code=trust_remote_code))
-    if onnx:
-        check_onnx_possible(encoder, onnx_dtype)
     lora_merged = encoder.lora is not None and include_backbone
     if lora_merged:
         # sentence-transformers gets plain weights: the adapters folded into the backbone (the same outputs, up to
@@ -235,6 +233,10 @@ def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_mode
     if encoder.backbone_trained and not include_backbone:
         raise ValueError("this prompt's backbone is fine-tuned (train_backbone): the base model cannot stand in for "
                          "it, so it cannot be left out (drop include_backbone=False / --no-backbone)")
+    onnx_encoder = None
+    if onnx:  # the graph takes plain weights: LoRA adapters kept as such (--no-backbone) are merged in a copy
+        onnx_encoder = copy.deepcopy(encoder).merge_lora() if encoder.lora is not None else encoder
+        check_onnx_possible(onnx_encoder, onnx_dtype)
     base_name = str(base_model or encoder.base_model)
     module = PromptEncoderModule(encoder, base_model=None if include_backbone else base_name)
     model = SentenceTransformer(modules=[module, Normalize()] if normalize else [module], similarity_fn_name="cosine",
@@ -248,7 +250,7 @@ def export_sentence_transformers(prompt, output: str | os.PathLike, *, base_mode
         if onnx:
             from fastprompt.integrations.st_onnx import write_onnx_subfolder
 
-            write_onnx_subfolder(encoder, tmp, normalize=normalize, dtype=onnx_dtype)
+            write_onnx_subfolder(onnx_encoder, tmp, normalize=normalize, dtype=onnx_dtype)
     logger.info("wrote sentence-transformers model to %s", output)
     return Path(output)
 

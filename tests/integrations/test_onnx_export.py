@@ -339,6 +339,26 @@ def test_sentence_transformers_onnx_backend_equals_encode(minilm_dir, tmp_path):
     assert onnx_model.max_seq_length == 64
 
 
+@pytest.mark.parametrize("backbone", ["merged", "adapters"])
+def test_sentence_transformers_onnx_with_lora(tiny_bert_dir, tmp_path, backbone):
+    """A LoRA checkpoint with --onnx: the graph gets the adapters merged (in a copy where the folder keeps them as
+    adapters, --no-backbone), and backend="onnx" equals encode()."""
+    st = pytest.importorskip("sentence_transformers")
+    from fastprompt.integrations.sentence_transformers import export_sentence_transformers
+
+    torch.manual_seed(0)
+    encoder = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(prompt_length=2, init_std=0.5),
+                                            pooler="mean").add_lora(rank=2, alpha=4).eval()
+    with torch.no_grad():  # trained-looking adapters (lora_B starts at zero)
+        for name, p in encoder.backbone.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.3)
+    checkpoint = encoder.save(tmp_path / "best")
+    out = export_sentence_transformers(checkpoint, tmp_path / "st", include_backbone=backbone == "merged", onnx=True)
+    got = st.SentenceTransformer(str(out), backend="onnx", trust_remote_code=True, device="cpu").encode(TEXTS)
+    np.testing.assert_allclose(got, encoder.encode(TEXTS), rtol=0, atol=ATOL)
+
+
 def test_sentence_transformers_onnx_backend_needs_the_graph(tiny_checkpoint, tmp_path):
     st = pytest.importorskip("sentence_transformers")
     from fastprompt.integrations.sentence_transformers import export_sentence_transformers
