@@ -32,17 +32,20 @@ def _trainer(base_config, **overrides):
 
 
 class _AttentionCalls:
-    """Counts prefix_attention calls (the model imports it from fastprompt.ops at each call)."""
+    """Counts calls of the prefix attention op's two entries, padded and packed (the model imports them from
+    fastprompt.ops at each call)."""
 
     def __init__(self, monkeypatch):
         self.calls = 0
-        original = fastprompt.ops.prefix_attention
+        for name in ("prefix_attention", "prefix_attention_varlen"):
+            monkeypatch.setattr(fastprompt.ops, name, self._counted(getattr(fastprompt.ops, name)))
 
+    def _counted(self, original):
         def counted(*args, **kwargs):
             self.calls += 1
             return original(*args, **kwargs)
 
-        monkeypatch.setattr(fastprompt.ops, "prefix_attention", counted)
+        return counted
 
 
 def _attention_launches(launches: TritonLaunches) -> int:
