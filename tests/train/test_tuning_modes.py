@@ -67,6 +67,48 @@ def test_trains_without_a_prompt_through_packed_batches_and_fused_loss(base_conf
     torch.testing.assert_close(reloaded.encode(SENTS), enc.encode(SENTS), atol=0, rtol=0)
 
 
+def test_gradient_cache_gives_the_full_batch_gradients_with_lora_dropout(tiny_bert_dir):
+    """The gradient cache replays each micro-batch's dropout, LoRA's adapter dropout included: its gradients equal
+    the full batch's (tolerance as tests/train/test_backbone.py's: summation order only, atol = rtol = 1e-5)."""
+    from fastprompt.data import Collator
+    from fastprompt.methods.simcse.objective import SimCSE
+    from fastprompt.model import PromptConfig
+    from fastprompt.objectives import Method
+    from fastprompt.train.distributed import DistributedContext
+    from fastprompt.train.grad_cache import make_micro_batches, plan_micro_batches
+    from fastprompt.train.steps import CachedStep, LossSide
+
+    torch.manual_seed(0)
+    enc = PromptEncoder.from_pretrained(tiny_bert_dir, prompt_config=PromptConfig(prompt_type="none"), pooler="cls",
+                                        mlp="train").add_lora(rank=4, alpha=8.0, dropout=0.2).train()
+    enc.pack_sequences()
+    with torch.no_grad():
+        for n, p in enc.backbone.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.1)
+    method = Method(SimCSE(temperature=0.05))
+    sents = [*SENTS, "it", "a woman is eating food in the park", "the cat sits"]
+    batch = Collator(enc.tokenize, 32)([(s,) for s in sents])
+    groups = plan_micro_batches(batch.attention_mask, 4)
+    assert len(groups) > 1
+    torch.manual_seed(5)
+    reps = torch.empty(batch.rows, enc.hidden_size)
+    for mb in make_micro_batches(batch.model_inputs(), groups):
+        reps = reps.index_put((mb.rows,), enc(**mb.inputs, head=False))
+    ref_loss = method.sentence(enc.pooler.head(reps).view(2, len(sents), -1)).loss
+    ref_loss.backward()
+    ref = {n: p.grad.clone() for n, p in enc.named_parameters() if p.grad is not None}
+    assert any("lora_A" in n for n in ref)
+    enc.zero_grad(set_to_none=True)
+    torch.manual_seed(5)
+    out = CachedStep(LossSide(method, enc, DistributedContext()), micro_batch_size=4, max_tokens=None)(batch, 0, 5)
+    torch.testing.assert_close(torch.as_tensor(out.loss).detach(), ref_loss.detach(), atol=1e-5, rtol=1e-5)
+    got = {n: p.grad.clone() for n, p in enc.named_parameters() if p.grad is not None}
+    assert set(got) == set(ref)
+    for name in ref:
+        torch.testing.assert_close(got[name], ref[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+
+
 _KILLED_RUN = textwrap.dedent("""
     import json, os, signal, sys
     from fastprompt.train import Trainer
