@@ -53,6 +53,19 @@ def _own_user_cache(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("FASTPROMPT_TUNING_DIR", str(root / "tuning"))
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a module's tests (``pytestmark = pytest.mark.usefixtures("one_thread")``): on tiny models
+    two threads only contend for the cores of a loaded 2-core machine (up to 20x slower), and no result depends on
+    the thread count."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def shared_data() -> Path:
     """../shared/data, or a skip with the reason when it is absent (e.g. on a user's machine)."""

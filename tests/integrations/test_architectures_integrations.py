@@ -48,9 +48,10 @@ from tests.model.test_architectures import (  # noqa: E402
     SENTENCES,
     _backbone,
     _encoder,
-    _one_thread,  # noqa: F401  (the autouse fixture: one thread for the tiny models)
     _tokenizer,
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 #: every architecture docs/architectures.md lists as supported

@@ -40,8 +40,9 @@ from tests.model.test_architectures import (  # noqa: E402
     ENCODERS,
     SENTENCES,
     _encoder,
-    _one_thread,  # noqa: F401  (the autouse fixture: one thread for the tiny models)
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 ATOL = 1e-5
 #: a float16 graph (weights and activations rounded to half precision, unit roundoff u = 2**-11 = 4.9e-4; what

@@ -26,13 +26,7 @@ TOL = dict(rtol=1e-5, atol=1e-5)
 SENTENCES = ["a man plays the guitar .", "the dog", "two people sit at a table in the park", "it"]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread avoids OpenMP contention on a loaded 2-core machine (20x slower otherwise)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _peft_model(path, prompt_length=3, projection=False, seed=0):

@@ -13,13 +13,10 @@ embedding-gradient difference only by the layers' norms (of order 1 at initialis
 """
 import functools
 import os
-import socket
-import time
 import warnings
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 st = pytest.importorskip("sentence_transformers")
 from sentence_transformers import SentenceTransformer  # noqa: E402
@@ -27,6 +24,8 @@ from sentence_transformers.sentence_transformer import losses as st_losses  # no
 from sentence_transformers.util import dot_score  # noqa: E402
 
 from fastprompt.integrations import st_loss  # noqa: E402
+
+from ..gloo import free_port, gloo_group, spawn  # noqa: E402
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SYMMETRIC = dict(directions=("query_to_doc", "doc_to_query"), partition_mode="per_direction")
@@ -39,13 +38,7 @@ NEGATIVES = [["the cat runs", "nobody plays", "a table", "blue", "a man sits", "
              ["it is big", "a guitar", "the park", "red ball", "the woman", "one dog", "a sentence", "the table"]]
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread avoids OpenMP contention on a loaded 2-core machine (20x slower otherwise)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 def _embeddings(n, d, columns, seed=0):
@@ -405,10 +398,7 @@ def test_sentence_transformer_trainer_step0_matches(tiny_st_dir, tmp_path, loss_
 
 
 def _gather_worker(rank, world, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
+    with gloo_group(rank, world, port):
         results = {}
         for setting, directions in DIRECTIONS.items():
             for negatives in (0, 1):
@@ -423,14 +413,6 @@ def _gather_worker(rank, world, port, out_dir):
         from safetensors.torch import save_file
 
         save_file(results, os.path.join(out_dir, f"rank{rank}.safetensors"))
-    finally:
-        torch.distributed.destroy_process_group()
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_gather_across_devices_matches_sentence_transformers(tmp_path):
@@ -438,13 +420,7 @@ def test_gather_across_devices_matches_sentence_transformers(tmp_path):
     symmetric per direction and joint; with a negative column, hardness-weighted)."""
     from safetensors.torch import load_file
 
-    ctx = mp.spawn(_gather_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=False)
-    deadline = time.monotonic() + 300
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail("gather workers still running after 300 s")
+    spawn(_gather_worker, (2, free_port(), str(tmp_path)))
     for rank in range(2):
         res = load_file(str(tmp_path / f"rank{rank}.safetensors"))
         ours = {k[5:]: v for k, v in res.items() if k.startswith("ours_")}

@@ -23,10 +23,10 @@ from .test_architectures import (
     ENCODERS,
     SENTENCES,
     _encoder,
-    _one_thread,  # noqa: F401 (the autouse fixture: tiny models on one thread)
 )
 
-pytestmark = pytest.mark.skipif(not _cpp.available(), reason=str(_cpp.missing_reason()))
+pytestmark = [pytest.mark.skipif(not _cpp.available(), reason=str(_cpp.missing_reason())),
+              pytest.mark.usefixtures("one_thread")]  # tests/conftest.py
 
 #: adapted modules per layer: the attention block's and the feed-forward's output (MPNet: the feed-forward's only;
 #: its attention module adds and normalises inside its own forward)

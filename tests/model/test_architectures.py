@@ -58,13 +58,7 @@ DECODERS = {
 BYPASSING = {"mpnet": dict(), "deberta-v2": dict()}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny models: one thread avoids OpenMP contention on a loaded 2-core machine."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 #: MPNet's embeddings take 1 as the padding index whatever the config says (the real MPNet's [PAD] id), and number

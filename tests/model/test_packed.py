@@ -21,8 +21,9 @@ from .test_architectures import (
     SENTENCES,
     TOL,
     _encoder,
-    _one_thread,  # noqa: F401 (the autouse fixture: tiny models on one thread)
 )
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 PACKABLE = {**ENCODERS, "mpnet": BYPASSING["mpnet"], **DECODERS}
 #: the architectures whose last layer computes the pooled rows only in a packed batch

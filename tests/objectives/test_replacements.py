@@ -30,14 +30,7 @@ from fastprompt.methods.crtd.config import CRTDConfig
 from fastprompt.methods.crtd.term import build_crtd_term
 from fastprompt.model import PromptEncoder
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models: one thread is faster than two contending ones, and the results do not depend on it."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tests/conftest.py
 
 
 WORDS = "man woman dog cat plays runs eating guitar ball park street car red blue big small two people".split()

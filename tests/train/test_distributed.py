@@ -8,12 +8,9 @@ tests/train/numerics.py ("different forward"), derived from the step's own condi
 """
 import copy
 import os
-import socket
-import time
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 from fastprompt.data import Batch
@@ -28,6 +25,7 @@ from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.grad_cache import grad_cache_step
 from fastprompt.train.steps import CachedStep, LossSide, PlainStep, extras_generators
 
+from ..gloo import free_port, gloo_group, spawn
 from .numerics import assert_same_gradients, batchnorm_amplification, conditioning
 from .token_term import ReconstructionTerm
 
@@ -128,18 +126,12 @@ def _step(ctx, enc, method, batch, cached):
 def _worker(rank, world, model_dirs, port, out_dir):
     """Every variant in one process group (spawning costs more than the steps): plain and gradient-cached
     steps, without and with the token term + BatchNorm head."""
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
-        ctx = DistributedContext(rank=rank, world_size=world)
+    with gloo_group(rank, world, port) as ctx:
         for with_term, model_dir in zip((False, True, "mlm+rtd"), (*model_dirs, model_dirs[1])):
             for cached in (False, True):
                 enc, method = _setup(model_dir, with_term)
                 out = _step(ctx, enc, method, _shard(_global_batch(enc, method), rank, world), cached)
                 save_file(_state(enc, method, out.loss), os.path.join(out_dir, _name(with_term, cached, rank)))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def _name(with_term, cached, rank):
@@ -151,25 +143,8 @@ def _name(with_term, cached, rank):
 def gloo_runs(tiny_bert_dir, no_dropout_bert, tmp_path_factory):
     """The two processes' losses, gradients and head buffers of every variant."""
     out = tmp_path_factory.mktemp("gloo")
-    _spawn(_worker, (2, (str(tiny_bert_dir), str(no_dropout_bert)), _free_port(), str(out)))
+    spawn(_worker, (2, (str(tiny_bert_dir), str(no_dropout_bert)), free_port(), str(out)))
     return out
-
-
-def _spawn(fn, args, nprocs=2, timeout=300):
-    """mp.spawn that fails instead of hanging the suite when a process never finishes."""
-    ctx = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1):
-        if time.monotonic() > deadline:
-            for proc in ctx.processes:
-                proc.kill()
-            pytest.fail(f"{fn.__name__}: processes still running after {timeout} s")
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["plain", "grad-cache"])
@@ -240,7 +215,7 @@ def _shutdown_worker(rank, world, port, out_dir):
 
 
 def test_shutdown_destroys_the_group_init_distributed_created(tmp_path):
-    _spawn(_shutdown_worker, (2, _free_port(), str(tmp_path)))
+    spawn(_shutdown_worker, (2, free_port(), str(tmp_path)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["done0", "done1"]
 
 
@@ -296,11 +271,7 @@ def _options_loss(ctx, b):
 
 
 def _options_worker(rank, world, model_dir, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
-        ctx = DistributedContext(rank=rank, world_size=world)
+    with gloo_group(rank, world, port) as ctx:
         for cached in (False, True):
             enc, _ = _setup(model_dir, with_term=False)
             local = _shard(_option_batch(enc), rank, world)
@@ -313,14 +284,12 @@ def _options_worker(rank, world, model_dir, port, out_dir):
             ctx.all_reduce_gradients(enc.trainable_parameters())
             state = {"grad.prompt.prefix": enc.prompt.prefix.grad, "loss": ctx.sum(loss.detach()).reshape(1)}
             save_file(state, os.path.join(out_dir, f"options-{'cached' if cached else 'plain'}-rank{rank}.safetensors"))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def gloo_option_runs(tiny_bert_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("gloo-options")
-    _spawn(_options_worker, (2, str(tiny_bert_dir), _free_port(), str(out)))
+    spawn(_options_worker, (2, str(tiny_bert_dir), free_port(), str(out)))
     return out
 
 

@@ -19,12 +19,11 @@ from fastprompt.methods.simcse.objective import SimCSE
 from fastprompt.model import PromptConfig, PromptEncoder
 from fastprompt.model.promptbert import PROMPTBERT_TEMPLATES
 from fastprompt.objectives import Method
-from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.promptbert import TemplateCollator, TemplateViewEmbedder
 from fastprompt.train.steps import CachedStep, LossSide
 
+from ..gloo import free_port, gloo_group, spawn
 from .numerics import assert_same_gradients, conditioning
-from .test_distributed import _free_port, _spawn
 
 SENTS = ["a man plays the guitar", "the dog runs in the park", "two people sit", "a woman is eating food",
          "the cat sits on the table", "red car", "one big ball", "water in the park"]
@@ -56,11 +55,7 @@ def _setup(model_dir):
 
 
 def _worker(rank, world, model_dir, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
-        ctx = DistributedContext(rank=rank, world_size=world)
+    with gloo_group(rank, world, port) as ctx:
         enc, method, collate, embed = _setup(model_dir)
         b = len(SENTS) // world
         batch = collate([(s,) for s in SENTS[rank * b:(rank + 1) * b]])
@@ -68,12 +63,10 @@ def _worker(rank, world, model_dir, port, out_dir):
         ctx.all_reduce_gradients(enc.trainable_parameters())
         grads = {n: p.grad.contiguous() for n, p in enc.named_parameters() if p.grad is not None}
         save_file({**grads, "loss": torch.tensor([out.loss])}, os.path.join(out_dir, f"rank{rank}.safetensors"))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 def test_two_processes_match_one_with_templates_and_a_trainable_backbone(tiny_bert_dir, tmp_path):
-    _spawn(_worker, (2, str(tiny_bert_dir), _free_port(), str(tmp_path)))
+    spawn(_worker, (2, str(tiny_bert_dir), free_port(), str(tmp_path)))
     enc, method, collate, embed = _setup(tiny_bert_dir)
     batch = collate([(s,) for s in SENTS])
     emb = embed(**batch.model_inputs()).view(2, len(SENTS), -1)

@@ -13,13 +13,13 @@ run their own packed encoder passes, CRTD with its conditional input at each seq
 import os
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from fastprompt.train.distributed import DistributedContext
 
+from ..gloo import free_port, gloo_group, spawn
 from .numerics import assert_same_gradients
-from .test_distributed import _free_port, _global_batch, _rtol, _setup, _shard, _spawn, _state, _step
+from .test_distributed import _global_batch, _rtol, _setup, _shard, _state, _step
 
 VARIANTS = [(False, False), (False, True), ("mlm+rtd", False), ("mlm+rtd", True)]
 IDS = ["simcse-plain", "simcse-grad-cache", "mlm+rtd-plain", "mlm+rtd-grad-cache"]
@@ -57,23 +57,17 @@ def test_packed_steps_give_the_padded_losses_and_gradients(tiny_bert_dir, no_dro
 
 
 def _worker(rank, world, model_dirs, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
-        ctx = DistributedContext(rank=rank, world_size=world)
+    with gloo_group(rank, world, port) as ctx:
         for (with_term, cached), name in zip(VARIANTS, IDS):
             enc, method = _packed_setup(model_dirs[bool(with_term)], with_term)
             out = _step(ctx, enc, method, _shard(_global_batch(enc, method), rank, world), cached)
             save_file(_state(enc, method, out.loss), os.path.join(out_dir, f"{name}-rank{rank}.safetensors"))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def packed_gloo_runs(tiny_bert_dir, no_dropout_bert, tmp_path_factory):
     out = tmp_path_factory.mktemp("packed-gloo")
-    _spawn(_worker, (2, (str(tiny_bert_dir), str(no_dropout_bert)), _free_port(), str(out)))
+    spawn(_worker, (2, (str(tiny_bert_dir), str(no_dropout_bert)), free_port(), str(out)))
     return out
 
 

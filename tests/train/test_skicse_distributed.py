@@ -24,11 +24,11 @@ from fastprompt.data import Batch
 from fastprompt.methods.skicse.objective import SKICSE
 from fastprompt.model import PromptConfig, PromptEncoder
 from fastprompt.objectives import Method, Views
-from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.steps import CachedStep, LossSide, PlainStep
 
+from ..gloo import free_port, gloo_group, spawn
 from .numerics import assert_same_gradients, conditioning
-from .test_distributed import NEGS, PAIRS, _free_port, _shard, _spawn, _stronger_attention
+from .test_distributed import NEGS, PAIRS, _shard, _stronger_attention
 
 SKIS = ["a guitar has strings", "dogs are animals", "a table is furniture", "red is a colour", "food is eaten",
         "cats are pets", "balls are round", "parks are green"]
@@ -55,11 +55,7 @@ def _name(layout, cached, rank):
 
 
 def _worker(rank, world, model_dir, port, out_dir):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.distributed.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        torch.set_num_threads(1)
-        ctx = DistributedContext(rank=rank, world_size=world)
+    with gloo_group(rank, world, port) as ctx:
         for layout, cached in itertools.product(LAYOUTS, (False, True)):
             enc, method, batch = _setup(model_dir, layout)
             side = LossSide(method, enc, ctx)
@@ -68,14 +64,12 @@ def _worker(rank, world, model_dir, port, out_dir):
             ctx.all_reduce_gradients(list(enc.trainable_parameters()))
             save_file({"loss": torch.tensor([out.loss]), "grad": enc.prompt.prefix.grad.contiguous()},
                       os.path.join(out_dir, _name(layout, cached, rank)))
-    finally:
-        torch.distributed.destroy_process_group()
 
 
 @pytest.fixture(scope="module")
 def gloo_skicse(tiny_bert_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("gloo-skicse")
-    _spawn(_worker, (2, str(tiny_bert_dir), _free_port(), str(out)))
+    spawn(_worker, (2, str(tiny_bert_dir), free_port(), str(out)))
     return out
 
 
