@@ -8,7 +8,7 @@ BERT MLM head (transform + decoder to the vocabulary), with 15% of the tokens ch
 - ``full`` (DCPCSE's models.py): ``head(hidden)``, logits (rows, seq_len, vocab), cross-entropy with
   ``ignore_index=-100`` over every position.
 
-Both give the same loss and gradients (tests/objectives/test_mlm.py). Time: both alternating in one fresh
+Both give the same loss and gradients (tests/methods/mlm/test_term.py). Time: both alternating in one fresh
 process (median, 20th/80th percentiles); memory: the peak of one step above the inputs, a fresh process per
 provider (bench/_harness.py). Ratios are masked / full (below 1: masked wins).
 

@@ -10,6 +10,9 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import errno  # noqa: E402
+import json  # noqa: E402
+import random  # noqa: E402
+import shutil  # noqa: E402
 import subprocess  # noqa: E402
 from pathlib import Path  # noqa: E402
 
@@ -231,3 +234,170 @@ def smollm2_dir(smollm2_gguf_model, tmp_path_factory) -> Path:
     from fastprompt.model.gguf import save_dequantised
 
     return save_dequantised(*smollm2_gguf_model, tmp_path_factory.mktemp("smollm2") / "model")
+
+
+# ---------------------------------------------------------------- training runs (the trainer's and the methods' tests)
+# Words the tiny test tokenizer (below) knows, so sentences stay a few tokens long.
+SENTENCE_WORDS = ("man woman dog cat plays runs eating guitar ball park street car red blue big small "
+         "two people one sits table water food").split()
+
+
+def make_sentences(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    out = set()
+    while len(out) < n:
+        out.add(" ".join(rng.choice(SENTENCE_WORDS) for _ in range(rng.randint(3, 7))))
+    return sorted(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_corpus(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n".join(make_sentences(96)) + "\n", encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_triplets(tmp_path_factory) -> Path:
+    s = make_sentences(3 * 48, seed=1)
+    path = tmp_path_factory.mktemp("nli") / "triplets.csv"
+    path.write_text("sent0,sent1,hard_neg\n" + "".join(f"{s[i]},{s[i + 1]},{s[i + 2]}\n" for i in range(0, len(s), 3)),
+                    encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_sts_dir(tmp_path_factory) -> Path:
+    """Every file of the seven STS tasks, with 12 scored pairs each (same layout as ../shared/data/sts)."""
+    from fastprompt.eval.sts import SICK_SPLITS, STS_YEAR_SUBSETS, STSB_SPLITS
+
+    root = tmp_path_factory.mktemp("sts")
+    rng = random.Random(7)
+    sents = make_sentences(400, seed=2)
+
+    def pairs(k=12):
+        return [(rng.choice(sents), rng.choice(sents), round(rng.uniform(0, 5), 2)) for _ in range(k)]
+
+    for folder, subsets in STS_YEAR_SUBSETS.values():
+        d = root / folder
+        d.mkdir()
+        for sub in subsets:
+            ps = pairs()
+            (d / f"STS.input.{sub}.txt").write_text("".join(f"{a}\t{b}\n" for a, b, _ in ps), encoding="utf-8")
+            (d / f"STS.gs.{sub}.txt").write_text("".join(f"{g}\n" for _, _, g in ps), encoding="utf-8")
+    d = root / "STSBenchmark"
+    d.mkdir()
+    for name in STSB_SPLITS.values():
+        d.joinpath(name).write_text("".join(f"g\tf\t2012\t{i:04d}\t{g}\t{a}\t{b}\n"
+                                            for i, (a, b, g) in enumerate(pairs())), encoding="utf-8")
+    d = root / "SICK"
+    d.mkdir()
+    for name in SICK_SPLITS.values():
+        d.joinpath(name).write_text("pair_ID\tsentence_A\tsentence_B\trelatedness_score\tentailment_judgment\n"
+                                    + "".join(f"{i}\t{a}\t{b}\t{g}\tNEUTRAL\n" for i, (a, b, g) in enumerate(pairs())),
+                                    encoding="utf-8")
+    return root
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_masked_lm(tiny_bert_dir, tmp_path_factory) -> Path:
+    """The tiny BERT's tokenizer and config saved as a BertForMaskedLM: a checkpoint with a ``cls.predictions``
+    head (its transform included), as bert-base-uncased has one."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer, BertForMaskedLM
+
+    path = tmp_path_factory.mktemp("tiny-bert-masked-lm")
+    AutoTokenizer.from_pretrained(tiny_bert_dir).save_pretrained(path)
+    torch.manual_seed(4)
+    BertForMaskedLM(AutoConfig.from_pretrained(tiny_bert_dir)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def base_config(tiny_bert_dir, tiny_corpus, tmp_path):
+    """Config keys of a fast run on the tiny BERT: 1 thread (bit-reproducible), no STS unless a test adds it."""
+
+    def make(**overrides):
+        cfg = dict(model=str(tiny_bert_dir), train_file=str(tiny_corpus), output_dir=str(tmp_path / "run"),
+                   batch_size=8, max_length=16, prompt_length=4, learning_rate=1e-2, max_steps=8, eval_steps=4,
+                   log_every=2, num_threads=1, progress_bar=False, seed=3)
+        cfg.update(overrides)
+        return cfg
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _restore_torch_threads():
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="session")
+def no_dropout_bert(tiny_bert_dir, tmp_path_factory) -> Path:
+    """The tiny BERT with dropout off, so that train mode (the BatchNorm head's batch statistics) is
+    deterministic."""
+    path = tmp_path_factory.mktemp("bert-no-dropout")
+    for f in tiny_bert_dir.iterdir():
+        shutil.copy(f, path / f.name)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+# ---------------------------------------------------------------- tiny random masked-LM backbones (PromptBERT's tests)
+# tiny_bert_mlm_dir: a BertForMaskedLM (cls.predictions.*) with a WordPiece tokenizer; tiny_roberta_bpe_dir: a
+# RobertaForMaskedLM (lm_head.*) with a real byte-level BPE tokenizer trained on a few sentences, so RoBERTa's
+# leading-space tokenisation ("Ġdog") and <mask> (lstrip) are exercised.
+_BPE_CORPUS = [" ".join(_TINY_WORDS[i:i + 7]) + " ." for i in range(len(_TINY_WORDS))] + [
+    'This sentence : "a man plays a guitar ." means something .', "The sentence : ' it ' means .",
+    "This sentence of \" the dog \" means that ."]
+
+
+def _mlm_config(cls, vocab_size, **extra):
+    return cls(vocab_size=vocab_size, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+               intermediate_size=64, max_position_embeddings=96, hidden_dropout_prob=0.1,
+               attention_probs_dropout_prob=0.1, **extra)
+
+
+@pytest.fixture(scope="session")
+def tiny_bert_mlm_dir(tmp_path_factory) -> Path:
+    import torch
+    from transformers import BertConfig, BertForMaskedLM, BertTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-bert-mlm")
+    chars = list("abcdefghijklmnopqrstuvwxyz0123456789.,!?'\":;-()")
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + list(_TINY_WORDS) + chars + ["##" + c for c in chars]
+    tok = BertTokenizerFast(vocab={w: i for i, w in enumerate(vocab)}, do_lower_case=True)
+    tok.model_max_length = 64
+    tok.save_pretrained(path)
+    torch.manual_seed(1)
+    BertForMaskedLM(_mlm_config(BertConfig, len(vocab), pad_token_id=0)).save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_roberta_bpe_dir(tmp_path_factory) -> Path:
+    import torch
+    from tokenizers import AddedToken, ByteLevelBPETokenizer
+    from tokenizers.processors import RobertaProcessing
+    from transformers import RobertaConfig, RobertaForMaskedLM, RobertaTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-roberta-bpe")
+    bpe = ByteLevelBPETokenizer()
+    # <mask> absorbs the space before it (lstrip), as in roberta-base's tokenizer.json
+    bpe.train_from_iterator(_BPE_CORPUS, vocab_size=400, min_frequency=1, special_tokens=[
+        "<s>", "<pad>", "</s>", "<unk>", AddedToken("<mask>", lstrip=True, special=True)])
+    bpe._tokenizer.post_processor = RobertaProcessing(("</s>", 2), ("<s>", 0))
+    tok = RobertaTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token="<s>", eos_token="</s>", sep_token="</s>",
+                               cls_token="<s>", unk_token="<unk>", pad_token="<pad>", mask_token="<mask>")
+    tok.model_max_length = 64
+    tok.save_pretrained(path)
+    torch.manual_seed(2)
+    config = _mlm_config(RobertaConfig, len(tok), pad_token_id=1, bos_token_id=0, eos_token_id=2, type_vocab_size=1)
+    RobertaForMaskedLM(config).save_pretrained(path)
+    return path

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # a bench smoke run
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_large_batch.py"
 
 

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # bench smoke runs of the ops
+
 BENCH = Path(__file__).resolve().parents[1] / "bench"
 RUNS = {
     "bench_contrastive_loss.py": (["--smoke"], ["fused", "triton", "chunked", "torch_chunked", "reference"],

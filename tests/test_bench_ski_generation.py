@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.heavy  # a bench smoke run
+
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "bench_ski_generation.py"
 
 

@@ -123,6 +123,7 @@ def test_matmul_pseudo_providers_do_the_counted_work(bench, tiny_bert_dir):
     assert shapes["matmul_attn"][0] == (2 * 6 * cfg.num_attention_heads, 12, cfg.hidden_size // 4)
 
 
+@pytest.mark.heavy  # a bench smoke run: ~20 s
 def test_bench_writes_every_point(bench, tiny_bert_dir, tmp_path):
     pytest.importorskip("peft")
     out = tmp_path / "train_step.csv"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.heavy  # the CMake rebuild of the C++ kernels: ~50 s
+
 ROOT = Path(__file__).resolve().parents[1]
 
 CHECK = textwrap.dedent('''

@@ -42,6 +42,7 @@ def test_the_kit_says_so_and_exits_cleanly_without_a_gpu():
     assert proc.returncode == 0 and "no CUDA GPU here" in proc.stdout and "--dry-run" in proc.stdout
 
 
+@pytest.mark.heavy  # the GPU kit's dry run at smoke sizes: ~45 s
 def test_the_dry_run_executes_every_step_at_smoke_sizes(tmp_path):
     """~50 s: a tiny training step's profile, two tiny train steps vs PEFT, tune's plan, the loss bench's smoke
     sizes."""

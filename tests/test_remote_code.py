@@ -120,6 +120,7 @@ def test_generate_ski_local_llm(evil, tmp_path, capsys):
                    "--output", str(tmp_path / "ski.csv")]), capsys, marker)
 
 
+@pytest.mark.heavy  # command processes
 def test_echo_y_into_the_command_runs_nothing_and_the_flag_runs_it(tiny_bert_dir, tmp_path):
     """The reported case, as a user runs it: `echo y | fastprompt encode --model FOLDER`; then, asked explicitly
     with --trust-remote-code, the folder's code does run (in a scratch module cache)."""

@@ -378,7 +378,7 @@ class ReplacementTable:
     overhead, against a pointer per token in a tuple and a list plus a 28-byte int object per token id above
     256. Measured with ``tracemalloc`` for 20,000 sentences of 20 tokens (random ids, 30% of the inner
     tokens replaced): 29.7 MB as tuples and lists, 4.4 MB (~220 bytes a sentence) as here;
-    ``tests/objectives/test_replacements.py::test_the_table_is_compact`` bounds it.
+    ``tests/methods/crtd/test_replacements.py::test_the_table_is_compact`` bounds it.
     """
 
     def __init__(self, path: str | os.PathLike):

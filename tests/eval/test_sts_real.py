@@ -48,6 +48,7 @@ def test_real_files_pair_counts(sts_dir):
     assert all(0.0 <= g <= 5.0 for d in data.values() for g in d.scores)
 
 
+@pytest.mark.heavy  # the real MiniLM on real STS data: ~18 s
 def test_minilm_reproduces_mteb_stsb_and_sts16(sts_dir, minilm):
     """STS-B test (raw) and STS16 (SentEval preprocessing: extra columns and unscored pairs) in one pass."""
     datasets = {"sts16": load_sts_tasks(sts_dir, "sts16")["sts16"], "stsb": load_stsb(sts_dir, preprocess="none")}

@@ -25,6 +25,7 @@ def _run(script, out, *args):
     return rows
 
 
+@pytest.mark.heavy  # a bench smoke run
 def test_st_loss_bench_measures_every_provider(tmp_path):
     pytest.importorskip("sentence_transformers")
     rows = _run("bench_st_loss.py", tmp_path / "st.csv", "--part", "loss", "--batch", "16", "--columns", "3")
@@ -36,6 +37,7 @@ def test_st_loss_bench_measures_every_provider(tmp_path):
     assert [float(r["time_vs_baseline"]) for r in rows][1] == 1.0
 
 
+@pytest.mark.heavy  # a bench smoke run
 def test_st_loss_step_with_the_small_encoder(tiny_bert_dir, tmp_path):
     """The step part's default encoder (a small random BERT with --model's tokenizer) on a few triplets, through
     sentence-transformers' GradCache (the cached provider) and the plain MNRL baseline."""

@@ -415,6 +415,7 @@ def _gather_worker(rank, world, port, out_dir):
         save_file(results, os.path.join(out_dir, f"rank{rank}.safetensors"))
 
 
+@pytest.mark.heavy  # two processes
 def test_gather_across_devices_matches_sentence_transformers(tmp_path):
     """Two gloo processes: each rank's loss and gradients equal sentence-transformers' gathered loss (forward,
     symmetric per direction and joint; with a negative column, hardness-weighted)."""

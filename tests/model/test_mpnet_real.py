@@ -16,7 +16,7 @@ SENTENCES = ["A man is playing a guitar.", "The dog runs in the park.", "Two peo
              "water and food.", "It"]
 
 
-pytestmark = pytest.mark.usefixtures("two_threads")
+pytestmark = [pytest.mark.usefixtures("two_threads"), pytest.mark.heavy]  # heavy: the real all-mpnet-base-v2
 
 
 def test_no_prompt_equals_sentence_transformers(mpnet_dir):

@@ -26,7 +26,7 @@ SENTENCES = ["A man is playing a guitar.", "The dog runs in the park.", "Two peo
              "water and food.", "It"]
 
 
-pytestmark = pytest.mark.usefixtures("two_threads")
+pytestmark = [pytest.mark.usefixtures("two_threads"), pytest.mark.heavy]  # heavy: the real SmolLM2
 
 
 def _reference(model_dir, pooler):

@@ -45,6 +45,7 @@ def assert_all_fit(rows, specs):
     assert any(r.name.startswith("cl_stats_tf32_") and r.mma != "none" for r in rows)
 
 
+@pytest.mark.heavy  # AOT compiles
 def test_ci_specialisations_fit_sm80_and_sm90():
     specs = tk.aot_specs()
     assert {tag(s.name) for s in specs} == {"fp16", "fp32", "tf32"}

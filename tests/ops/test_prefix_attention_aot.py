@@ -19,6 +19,7 @@ from fastprompt.kernels import aot
 from fastprompt.kernels import prefix_attention as kernels
 
 
+@pytest.mark.heavy  # AOT compiles: ~20 s
 def test_ci_specialisations_fit_sm80_and_sm90_on_tensor_cores():
     specs = kernels.aot_specs()
     rows = aot.check_module("fastprompt.kernels.prefix_attention", ccs=(80, 90))

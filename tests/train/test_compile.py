@@ -103,6 +103,7 @@ def aot_eager_compile(monkeypatch):
     return calls
 
 
+@pytest.mark.heavy  # torch.compile of a training run, twice: ~30 s
 def test_compiled_run_resumes_bit_for_bit(base_config, aot_eager_compile, tmp_path):
     """Interrupted at step 3 and resumed, a compiled run (dropout on) ends with the same prompt and optimizer
     state as an uninterrupted one, bit for bit."""
@@ -129,6 +130,7 @@ def test_compiled_run_resumes_bit_for_bit(base_config, aot_eager_compile, tmp_pa
                 assert torch.equal(got[key], want[key]), f"{name}: {key} differs"
 
 
+@pytest.mark.heavy  # torch.compile of a training run
 @pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
 def test_a_compiled_run_traces_without_a_graph_break(base_config, aot_eager_compile, tiny_sts_dir, packed):
     """Issue 40, item 18: ``compile: true`` on the CPU printed 62 lines of torch._dynamo warnings (23 packed):

@@ -147,6 +147,7 @@ def gloo_runs(tiny_bert_dir, no_dropout_bert, tmp_path_factory):
     return out
 
 
+@pytest.mark.heavy  # two processes
 @pytest.mark.parametrize("cached", [False, True], ids=["plain", "grad-cache"])
 def test_two_gloo_processes_match_one_process(tiny_bert_dir, gloo_runs, cached):
     """Plain SimCSE with hard negatives, no head: the reference is the objective on one forward."""
@@ -161,6 +162,7 @@ def test_two_gloo_processes_match_one_process(tiny_bert_dir, gloo_runs, cached):
         assert_same_gradients(ref, {k: got[k] for k in ref}, rtol)
 
 
+@pytest.mark.heavy  # two processes
 @pytest.mark.parametrize("cached", [False, True], ids=["plain", "grad-cache"])
 @pytest.mark.parametrize("with_term", [True, "mlm+rtd"], ids=["test-term", "mlm+rtd"])
 def test_two_processes_match_one_with_token_term_and_batchnorm_head(no_dropout_bert, gloo_runs, cached, with_term):
@@ -214,6 +216,7 @@ def _shutdown_worker(rank, world, port, out_dir):
     open(os.path.join(out_dir, f"done{rank}"), "w").close()
 
 
+@pytest.mark.heavy  # two processes
 def test_shutdown_destroys_the_group_init_distributed_created(tmp_path):
     spawn(_shutdown_worker, (2, free_port(), str(tmp_path)))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["done0", "done1"]
@@ -293,6 +296,7 @@ def gloo_option_runs(tiny_bert_dir, tmp_path_factory):
     return out
 
 
+@pytest.mark.heavy  # two processes
 @pytest.mark.parametrize("cached", [False, True], ids=["plain", "grad-cache"])
 def test_two_processes_match_one_with_loss_options(tiny_bert_dir, gloo_option_runs, cached):
     """k = 2 negatives per row, hardness weighting, the text-id false-negative mask, the joint symmetric loss (its

@@ -18,10 +18,13 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors.torch import load_file
 
 from fastprompt.train import Trainer
+
+pytestmark = pytest.mark.heavy  # training processes killed at random and resumed
 
 REPO = Path(__file__).resolve().parents[2]
 MODES = ("after_step", "in_checkpoint_write", "between_renames")

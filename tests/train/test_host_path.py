@@ -52,6 +52,7 @@ def _attention_launches(launches: TritonLaunches) -> int:
     return sum(n for (module, _), n in launches.by_module.items() if module.endswith("prefix_attention"))
 
 
+@pytest.mark.heavy  # a packed training step through the Triton interpreter: ~10 s
 def test_a_packed_triton_training_step_reads_nothing_on_the_host(base_config, monkeypatch):
     """The whole step (collated batch to the device, forward, loss, backward, clipping, the optimizer update and the
     non-finite bookkeeping) with dropout on: no host read, the update decided on the device."""

@@ -109,6 +109,7 @@ def _first_step_gradients(run_dir, initial, lr):
     return out
 
 
+@pytest.mark.heavy  # two torchrun processes
 def test_torchrun_two_processes_train_like_one(base_config, no_dropout_bert, tiny_triplets, tmp_path):
     """`torchrun --nproc_per_node 2 fastprompt train`: each process takes half of every global batch and
     contrasts against all of it; the step it takes equals the single-process run's, up to rounding (the gradients

@@ -71,6 +71,7 @@ def packed_gloo_runs(tiny_bert_dir, no_dropout_bert, tmp_path_factory):
     return out
 
 
+@pytest.mark.heavy  # two processes
 @pytest.mark.parametrize("with_term,cached", VARIANTS, ids=IDS)
 def test_two_packed_processes_give_the_padded_losses_and_gradients(tiny_bert_dir, no_dropout_bert, packed_gloo_runs,
                                                                    with_term, cached):

@@ -16,7 +16,7 @@ from fastprompt.objectives.base import Views
 from fastprompt.train import Trainer
 from fastprompt.train.distributed import DistributedContext
 
-from .conftest import make_sentences
+from ..conftest import make_sentences
 
 NAMES = ("sent0", "sent1", "hard_neg", "hard_neg_2", "hard_neg_3")
 

@@ -39,6 +39,7 @@ def test_lock_is_released_when_setup_fails(base_config, tmp_path):
         pass
 
 
+@pytest.mark.heavy  # training processes started and killed
 def test_cli_refuses_a_live_run_and_takes_over_a_killed_ones_lock(base_config, tmp_path):
     cfg = base_config(max_steps=1)
     out = Path(cfg["output_dir"])

@@ -12,7 +12,7 @@ from safetensors.torch import load_file
 
 from fastprompt.train import Trainer
 
-from .conftest import make_sentences
+from ..conftest import make_sentences
 
 WIKI = "builtin:gensim-wiki"  # train_file's default: train_files replaces it
 

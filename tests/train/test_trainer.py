@@ -177,6 +177,7 @@ _SLOW_RUN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.heavy  # a training process killed and resumed
 def test_sigkill_mid_run_then_resume_is_bit_identical(reference_run, tmp_path):
     cfg, ref_out = reference_run
     run = tmp_path / "run"

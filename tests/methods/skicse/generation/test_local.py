@@ -157,6 +157,7 @@ def smollm2(smollm2_dir):
     return LocalBackend(str(smollm2_dir), batch_size=2, device="cpu")
 
 
+@pytest.mark.heavy  # the real SmolLM2: ~17 s
 def test_real_smollm2_answers_two_sentences(smollm2, smollm2_dir, tmp_path):
     assert smollm2_gguf().name == SMOLLM2_GGUF
     assert smollm2.settings()["model"] == str(smollm2_dir) and smollm2.chat_template

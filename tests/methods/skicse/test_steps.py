@@ -26,8 +26,8 @@ from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.grad_cache import make_micro_batches, plan_micro_batches
 from fastprompt.train.steps import CachedStep, LossSide, PlainStep
 
-from .numerics import assert_same_gradients, batchnorm_amplification, conditioning
-from .test_distributed import _stronger_attention
+from ...train.numerics import assert_same_gradients, batchnorm_amplification, conditioning
+from ...train.test_distributed import _stronger_attention
 
 SEED, STEP = 99, 7
 UNSUP = [("a man plays the guitar .", "a guitar is a string instrument ; it is played with the fingers ."),

@@ -10,7 +10,7 @@ import yaml
 
 from fastprompt.train import Trainer, load_config
 
-from .test_cli import _main
+from ...train.test_cli import _main
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "data" / "fixtures" / "ski-wiki-10.csv"

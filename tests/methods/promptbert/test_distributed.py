@@ -12,6 +12,7 @@ gradient by 20 to 130 percent (test_without_gathering_the_gradients_differ_by_fa
 """
 import os
 
+import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
@@ -22,8 +23,8 @@ from fastprompt.objectives import Method
 from fastprompt.train.promptbert import TemplateCollator, TemplateViewEmbedder
 from fastprompt.train.steps import CachedStep, LossSide
 
-from ..gloo import free_port, gloo_group, spawn
-from .numerics import assert_same_gradients, conditioning
+from ...gloo import free_port, gloo_group, spawn
+from ...train.numerics import assert_same_gradients, conditioning
 
 SENTS = ["a man plays the guitar", "the dog runs in the park", "two people sit", "a woman is eating food",
          "the cat sits on the table", "red car", "one big ball", "water in the park"]
@@ -65,6 +66,7 @@ def _worker(rank, world, model_dir, port, out_dir):
         save_file({**grads, "loss": torch.tensor([out.loss])}, os.path.join(out_dir, f"rank{rank}.safetensors"))
 
 
+@pytest.mark.heavy  # two processes
 def test_two_processes_match_one_with_templates_and_a_trainable_backbone(tiny_bert_dir, tmp_path):
     spawn(_worker, (2, str(tiny_bert_dir), free_port(), str(tmp_path)))
     enc, method, collate, embed = _setup(tiny_bert_dir)

@@ -1,4 +1,4 @@
-"""The server backend against a local OpenAI-compatible test server (tests/data/conftest.py)."""
+"""The server backend against a local OpenAI-compatible test server (tests/methods/skicse/generation/conftest.py)."""
 import csv
 import json
 import socket

@@ -26,9 +26,11 @@ from fastprompt.model import PromptConfig, PromptEncoder
 from fastprompt.objectives import Method, Views
 from fastprompt.train.steps import CachedStep, LossSide, PlainStep
 
-from ..gloo import free_port, gloo_group, spawn
-from .numerics import assert_same_gradients, conditioning
-from .test_distributed import NEGS, PAIRS, _shard, _stronger_attention
+from ...gloo import free_port, gloo_group, spawn
+from ...train.numerics import assert_same_gradients, conditioning
+from ...train.test_distributed import NEGS, PAIRS, _shard, _stronger_attention
+
+pytestmark = pytest.mark.heavy  # two processes
 
 SKIS = ["a guitar has strings", "dogs are animals", "a table is furniture", "red is a colour", "food is eaten",
         "cats are pets", "balls are round", "parks are green"]

@@ -15,7 +15,7 @@ from fastprompt.train.distributed import DistributedContext
 from fastprompt.train.grad_cache import plan_micro_batches
 from fastprompt.train.steps import CachedStep, LossSide, PlainStep, extras_generators
 
-from .test_steps import ROWS, SEED, STEP, _grads, _reference
+from ...train.test_steps import ROWS, SEED, STEP, _grads, _reference
 
 
 def _setup(model_dir, discriminator, condition, rows=ROWS):
