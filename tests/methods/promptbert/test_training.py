@@ -226,7 +226,7 @@ def test_the_bert_recipes_train_their_transform_head(recipe, tiny_bert_masked_lm
     from fastprompt.train.config import load_config
 
     sup = recipe.startswith("promptbert")
-    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / recipe, dict(
+    cfg = load_config(Path(__file__).resolve().parents[3] / "configs" / recipe, dict(
         model=str(tiny_bert_masked_lm), train_file=str(tiny_triplets if sup else tiny_corpus), batch_size=8,
         micro_batch_size=5, max_steps=2, sts_dir=None, output_dir=str(tmp_path / "run"), precision="fp32",
         num_threads=1, progress_bar=False, tensorboard=False))

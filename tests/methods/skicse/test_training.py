@@ -12,7 +12,7 @@ from fastprompt.train import Trainer, load_config
 
 from ...train.test_cli import _main
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 FIXTURE = ROOT / "tests" / "data" / "fixtures" / "ski-wiki-10.csv"
 
 

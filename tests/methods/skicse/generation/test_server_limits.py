@@ -15,7 +15,7 @@ import pytest
 from fastprompt.methods.skicse.generation import LLMServerError, Sampling, ServerBackend, generate_ski
 from fastprompt.methods.skicse.generation.server import MAX_CHARS_PER_TOKEN, answer_byte_cap
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[4]
 SENTENCE = "One sentence here."
 
 
