@@ -69,6 +69,7 @@ def child_kind(request, monkeypatch):
     return request.param
 
 
+@pytest.mark.heavy  # a bench smoke run in fresh processes
 def test_fresh_process_peak_memory_counts_the_step_only(script, child_kind):
     big = _harness.run_fresh(script, "setup", {"mb": 96}, mode="memory", providers=["toy"], device="cpu", steps=2)
     small = _harness.run_fresh(script, "setup", {"mb": 0}, mode="memory", providers=["toy"], device="cpu")

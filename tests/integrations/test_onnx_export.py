@@ -142,6 +142,7 @@ def _export_and_check(case, tmp_path):
     return encoder, out
 
 
+@pytest.mark.heavy  # an ONNX export and onnxruntime per architecture: ~20 s each
 @pytest.mark.parametrize("case", list(CASES))
 def test_onnx_equals_encode(case, tmp_path):
     encoder, out = _export_and_check(CASES[case], tmp_path)
@@ -233,6 +234,7 @@ def _check_prefix_and_padding(encoder, out):
     assert {n.domain for n in model.graph.node} <= {"", "ai.onnx"}
 
 
+@pytest.mark.heavy  # the real MiniLM exported: ~40 s
 def test_real_minilm_through_the_cli(minilm_dir, tmp_path, capsys):
     """all-MiniLM-L6-v2 with a trained-looking prompt (16 prefix positions, N(0, 0.5): keys and values of the size
     the backbone's own have), saved as a checkpoint and exported by the command line."""
@@ -269,6 +271,7 @@ def mpnet_dir():
     return path
 
 
+@pytest.mark.heavy  # the real all-mpnet-base-v2 exported: ~75 s
 def test_real_mpnet(mpnet_dir, tmp_path):
     """all-mpnet-base-v2 (MPNet: 12 layers, hidden 768, the relative position bias every layer adds, which the
     prefix columns must not shift) with a 16-position prompt and mean pooling, its own pooler: the graph equals
@@ -284,6 +287,7 @@ def test_real_mpnet(mpnet_dir, tmp_path):
     assert worst < ATOL
 
 
+@pytest.mark.heavy  # the real MiniLM exported: ~35 s
 def test_real_minilm_float16_through_the_cli(minilm_dir, tmp_path):
     """--dtype float16: the float32 graph converted by onnxruntime's float16 converter, inputs int64 and outputs
     float32 as before, its weights half the size; encode()'s vectors within ATOL_FP16."""
@@ -311,6 +315,7 @@ def test_real_minilm_float16_through_the_cli(minilm_dir, tmp_path):
 # divides the already normalised vector by its norm (1 within ~1e-7): < 1e-7 more.
 
 
+@pytest.mark.heavy  # the real MiniLM exported: ~30 s
 def test_sentence_transformers_onnx_backend_equals_encode(minilm_dir, tmp_path):
     """fastprompt export --to sentence-transformers --onnx: SentenceTransformer(folder, backend="onnx") runs the
     onnx/ graph in onnxruntime (no PyTorch weights loaded) and its encode() equals PromptEncoder.encode; the torch

@@ -154,6 +154,7 @@ TOY = textwrap.dedent('''
 ''')
 
 
+@pytest.mark.heavy  # AOT compiles
 def test_aot_helper_reports_registers_spills_and_tensor_core_instructions(tmp_path, monkeypatch):
     (tmp_path / "toy_aot_kernels.py").write_text(TOY)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))

@@ -90,6 +90,7 @@ def graphs_on_the_cpu(monkeypatch):
     return calls
 
 
+@pytest.mark.heavy  # torch.compile of a training step: ~20 s
 def test_a_cuda_graphs_step_traces_whole_on_few_shapes_and_reads_nothing(base_config, tiny_sts_dir,
                                                                          graphs_on_the_cpu, tmp_path):
     """The capture-safety proof on the CPU: batches of varying lengths (and a last, smaller batch) pad to the

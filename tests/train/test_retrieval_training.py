@@ -88,6 +88,7 @@ def _ids_worker(rank, port, out):
         torch.distributed.destroy_process_group()
 
 
+@pytest.mark.heavy  # two processes
 def test_two_processes_gather_text_ids_as_they_gather_embeddings(tmp_path):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -122,6 +122,7 @@ _KILLED_RUN = textwrap.dedent("""
 """)
 
 
+@pytest.mark.heavy  # a training process killed and resumed: ~15 s each
 @pytest.mark.parametrize("mode,cache,prompt", [("lora", False, "none"), ("lora", True, "none"), ("full", True, "none"),
                                                ("lora", False, "prefix")])
 def test_resumes_bit_for_bit_after_sigkill(base_config, tmp_path, mode, cache, prompt):
