@@ -206,7 +206,8 @@ def seeds_markdown(table: dict[str, Any]) -> str:
     if table["n"]:
         cells = [_cell(mean.get(c), std.get(c)) for c in (*COLUMNS, "stsb_dev")]
         cells[len(COLUMNS) - 1] = f"**{cells[len(COLUMNS) - 1]}**"
-        lines.append(f"| mean ± std ({table['n']} seeds) | " + " | ".join(cells) + " |")
+        label = f"mean ± std ({table['n']} seeds)" if table["n"] > 1 else "mean (1 seed, no std)"
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
     notes = ["", f"Seeds {', '.join(map(str, table['seeds']))}; each row is the seven-task STS test result (Spearman "
              "× 100) of that seed's best STS-B dev checkpoint; ± is the sample standard deviation (n − 1) over the "
              "completed seeds."]

@@ -154,3 +154,14 @@ def test_every_seed_is_checked_before_the_first_trains(base_config, tiny_sts_dir
     with pytest.raises(ValueError, match=r"seed must be in \[0, 4294967295\], got 5000000000"):
         train_seeds(cfg, [1, 5000000000], run=lambda c: calls.append(c.seed))  # the Python API too
     assert calls == []
+
+
+def test_one_seed_is_not_called_a_mean_and_std(base_config, tiny_sts_dir, tmp_path):
+    """``--seeds 42`` alone wrote "mean ± std (1 seeds)" over a row without a standard deviation."""
+    cfg = load_config(_recipe(tmp_path, base_config, tiny_sts_dir), {"output_dir": str(tmp_path / "one")})
+
+    def run(c):
+        return {"status": "completed", "test": {c: 70.0 for c in COLUMNS}, "best_stsb_dev": 80.0, "best_step": 2}
+
+    md = seeds_markdown(train_seeds(cfg, [42], run=run))
+    assert "| mean (1 seed, no std) | 70.00 |" in md and "±" not in md.split("\n\n")[0]
