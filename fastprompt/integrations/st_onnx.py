@@ -48,7 +48,8 @@ class OnnxPromptModule(InputModule):
         require_onnx()
         self.folder = Path(folder)
         self.info = read_json(self.folder / CONFIG_FILE, CONFIG_FILE)
-        self.tokenizer = AutoTokenizer.from_pretrained(str(self.folder))
+        # the tokenizer files the export wrote: no code from the folder runs, whatever sentence-transformers was given
+        self.tokenizer = AutoTokenizer.from_pretrained(str(self.folder), trust_remote_code=False)
         options = ort.SessionOptions()
         options.log_severity_level = 3
         self.session = ort.InferenceSession(str(self.folder / GRAPH_FILE), options, providers=[provider])
