@@ -57,6 +57,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fastprompt.choices import POOLERS
+
 logger = logging.getLogger(__name__)
 
 FORMAT = "fastprompt.onnx"
@@ -98,8 +100,9 @@ def exportable_model_types() -> list[str]:
 #: poolers exported: those computed from the last hidden states and the attention mask, "mask" (a template's
 #: [MASK] state, with template denoising: its bias is a constant table, one row per sentence length) and "topk"
 #: (PromptBERT's top-k of the MLM head's vocabulary distribution at that state: the MLM head, the word embeddings and
-#: a TopK operator in the graph); every pooler fastprompt has
-EXPORTABLE_POOLERS = ("cls", "cls_before_pooler", "mean", "bn_mlp", "last", "mask", "topk")
+#: a TopK operator in the graph); every pooler fastprompt has (a pooler added to fastprompt.choices.POOLERS is
+#: exportable only once tests/integrations/test_onnx_export.py's cases cover it: that test fails until they do)
+EXPORTABLE_POOLERS = POOLERS
 #: the sentences the export is checked on: padded (several lengths), punctuation, digits
 CHECK_SENTENCES = ["A man is playing a guitar.", "Two dogs run in the park, 3 times, and then they sleep in the shade "
                    "of a big old tree near the river.", "ok"]
