@@ -9,7 +9,9 @@ feed-forward is gated (gate, up, down: three matrices).
 """
 from __future__ import annotations
 
-from .family import Family, register_family, replace
+from dataclasses import replace
+
+from .family import Family, register_family
 
 POOLING = "last, mean"
 WITH_PEFT = ("explicit concatenation", "AutoModel", "PEFT")

@@ -25,7 +25,6 @@ fastprompt adapts only the instances it loads.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import importlib
@@ -222,8 +221,3 @@ def apply(spec: Family, backbone, layers) -> Applied:
         applied.pooled_rows_only = pooled_rows.install(layers, spec.pooled_rows.upstream.cls(),
                                                        spec.pooled_rows.function)
     return applied
-
-
-def replace(spec: Family, **changes) -> Family:
-    """A copy of ``spec`` with ``changes`` (another ``model_type`` of the same family)."""
-    return dataclasses.replace(spec, **changes)
