@@ -15,6 +15,7 @@ entries are ~1e-5 while the per-token terms they sum are orders larger), so its 
 terms, not to the entry: bounded here by 1e-4 x the largest |entry| of the same gradient (a real bug, e.g. a
 dropped path or a wrong mask, moves the gradient by O(1) of its size).
 """
+import csv
 import os
 import shutil
 import signal
@@ -150,6 +151,48 @@ def test_a_compiled_run_traces_without_a_graph_break(base_config, aot_eager_comp
     assert Trainer(cfg).train()["status"] == "completed"
     assert aot_eager_compile and dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] <= 6  # train and eval modes, static then dynamic shapes
+
+
+@pytest.mark.heavy  # torch.compile of two training runs
+@pytest.mark.parametrize("mode", ["lora", "full"])
+def test_compiled_lora_and_full_runs_trace_whole_and_train_like_eager(base_config, aot_eager_compile, no_dropout_bert,
+                                                                      tiny_sts_dir, tmp_path, mode):
+    """The tuning modes without a prompt (docs/tuning-modes.md) compile too: PEFT's LoRA layers and a trained
+    backbone trace without a graph break, and the compiled run logs the eager run's losses (within this module's
+    1e-5: the same fp32 function, other fusion) and trains the same weights (1e-5; with adam_epsilon 1 an AdamW step
+    is lr * g / (|g| + 1), smooth in g, so gradients equal to rounding give weights equal to lr x that rounding,
+    where the default epsilon's step, lr * sign(g) for a near-zero entry, can turn rounding into a lr-sized
+    difference: measured 1e-4 on one of 256 entries). Dropout off (the model's and LoRA's): a compiled graph draws
+    its dropout masks from another random stream than eager code."""
+    from torch._dynamo.utils import counters
+
+    from fastprompt.train import Trainer
+
+    mode_keys = (dict(lora=True, lora_learning_rate=1e-2, lora_dropout=0.0) if mode == "lora" else
+                 dict(train_backbone=True, backbone_learning_rate=1e-3))
+    keys = dict(model=str(no_dropout_bert), prompt_type="none", adam_epsilon=1.0, max_steps=3, eval_steps=3,
+                log_every=1, sts_dir=str(tiny_sts_dir), **mode_keys)
+    torch._dynamo.reset()
+    counters.clear()
+    runs = {}
+    for compiled in (False, True):
+        out = tmp_path / ("compiled" if compiled else "eager")
+        assert Trainer(base_config(compile=compiled, output_dir=str(out), **keys)).train()["status"] == "completed"
+        runs[compiled] = out
+    assert len(aot_eager_compile) == 1 and dict(counters["graph_break"]) == {}
+    losses = [[float(r["loss"]) for r in csv.DictReader(open(runs[c] / "train_log.csv")) if r.get("loss")]
+              for c in (False, True)]
+    assert len(losses[0]) == 3
+    torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
+    name = "adapter_model.safetensors" if mode == "lora" else "model.safetensors"
+    eager, compiled = (load_file(str(runs[c] / "last" / name)) for c in (False, True))
+    assert eager.keys() == compiled.keys() and eager
+    base = load_file(str(no_dropout_bert / "model.safetensors"))
+    moved = [k for k in eager
+             if (".lora_B" in k and eager[k].any()) or (k in base and not torch.equal(eager[k], base[k]))]
+    assert moved  # the runs trained the weights they compare
+    for key in eager:
+        torch.testing.assert_close(compiled[key], eager[key], atol=1e-5, rtol=1e-5, msg=lambda m, k=key: f"{k}: {m}")
 
 
 def test_compile_key_compiles_the_trainers_encoder(base_config):

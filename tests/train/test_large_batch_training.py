@@ -10,6 +10,7 @@ import torch
 import yaml
 from safetensors.torch import load_file
 
+from fastprompt.model.lora import adapter_state_dict
 from fastprompt.train import Trainer
 from fastprompt.train.config import TrainConfig, parse_overrides
 
@@ -95,30 +96,48 @@ def test_gradient_checkpointing_training_is_identical_with_dropout_on(base_confi
     _assert_close(_prompt(tmp_path / "ckpt"), _prompt(tmp_path / "ref"), atol=1e-6)
 
 
-def _first_step_gradients(run_dir, initial, lr):
-    """The (clipped) gradients of a one-step run, recovered from the prompt it saved: with adam_epsilon = 1 AdamW's
+#: the trained tensors' file in last/ and how to take their initial values from a set-up trainer, per tuning mode
+_TRAINED = {
+    "prompt": ("prompt.safetensors", lambda enc: enc.prompt_state_dict()),
+    "lora": ("adapter_model.safetensors", lambda enc: adapter_state_dict(enc.backbone)),
+    "full": ("model.safetensors", lambda enc: enc.backbone.state_dict()),
+}
+#: the modes without a prompt take supervised SimCSE (no hinge): the untouched tiny BERT's mean-pooled triplets
+#: have a near-tie of hardest negatives (6.2e-5 apart), which would let rounding pick the hinge's negative
+_MODE_KEYS = {"prompt": dict(objective="promcse_eh"),
+              "lora": dict(prompt_type="none", lora=True, lora_dropout=0.0, objective="simcse"),
+              "full": dict(prompt_type="none", train_backbone=True, objective="simcse")}
+
+
+def _first_step_gradients(run_dir, initial, lr, name="prompt.safetensors"):
+    """The (clipped) gradients of a one-step run, recovered from the tensors it saved: with adam_epsilon = 1 AdamW's
     first step is p1 = p0 - lr * g / (|g| + 1) (bias-corrected moments m = g, v = g^2; no weight decay), a smooth
     function of g that inverts exactly as g = (p0 - p1) / (lr - |p0 - p1|). (With the default epsilon the step is
     lr * sign(g), which turns rounding-level differences of near-zero gradient entries into lr-sized ones.)"""
-    saved = _prompt(run_dir)
-    assert saved.keys() == initial.keys()
+    saved = load_file(str(Path(run_dir) / "last" / name))
+    assert saved.keys() <= initial.keys() and saved
     out = {}
-    for k, p0 in initial.items():
-        step = p0.double() - saved[k].double()
+    for k in saved:
+        step = initial[k].double() - saved[k].double()
         out[k] = step / (lr - step.abs())
     return out
 
 
 @pytest.mark.heavy  # two torchrun processes
-def test_torchrun_two_processes_train_like_one(base_config, no_dropout_bert, tiny_triplets, tmp_path):
+@pytest.mark.parametrize("mode", list(_TRAINED))
+def test_torchrun_two_processes_train_like_one(base_config, no_dropout_bert, tiny_triplets, tmp_path, mode):
     """`torchrun --nproc_per_node 2 fastprompt train`: each process takes half of every global batch and
     contrasts against all of it; the step it takes equals the single-process run's, up to rounding (the gradients
     compared as in the gradient-cache test; a run whose processes did not see each other's negatives would be off by
-    O(1))."""
-    lr = 10.0  # how far the step moves the prompt: far above the rounding of p0 - p1 (p0 ~ 0.02 to 0.2)
+    O(1)). In each tuning mode (docs/tuning-modes.md): the prompt, LoRA's adapters, the whole backbone. (Tensors
+    without a gradient in the first step, LoRA's A matrices while B is zero and BERT's unused pooler, are left
+    out of the comparison when both runs leave them where they were, and the key biases, whose gradient is zero
+    but for rounding.)"""
+    lr = 10.0  # how far the step moves the weights: far above the rounding of p0 - p1 (p0 ~ 0.02 to 0.2)
     common = base_config(model=str(no_dropout_bert), max_steps=1, eval_steps=1, pooler="mean", mlp="always",
-                         train_file=str(tiny_triplets), objective="promcse_eh", micro_batch_size=2,
-                         adam_epsilon=1.0, learning_rate=lr)
+                         train_file=str(tiny_triplets), micro_batch_size=2,
+                         adam_epsilon=1.0, learning_rate=lr, lora_learning_rate=lr, backbone_learning_rate=lr,
+                         **_MODE_KEYS[mode])
     single = dict(common, output_dir=str(tmp_path / "single"))
     cfg_file = tmp_path / "two.yaml"
     cfg_file.write_text(yaml.safe_dump(dict(common, output_dir=str(tmp_path / "two"))))
@@ -130,10 +149,14 @@ def test_torchrun_two_processes_train_like_one(base_config, no_dropout_bert, tin
     assert proc.returncode == 0, proc.stderr[-4000:]
     trainer = _GradRecorder(single)
     trainer.setup()
-    initial = {k: v.clone() for k, v in trainer.encoder.prompt_state_dict().items()}
+    name, initial_of = _TRAINED[mode]
+    initial = {k: v.detach().clone() for k, v in initial_of(trainer.encoder).items()}
     trainer.train()
-    rtol = conditioning(trainer.embeddings[0], temperature=0.05, margin=0.2)
-    assert_same_gradients(_first_step_gradients(tmp_path / "single", initial, lr),
-                          _first_step_gradients(tmp_path / "two", initial, lr), rtol)
+    rtol = conditioning(trainer.embeddings[0], temperature=0.05, margin=0.2 if mode == "prompt" else None)
+    one, two = (_first_step_gradients(tmp_path / run, initial, lr, name) for run in ("single", "two"))
+    # a key bias shifts every score of a query alike, which softmax ignores: its gradient is zero but for rounding
+    moved = [k for k in one if (one[k].any() or two[k].any()) and not k.endswith("attention.self.key.bias")]
+    assert len(moved) >= len(one) // 2, (len(moved), len(one))  # LoRA: every B matrix
+    assert_same_gradients({k: one[k] for k in moved}, {k: two[k] for k in moved}, rtol)
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["global_step"] == 1 and summary["status"] == "completed"
