@@ -29,6 +29,9 @@ MOVED = {
     "fastprompt.objectives.crtd": "fastprompt.methods.crtd.term",
     # issue 43: SKICSE's settings moved from the shared objective section to its own
     "fastprompt.objectives.config.check_ski_weights": "fastprompt.methods.skicse.config.check_ski_weights",
+    # issue 43: the backend rule is a layer above choices, which re-exported it (an import circle)
+    **{f"fastprompt.choices.{name}": f"fastprompt.backends.{name}" for name in (
+        "BackendUnavailableError", "UnsupportedInputError", "resolve_backend")},
     # SKI generation moved from the data package to the SKICSE method
     **{f"fastprompt.data.ski.{name}": f"fastprompt.methods.skicse.generation.{name}" for name in (
         "AnswerFilter", "Backend", "DEFAULT_LOCAL_MODEL", "Generation", "GenerationReport", "LLMServerError",

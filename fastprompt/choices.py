@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from fastprompt import _moved
 from fastprompt.messages import shown
 
 #: Implementations of the fused ops (``contrastive_loss``, ``prefix_attention``); the rule that picks one:
@@ -90,3 +91,7 @@ def check_choice(name: str, value, allowed: Iterable[str]) -> None:
     allowed = tuple(allowed)
     if value not in allowed:
         raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {shown(value)}")
+
+
+#: resolve_backend and its two errors, which this module re-exported before they moved to fastprompt.backends
+__getattr__ = _moved.module_getattr(__name__)
