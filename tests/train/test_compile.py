@@ -180,8 +180,8 @@ def test_compiled_lora_and_full_runs_trace_whole_and_train_like_eager(base_confi
         assert Trainer(base_config(compile=compiled, output_dir=str(out), **keys)).train()["status"] == "completed"
         runs[compiled] = out
     assert len(aot_eager_compile) == 1 and dict(counters["graph_break"]) == {}
-    losses = [[float(r["loss"]) for r in csv.DictReader(open(runs[c] / "train_log.csv")) if r.get("loss")]
-              for c in (False, True)]
+    losses = [[float(r["loss"]) for r in csv.DictReader((runs[c] / "train_log.csv").read_text().splitlines())
+               if r.get("loss")] for c in (False, True)]
     assert len(losses[0]) == 3
     torch.testing.assert_close(losses[1], losses[0], atol=1e-5, rtol=1e-5)
     name = "adapter_model.safetensors" if mode == "lora" else "model.safetensors"

@@ -115,7 +115,7 @@ def _first_step_gradients(run_dir, initial, lr, name="prompt.safetensors"):
     function of g that inverts exactly as g = (p0 - p1) / (lr - |p0 - p1|). (With the default epsilon the step is
     lr * sign(g), which turns rounding-level differences of near-zero gradient entries into lr-sized ones.)"""
     saved = load_file(str(Path(run_dir) / "last" / name))
-    assert saved.keys() <= initial.keys() and saved
+    assert saved.keys() == initial.keys() and saved
     out = {}
     for k in saved:
         step = initial[k].double() - saved[k].double()
